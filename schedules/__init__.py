@@ -1,0 +1,34 @@
+"""Pipeline schedules in pure Python: compile, lower, validate, simulate. Never imports torch."""
+
+from schedules.gpipe import gpipe
+from schedules.instructions import Action, Batch, Instruction, Kind, parse
+from schedules.interleaved import interleaved_1f1b
+from schedules.lowering import lower
+from schedules.one_f_one_b import one_f_one_b
+from schedules.registry import SCHEDULES, build_schedule, compile_schedule
+from schedules.schedule import Schedule, ScheduleError
+from schedules.simulation import Costs, simulate
+from schedules.timeline import Span, Timeline
+from schedules.validation import validate
+
+__all__ = [
+    "Action",
+    "Batch",
+    "Costs",
+    "Instruction",
+    "Kind",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "Span",
+    "Timeline",
+    "build_schedule",
+    "compile_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "lower",
+    "one_f_one_b",
+    "parse",
+    "simulate",
+    "validate",
+]

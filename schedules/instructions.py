@@ -1,0 +1,131 @@
+"""The instruction set: tiny frozen values with a short text form that parses back."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+__all__ = ["Kind", "Instruction", "Batch", "Action", "parse", "message_key"]
+
+
+class Kind(enum.Enum):
+    """What an instruction does. The value is its code in the text form."""
+
+    FORWARD = "F"
+    BACKWARD = "B"  # full backward: input and weight gradients together
+    BACKWARD_INPUT = "I"  # gradient w.r.t. the stage input only (zero-bubble)
+    BACKWARD_WEIGHT = "W"  # parameter gradients, deferred (zero-bubble)
+    SEND_ACTIVATION = "SF"  # stage s sends its output to stage s+1
+    RECV_ACTIVATION = "RF"  # stage s receives its input from stage s-1
+    SEND_GRADIENT = "SB"  # stage s sends the gradient of its input to stage s-1
+    RECV_GRADIENT = "RB"  # stage s receives the gradient of its output from stage s+1
+
+    # members are singletons: hashing by identity is C-speed (Enum's own __hash__ is Python)
+    __hash__ = object.__hash__
+
+    # set once per member below; plain attributes, read in every hot loop
+    is_compute: bool
+    is_send: bool
+    is_recv: bool
+
+
+for _kind in Kind:
+    _kind.is_compute = _kind.value in ("F", "B", "I", "W")
+    _kind.is_send = _kind.value in ("SF", "SB")
+    _kind.is_recv = _kind.value in ("RF", "RB")
+_BY_CODE = {kind.value: kind for kind in Kind}
+# The partner of each communication kind, and the stage offset of the partner.
+_PEER = {
+    Kind.SEND_ACTIVATION: (Kind.RECV_ACTIVATION, +1),
+    Kind.RECV_ACTIVATION: (Kind.SEND_ACTIVATION, -1),
+    Kind.SEND_GRADIENT: (Kind.RECV_GRADIENT, -1),
+    Kind.RECV_GRADIENT: (Kind.SEND_GRADIENT, +1),
+}
+_TEXT = re.compile(r"^(\d+)(" + "|".join(sorted(_BY_CODE, key=len, reverse=True)) + r")(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    """One operation of a stage on a micro-batch: ``1F3`` is stage 1, forward, micro-batch 3.
+
+    For communication the stage is the local one: ``1SF3`` sends stage 1's output of
+    micro-batch 3 and is matched by ``2RF3`` on the rank of stage 2.
+    """
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Instruction({self})"
+
+    @property
+    def peer_stage(self) -> int:
+        """The stage at the other end of a send or recv."""
+        return self.stage + _PEER[self.kind][1]
+
+    def peer(self) -> Instruction:
+        """The instruction that matches this send or recv on the other rank."""
+        kind, offset = _PEER[self.kind]
+        return Instruction(self.stage + offset, kind, self.microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Communication posted together (one ``batch_isend_irecv``): ``0SF3+0RB1``."""
+
+    ops: tuple[Instruction, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ops or not all(op.kind.is_send or op.kind.is_recv for op in self.ops):
+            raise ValueError(f"a Batch holds one or more send/recv instructions, got {self.ops}")
+
+    def __str__(self) -> str:
+        return "+".join(str(op) for op in self.ops)
+
+    def __repr__(self) -> str:
+        return f"Batch({self})"
+
+
+Action = Instruction | Batch
+
+
+# comm kind -> (stage offset of the boundary, gradient bit)
+_BOUNDARY = {
+    Kind.SEND_ACTIVATION: (0, 0),
+    Kind.RECV_ACTIVATION: (-1, 0),
+    Kind.SEND_GRADIENT: (-1, 1),
+    Kind.RECV_GRADIENT: (0, 1),
+}
+
+
+def message_key(op: Instruction, num_microbatches: int) -> int:
+    """One int per message, the same for a send and its recv: boundary s|s+1, micro-batch, direction.
+
+    ``key >> 1`` is ``boundary * num_microbatches + microbatch``; bit 0 is 1 for gradients.
+    """
+    offset, bit = _BOUNDARY[op.kind]
+    return (((op.stage + offset) * num_microbatches + op.microbatch) << 1) | bit
+
+
+def parse(text: str) -> Action:
+    """Parse the short form back: ``parse("1F3")``, ``parse("0SF3+0RB1")``."""
+    parts = text.strip().split("+")
+    ops = []
+    for part in parts:
+        match = _TEXT.match(part.strip())
+        if match is None:
+            codes = ", ".join(_BY_CODE)
+            raise ValueError(
+                f"cannot parse {part!r} as an instruction: expected <stage><kind><microbatch> "
+                f"such as '1F3', with kind one of {codes}; join a batch with '+'"
+            )
+        stage, code, microbatch = match.groups()
+        ops.append(Instruction(int(stage), _BY_CODE[code], int(microbatch)))
+    if len(ops) == 1 and len(parts) == 1:
+        return ops[0]
+    return Batch(tuple(ops))

@@ -1,0 +1,96 @@
+"""Lowering: the one pass that adds sends and receives to a compute-only schedule.
+
+Where each op goes (t = time in the unit-cost simulation of the compute order)::
+
+    rank q   ... [producer] |SF|  ...                        send: right after its producer, at t_send
+    rank r   ... [c_g-1] |gap g| [c_g] ... |gap j| [consumer]   recv: first gap g with time(g) >= t_send,
+                                                                and never after the gap j before its consumer
+
+Posting a recv earlier would only wait for a send that has not happened; posting it
+later would delay the transfer. All ops in one gap go out as one Batch, so the steady
+state of 1F1B posts send-activation with recv-gradient, and send-gradient with
+recv-activation, together. On every (sender, receiver) channel, recvs are posted in
+the order of the sends, as NCCL matches point-to-point messages in order.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+
+from schedules.gcpause import gc_paused
+from schedules.instructions import Action, Batch, Instruction, Kind
+from schedules.schedule import Schedule
+from schedules.simulation import Costs, run
+from schedules.validation import check_compute
+
+__all__ = ["lower"]
+
+
+@gc_paused()
+def lower(schedule: Schedule) -> Schedule:
+    """Insert the communication of a compute-only schedule and group it into batches."""
+    compute = schedule.compute_only()
+    check_compute(compute)
+    orders = [[op for op in stream if isinstance(op, Instruction)] for stream in compute.instructions]
+    placement, p, M = compute.placement, compute.num_ranks, compute.num_microbatches
+    last = compute.num_stages - 1
+    ends: list[list[float]] = [[] for _ in range(p)]  # per rank, end of each compute in program order
+    for rank, times in enumerate(run(compute, Costs())):
+        ends[rank] = [end for _, end in times]
+
+    # sends: right after their producer; sent[message] = (time, rank) orders each channel
+    sends: list[dict[int, Instruction]] = [{} for _ in range(p)]  # rank -> gap -> send
+    sent: dict[int, tuple[float, int]] = {}
+    for rank, order in enumerate(orders):
+        for index, op in enumerate(order):
+            s, mb = op.stage, op.microbatch
+            if op.kind is _F and s < last and placement[s + 1] != rank:
+                sends[rank][index + 1] = Instruction(s, _SF, mb)
+                sent[(s * M + mb) << 1] = (ends[rank][index], rank)
+            elif op.kind in _GRADIENT and s > 0 and placement[s - 1] != rank:
+                sends[rank][index + 1] = Instruction(s, _SB, mb)
+                sent[((s - 1) * M + mb) << 1 | 1] = (ends[rank][index], rank)
+
+    # recvs: the first gap reached at or after the send, at the latest the gap before the consumer
+    channels: dict[tuple[int, int], list[tuple[float, int, int, Instruction]]] = defaultdict(list)
+    for rank, order in enumerate(orders):
+        gap_times = [0.0] + ends[rank]  # gap g is reached when compute g-1 ends
+        for index, op in enumerate(order):
+            s, mb = op.stage, op.microbatch
+            if op.kind is _F and s > 0 and placement[s - 1] != rank:
+                key, recv = ((s - 1) * M + mb) << 1, Instruction(s, _RF, mb)
+            elif op.kind in _GRADIENT and s < last and placement[s + 1] != rank:
+                key, recv = (s * M + mb) << 1 | 1, Instruction(s, _RB, mb)
+            else:
+                continue
+            time, sender = sent[key]
+            channels[(sender, rank)].append((time, min(bisect_left(gap_times, time), index), rank, recv))
+    recvs: list[dict[int, list[tuple[float, Instruction]]]] = [defaultdict(list) for _ in range(p)]
+    for messages in channels.values():
+        messages.sort(key=lambda item: item[0])  # the order of the sends on this channel
+        latest = len(ends[messages[0][2]])
+        for time, gap, rank, recv in reversed(messages):  # never after a recv of a later send
+            latest = min(gap, latest)
+            recvs[rank][latest].append((time, recv))
+
+    streams = []
+    for rank, stream in enumerate(compute.instructions):
+        lowered: list[Action] = []
+        for gap in range(len(stream) + 1):
+            ops = [sends[rank][gap]] if gap in sends[rank] else []
+            if gap in recvs[rank]:
+                ops += [recv for _, recv in sorted(recvs[rank][gap], key=lambda item: item[0])]
+            if len(ops) == 1:
+                lowered.append(ops[0])
+            elif ops:
+                lowered.append(Batch(tuple(ops)))
+            if gap < len(stream):
+                lowered.append(stream[gap])
+        streams.append(tuple(lowered))
+    return Schedule(compute.name, p, M, compute.chunks, placement, tuple(streams))
+
+
+_F, _SF, _SB = Kind.FORWARD, Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT
+_RF, _RB = Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT
+_GRADIENT = (Kind.BACKWARD, Kind.BACKWARD_INPUT)  # computes that produce the gradient of their input

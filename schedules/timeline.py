@@ -1,0 +1,132 @@
+"""Timeline: when each instruction ran on each rank, simulated or measured."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from schedules.instructions import Action, Instruction, Kind
+
+__all__ = ["Span", "Timeline"]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One instruction on one rank, from start to end (same unit as the costs or seconds)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def is_compute(self) -> bool:
+        return isinstance(self.action, Instruction) and self.action.kind.is_compute
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    """Spans of every rank. Compute spans count as busy time; communication spans overlap them."""
+
+    num_ranks: int
+    spans: list[Span]
+    label: str = ""
+    _compute: list[list[Span]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._compute = [[] for _ in range(self.num_ranks)]
+        for span in self.spans:
+            action = span.action
+            if isinstance(action, Instruction) and action.kind.is_compute:
+                self._compute[span.rank].append(span)
+        for spans in self._compute:
+            spans.sort(key=lambda s: s.start)
+
+    def compute_spans(self, rank: int) -> Sequence[Span]:
+        """The compute spans of a rank, in time order."""
+        return self._compute[rank]
+
+    @property
+    def start(self) -> float:
+        return min((s.start for s in self.spans), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        return self.end - self.start
+
+    def busy(self, rank: int) -> float:
+        return sum(s.duration for s in self._compute[rank])
+
+    @property
+    def bubble_fractions(self) -> list[float]:
+        """Per rank: the share of the makespan the rank spends not computing."""
+        makespan = self.makespan
+        if makespan <= 0:
+            return [0.0] * self.num_ranks
+        return [1.0 - self.busy(rank) / makespan for rank in range(self.num_ranks)]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks together: 1 - total compute / (ranks x makespan)."""
+        makespan = self.makespan
+        if makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(r) for r in range(self.num_ranks)) / (self.num_ranks * makespan)
+
+    @property
+    def peak_inflight(self) -> list[int]:
+        """Per rank: most (stage, micro-batch) activations held at once.
+
+        Held from the forward until the backward that ends them: the full backward,
+        or the weight pass when the backward is split.
+        """
+        peaks = []
+        for spans in self._compute:
+            held = peak = 0
+            for span in spans:
+                kind = span.action.kind  # type: ignore[union-attr]  # compute spans hold Instructions
+                if kind is Kind.FORWARD:
+                    held += 1
+                    peak = max(peak, held)
+                elif kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                    held -= 1
+            peaks.append(peak)
+        return peaks
+
+    def diagram(self, unit: float = 1.0) -> str:
+        """Text Gantt chart, one row per rank, one column per ``unit`` of time; ``.`` is idle.
+
+        Needs spans that start and end on multiples of ``unit`` (unit-cost simulations do).
+        """
+        origin = self.start
+        columns = round(self.makespan / unit)
+        labels = [str(s.action) for spans in self._compute for s in spans]
+        width = max((len(label) for label in labels), default=1)
+        rows = []
+        for rank in range(self.num_ranks):
+            cells = ["." * 1] * columns
+            for span in self._compute[rank]:
+                first, last = (span.start - origin) / unit, (span.end - origin) / unit
+                if abs(first - round(first)) > 1e-9 or abs(last - round(last)) > 1e-9:
+                    raise ValueError(f"span {span} is not aligned to unit={unit}; pass a unit that divides every cost")
+                for column in range(round(first), round(last)):
+                    cells[column] = str(span.action)
+            rows.append(f"rank {rank}: " + " ".join(cell.ljust(width) for cell in cells).rstrip())
+        return "\n".join(rows)
+
+    def summary(self) -> str:
+        per_rank = " ".join(f"{b:.3f}" for b in self.bubble_fractions)
+        peaks = " ".join(str(n) for n in self.peak_inflight)
+        return (
+            f"makespan {self.makespan:g}\n"
+            f"bubble fraction {self.bubble_fraction:.4f} (per rank: {per_rank})\n"
+            f"peak in-flight micro-batches per rank: {peaks}"
+        )

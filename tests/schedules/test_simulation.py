@@ -1,0 +1,72 @@
+"""The cost-model simulator: costs per kind and per stage, messages, and what the Timeline reports."""
+
+from itertools import pairwise
+
+import pytest
+
+from schedules import Costs, Schedule, ScheduleError, build_schedule, compile_schedule, parse, simulate
+
+
+def test_gpipe_two_stages_one_microbatch_by_hand() -> None:
+    # F0 on rank 0, F1 on rank 1, B1, B0: 1 + 1 + 2 + 2
+    assert simulate(build_schedule("gpipe", 2, 1)).makespan == 6
+    # each of the two messages adds its latency
+    assert simulate(build_schedule("gpipe", 2, 1), Costs(latency=0.5)).makespan == 7
+    # and its bytes: 0.1 per byte x 10 bytes
+    assert simulate(build_schedule("gpipe", 2, 1), Costs(per_byte=0.1, message_bytes=10)).makespan == pytest.approx(8)
+
+
+def test_per_stage_costs() -> None:
+    # rank 0: F0 [0,1] F1 [1,2]; rank 1 (forward 3): F0 [1,4] F1 [4,7] B0 [7,9] B1 [9,11]; rank 0: B0 [9,11] B1 [11,13]
+    timeline = simulate(build_schedule("gpipe", 2, 2), Costs(forward=[1, 3]))
+    assert timeline.makespan == 13
+    assert [(s.start, s.end) for s in timeline.compute_spans(1)] == [(1, 4), (4, 7), (7, 9), (9, 11)]
+
+
+def test_full_backward_defaults_to_input_plus_weight() -> None:
+    timeline = simulate(build_schedule("1f1b", 1, 1), Costs(backward_input=2, backward_weight=3))
+    assert [s.duration for s in timeline.compute_spans(0)] == [1, 5]
+    assert simulate(build_schedule("1f1b", 1, 1), Costs(backward=4)).makespan == 5
+
+
+@pytest.mark.parametrize(
+    "costs, message",
+    [
+        (Costs(forward=[1, 2, 3]), "Costs.forward has 3 values, the schedule has 2 stages"),
+        (Costs(backward_weight=-1), "must not be negative"),
+    ],
+)
+def test_bad_costs_are_refused_with_the_values(costs: Costs, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        simulate(build_schedule("1f1b", 2, 2), costs)
+
+
+def test_compute_only_and_lowered_schedules_time_the_compute_alike() -> None:
+    for name, p, m, v in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2)]:
+        lowered, compute = simulate(build_schedule(name, p, m, v)), simulate(compile_schedule(name, p, m, v))
+        for rank in range(p):
+            assert [(s.start, s.end) for s in lowered.compute_spans(rank)] == [
+                (s.start, s.end) for s in compute.compute_spans(rank)
+            ]
+
+
+def test_timeline_spans_compute_never_overlaps_and_messages_complete_after_posting() -> None:
+    timeline = simulate(build_schedule("interleaved", 4, 8, 2), Costs(latency=0.25))
+    for rank in range(4):
+        spans = timeline.compute_spans(rank)
+        assert all(a.end <= b.start for a, b in pairwise(spans))
+    comm = [s for s in timeline.spans if not s.is_compute]
+    assert len(comm) > 0 and all(s.end >= s.start + 0.25 for s in comm)
+    assert len(timeline.spans) == sum(len(stream) for stream in build_schedule("interleaved", 4, 8, 2).instructions)
+
+
+def test_bubble_per_rank_and_overall() -> None:
+    timeline = simulate(build_schedule("gpipe", 2, 1))
+    assert timeline.bubble_fractions == [0.5, 0.5]  # each rank computes 3 of 6
+    assert timeline.bubble_fraction == 0.5
+
+
+def test_a_stuck_schedule_is_reported_not_looped_on() -> None:
+    stuck = Schedule("stuck", 1, 1, 1, (0,), ((parse("0B0"), parse("0F0")),))
+    with pytest.raises(ScheduleError, match=r"the simulation is stuck: rank 0 at step 0 \(0B0\)"):
+        simulate(stuck)
