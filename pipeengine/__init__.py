@@ -1,3 +1,16 @@
-"""pipeengine: the torch runtime that executes `schedules` across ranks."""
+"""pipeengine: pipeline-parallel training of an nn.Sequential, executing `schedules` across ranks."""
 
-__all__: list[str] = []
+from pipeengine.engine import DEFAULT_TIMEOUT, PipelineEngine
+from pipeengine.errors import LaunchError, PeerError, PipelineError
+from pipeengine.launch import launch
+from pipeengine.partition import uniform_partition
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LaunchError",
+    "PeerError",
+    "PipelineEngine",
+    "PipelineError",
+    "launch",
+    "uniform_partition",
+]

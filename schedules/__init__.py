@@ -1,6 +1,7 @@
 """Pipeline schedules in pure Python: compile, lower, validate, simulate. Never imports torch."""
 
 from schedules.gpipe import gpipe
+from schedules.inference import forward_only
 from schedules.instructions import Action, Batch, Instruction, Kind, parse
 from schedules.interleaved import interleaved_1f1b
 from schedules.lowering import lower
@@ -24,6 +25,7 @@ __all__ = [
     "Timeline",
     "build_schedule",
     "compile_schedule",
+    "forward_only",
     "gpipe",
     "interleaved_1f1b",
     "lower",

@@ -1,7 +1,8 @@
 """Validation: prove a schedule's invariants before anything runs.
 
 1. every (stage, micro-batch) is forwarded once and backwarded once (one B, or one I
-   and one W), on the rank that hosts the stage, in dependency order;
+   and one W), on the rank that hosts the stage, in dependency order; a forward-only
+   (inference) schedule has no backward at all;
 2. every send has exactly one matching recv and vice versa, each recv comes before the
    compute that needs it and each send after the compute that produces it, and on each
    (sender, receiver) channel recvs are posted in the order of the sends;
@@ -142,6 +143,18 @@ def _check_order(index: _Index) -> None:
             rule, f"rank {rank}: {b} at step {step} runs before {a} at step {earlier}", [first[2], then[2]]
         )
 
+    if all(x is ABSENT for slots in (full, grad_in, weight) for x in slots):  # forward-only (inference)
+        for key in range(S * M):
+            f = fwd[key]
+            if f is ABSENT:
+                raise schedule.error(
+                    "every (stage, micro-batch) is forwarded",
+                    f"missing {key // M}F{key % M} on rank {schedule.placement[key // M]}",
+                )
+            after = fwd[key + M] if key + M < S * M else ABSENT
+            if after[0] == f[0] and after[1] < f[1]:
+                raise fail("forward of stage s runs before forward of stage s+1", (F, key, f), (F, key + M, after))
+        return
     for key in range(S * M):
         f, b, i, w = fwd[key], full[key], grad_in[key], weight[key]
         if f is ABSENT or (b is ABSENT and (i is ABSENT or w is ABSENT)):

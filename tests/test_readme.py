@@ -17,3 +17,32 @@ def quickstart_lines() -> list[str]:
 def test_ci_installs_and_tests_exactly_as_the_quickstart_says() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert quickstart_lines()[0] in ci
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_the_schedules_snippet_runs() -> None:
+    snippets = [block for block in code_blocks("python") if block.startswith("from schedules")]
+    assert snippets
+    for snippet in snippets:
+        exec(compile(snippet, "README.md", "exec"), {})
+
+
+def test_the_schedules_commands_run() -> None:
+    import shlex
+    import subprocess
+    import sys
+
+    commands = [
+        line.split("#")[0].strip()
+        for block in code_blocks("bash")
+        for line in block.splitlines()
+        if line.startswith("python -m schedules")
+    ]
+    assert len(commands) >= 3
+    for command in commands:
+        argv = shlex.split(command)
+        result = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode == 0, (command, result.stderr)

@@ -1,0 +1,44 @@
+"""The smallest complete pipeengine program: an MLP on 2 CPU ranks, a few steps, the loss printed.
+
+python examples/quickstart.py
+python examples/quickstart.py --ranks 4 --schedule interleaved --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+from pipeengine import PipelineEngine, launch
+
+RANKS, SCHEDULE, MICROBATCHES, STEPS, BATCH, WIDTH = 2, "1f1b", 4, 10, 64, 64
+
+
+def main(schedule: str, microbatches: int, steps: int) -> None:
+    torch.manual_seed(0)  # the same model on every rank; each keeps only its stages
+    model = nn.Sequential(
+        *(layer for _ in range(4) for layer in (nn.Linear(WIDTH, WIDTH), nn.ReLU())), nn.Linear(WIDTH, 1)
+    )
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=3e-3)
+    data = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(BATCH, WIDTH, generator=data)
+        y = x[:, :8].sum(dim=1, keepdim=True).sin()  # a function to learn
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        optimizer.step()
+        optimizer.zero_grad()
+        if engine.rank == 0:
+            print(f"step {step:3d}  loss {loss:.4f}  ({schedule}, {engine.schedule.num_ranks} ranks)", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=RANKS)
+    parser.add_argument("--schedule", default=SCHEDULE, choices=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    launch(main, args.ranks, args=(args.schedule, args.microbatches, args.steps))

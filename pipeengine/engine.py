@@ -1,0 +1,242 @@
+"""PipelineEngine: an nn.Sequential split into stages, trained with a pipeline schedule across ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeengine.comm import P2P
+from pipeengine.errors import PeerError
+from pipeengine.executor import Executor, Step
+from pipeengine.header import exchange
+from pipeengine.partition import check_bounds, stage_module, uniform_partition
+from pipeengine.specs import Boundary, Tensors, infer_boundaries, meta_copy, unpack
+from pipeengine.stage import LossFn, StageWorker
+from pipeengine.streams import Streams
+from schedules import Schedule, build_schedule, forward_only, validate
+
+__all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on a peer before it gives up
+
+
+class PipelineEngine:
+    """Train an ``nn.Sequential`` with pipeline parallelism, one pipeline position per rank.
+
+    Every rank builds the same model (same seed) and keeps only its stages. Inputs are read
+    on the first stage's rank and targets on the last; other ranks may pass None::
+
+        engine = PipelineEngine(model, loss_fn, num_microbatches=8, schedule="1f1b")
+        loss = engine.train_step(x, y)   # the mean loss, the same float on every rank
+        optimizer.step()                 # an optimizer over engine.parameters()
+
+    Gradients equal those of one process running the whole batch with a mean-reduced loss,
+    and accumulate across steps until zeroed. Parameter names are the model's own.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        loss_fn: LossFn,
+        *,
+        num_microbatches: int,
+        schedule: str | Schedule = "1f1b",
+        chunks: int | None = None,
+        partition: str | Sequence[int] = "uniform",
+        device: str | torch.device | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(
+                f"PipelineEngine splits an nn.Sequential into stages, got {type(model).__name__}; "
+                "write the model as nn.Sequential(layer, layer, ...)"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: start the ranks with pipeengine.launch(fn, nprocs=N) "
+                "or torchrun (and call torch.distributed.init_process_group)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        self.device = _device(device, group)
+        self.timeout = timeout
+        self.schedule = _schedule(schedule, world, num_microbatches, chunks)
+        self.num_microbatches = num_microbatches
+        num_stages = self.schedule.num_stages
+        if isinstance(partition, str):
+            if partition != "uniform":
+                raise ValueError(f"unknown partition {partition!r}; valid: 'uniform' or a list of layers per stage")
+            self.bounds = uniform_partition(len(model), num_stages)
+        else:
+            counts = list(partition)
+            if len(counts) != num_stages:
+                raise ValueError(f"partition lists {len(counts)} stages, the schedule has {num_stages}: {counts}")
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            self.bounds = check_bounds([(a, a + n) for a, n in zip(starts, counts, strict=True)], len(model))
+        _check_no_shared_parameters(model, self.bounds, self.schedule.placement)
+
+        placement = self.schedule.placement
+        self.first, self.last = placement[0] == self.rank, placement[-1] == self.rank
+        self.stages = {
+            s: stage_module(model, *self.bounds[s]).to(self.device) for s in self.schedule.stages_of(self.rank)
+        }
+        self._meta_layers = [meta_copy(layer) for layer in model]  # every rank infers every boundary locally
+        self._forward_schedule = forward_only(self.schedule)
+        self._workers = {
+            s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn, num_microbatches=num_microbatches)
+            for s, module in self.stages.items()
+        }
+        p2p = P2P(group, Streams(self.device, timeout))
+        self._executor = Executor(self.rank, self._workers, p2p, self.device)
+        self._boundaries: dict[Boundary, list[Boundary]] = {}
+
+    # ---- what an optimizer and a checkpoint see: this rank's stages, under the model's names
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()  # a weight tied between two stages of this rank is listed once, as nn.Module does
+        for module in self.stages.values():
+            for name, param in module.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, param in self.named_parameters():
+            yield param
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for module in self.stages.values():
+            state.update(module.state_dict())
+        return state
+
+    def train(self, mode: bool = True) -> PipelineEngine:
+        """Set the training mode of this rank's stages (dropout, batch norm), as nn.Module.train."""
+        for module in self.stages.values():
+            module.train(mode)
+        return self
+
+    def eval(self) -> PipelineEngine:
+        return self.train(False)
+
+    # ---- steps
+
+    def train_step(self, inputs: object = None, targets: object = None) -> float:
+        """Forward and backward over all micro-batches; returns the mean loss on every rank."""
+        header = exchange(
+            inputs,
+            targets,
+            first=self.first,
+            last=self.last,
+            train=True,
+            num_microbatches=self.num_microbatches,
+            group=self.group,
+            device=self.device,
+        )
+        step = Step(
+            train=True,
+            inputs=self._split(inputs) if self.first else None,
+            targets=[mb if isinstance(targets, tuple) else mb[0] for mb in self._split(targets)] if self.last else None,
+            first_input=header.microbatch_inputs,
+            outputs=self._infer(header.microbatch_inputs),
+        )
+        self._executor.run(self.schedule, step)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.last:
+            worker = self._workers[self.schedule.num_stages - 1]
+            loss = torch.stack([worker.losses.pop(mb) for mb in range(self.num_microbatches)]).float().mean()
+        last = self.schedule.placement[-1]
+        try:
+            dist.broadcast(loss, group_src=last, group=self.group)
+        except Exception as error:
+            raise PeerError(f"rank {self.rank}: waiting for the loss from rank {last} failed: {error}") from error
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_step(self, inputs: object = None) -> torch.Tensor | Tensors | None:
+        """Forward only; the last stage's rank returns the outputs of the whole batch, others None."""
+        header = exchange(
+            inputs,
+            None,
+            first=self.first,
+            last=self.last,
+            train=False,
+            num_microbatches=self.num_microbatches,
+            group=self.group,
+            device=self.device,
+        )
+        outputs = self._infer(header.microbatch_inputs)
+        step = Step(False, self._split(inputs) if self.first else None, None, header.microbatch_inputs, outputs)
+        results = self._executor.run(self._forward_schedule, step)
+        if not self.last:
+            return None
+        parts = [results[mb] for mb in range(self.num_microbatches)]
+        joined = tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+        return outputs[-1].pack(joined)
+
+    # ---- helpers
+
+    def _split(self, value: object) -> list[Tensors]:
+        """Per micro-batch tuples of tensors, on this rank's device (the header checked the shapes)."""
+        tensors = unpack(value)  # type: ignore[arg-type]
+        size = tensors[0].shape[0] // self.num_microbatches
+        pieces = [t.detach().to(self.device, non_blocking=True).split(size) for t in tensors]
+        return [tuple(piece[mb] for piece in pieces) for mb in range(self.num_microbatches)]
+
+    def _infer(self, inputs: Boundary) -> list[Boundary]:
+        """Output boundary of every stage for this micro-batch input, cached per input signature."""
+        boundaries = self._boundaries.get(inputs)
+        if boundaries is None:
+            boundaries = infer_boundaries(self._meta_layers, self.bounds, inputs)
+            self._boundaries[inputs] = boundaries
+        for s, worker in self._workers.items():
+            worker.output = boundaries[s] if s < self.schedule.num_stages - 1 else None
+        return boundaries
+
+
+def _device(device: str | torch.device | None, group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    resolved = torch.device(device)
+    if backend == "nccl" and resolved.type != "cuda":
+        raise ValueError(f"the process group uses NCCL, which moves CUDA tensors only; got device={resolved}")
+    return resolved
+
+
+def _schedule(schedule: str | Schedule, world: int, num_microbatches: int, chunks: int | None) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if schedule.num_ranks != world or schedule.num_microbatches != num_microbatches:
+            raise ValueError(
+                f"the schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
+                f"but the world has {world} ranks and num_microbatches={num_microbatches}"
+            )
+        validate(schedule)
+        return schedule
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(schedule).__name__}")
+    if chunks is None:
+        chunks = 2 if schedule == "interleaved" else 1
+    return build_schedule(schedule, world, num_microbatches, chunks)
+
+
+def _check_no_shared_parameters(
+    model: nn.Sequential, bounds: list[tuple[int, int]], placement: tuple[int, ...]
+) -> None:
+    """A parameter used by stages on two ranks would get two diverging copies: refuse it."""
+    owner: dict[int, tuple[int, str]] = {}
+    for stage, (start, end) in enumerate(bounds):
+        for name, param in stage_module(model, start, end).named_parameters():
+            seen = owner.setdefault(id(param), (stage, name))
+            if placement[seen[0]] != placement[stage]:
+                raise ValueError(
+                    f"parameter {name!r} (stage {stage}) is the same tensor as {seen[1]!r} (stage {seen[0]}), "
+                    "which runs on another rank; tied weights across ranks are not supported: untie them"
+                )

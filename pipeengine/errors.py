@@ -1,0 +1,17 @@
+"""Errors of the runtime: each names the rank, the instruction and what it was waiting on."""
+
+from __future__ import annotations
+
+__all__ = ["PipelineError", "PeerError", "LaunchError"]
+
+
+class PipelineError(RuntimeError):
+    """A step failed on this rank: the message names the rank, the step and the instruction."""
+
+
+class PeerError(PipelineError):
+    """Waiting on another rank failed (it died, raised, or did not answer within the timeout)."""
+
+
+class LaunchError(RuntimeError):
+    """A launched rank failed (or died) and the others were stopped: the message names each rank's fate."""

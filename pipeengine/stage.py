@@ -1,0 +1,91 @@
+"""A stage worker: one stage's layers, run forward and backward per micro-batch.
+
+Autograd is cut at every stage boundary: a stage's inputs are leaf tensors, so its
+backward stops there and leaves the input gradients in ``.grad`` to be sent upstream::
+
+    recv x (leaf) ──► layers ──► y ── send ──►        forward
+    send x.grad ◄── backward(y, dy) ◄── recv dy        backward
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pipeengine.specs import Boundary, Tensors, unpack
+
+__all__: list[str] = []
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class StageWorker:
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        *,
+        is_last: bool,
+        loss_fn: LossFn,
+        num_microbatches: int,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.is_last = is_last
+        self.loss_fn = loss_fn
+        self.num_microbatches = num_microbatches
+        self.output: Boundary | None = None  # expected output of one micro-batch (None on the last stage)
+        self.saved: dict[int, tuple[Tensors, Tensors]] = {}  # micro-batch -> (inputs, outputs) for backward
+        self.losses: dict[int, torch.Tensor] = {}  # micro-batch -> unscaled loss (last stage)
+
+    def forward(self, mb: int, inputs: Tensors, packed: bool, target: object = None, train: bool = True) -> Tensors:
+        """Run the layers; on the last stage of a training step, return the scaled loss instead."""
+        value = self.module(tuple(inputs) if packed else inputs[0])
+        if not self.is_last:
+            outputs = unpack(value)
+            self._check(outputs, value, train)
+            if train:
+                self.saved[mb] = (inputs, outputs)
+            return outputs
+        if not train:
+            return unpack(value)
+        loss = self.loss_fn(value, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}"
+            )
+        self.losses[mb] = loss.detach()
+        # the mean over micro-batches: each one's loss counts 1/m, exactly as in one full-batch mean
+        scaled = loss / self.num_microbatches
+        self.saved[mb] = (inputs, (scaled,))
+        return ()
+
+    def backward(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
+        """Backpropagate one micro-batch; return the gradients of the inputs that need one, and free it."""
+        inputs, outputs = self.saved.pop(mb)
+        if self.is_last:
+            outputs[0].backward()
+        else:
+            pairs = [(o, g) for o, g in zip((o for o in outputs if o.requires_grad), grad_outputs or (), strict=True)]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad)
+        return grads
+
+    def _check(self, outputs: Tensors, value: object, train: bool) -> None:
+        """The output must be what the receiver's buffers were sized for: never a hang or a truncation."""
+        expected = self.output
+        if expected is None:
+            return
+        got = Boundary.of(value, f"the output of stage {self.index}")
+        same = got.is_tuple == expected.is_tuple and len(got.specs) == len(expected.specs)
+        same = same and all(
+            g.shape == e.shape and g.dtype == e.dtype and (not train or g.requires_grad == e.requires_grad)
+            for g, e in zip(got.specs, expected.specs, strict=True)
+        )
+        if not same:
+            raise ValueError(
+                f"stage {self.index} produced {got}, but its receiver expects {expected} (inferred on the meta device)"
+            )

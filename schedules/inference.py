@@ -1,0 +1,26 @@
+"""Forward-only schedules, for evaluation: the forwards of a training schedule, lowered."""
+
+from __future__ import annotations
+
+from schedules.instructions import Instruction, Kind
+from schedules.lowering import lower
+from schedules.schedule import Schedule
+
+__all__ = ["forward_only"]
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """Keep each rank's forwards in their training order and lower them again.
+
+    No backward means no activation is held past its send, so the order of the
+    training schedule's forwards is all that matters.
+    """
+    streams = tuple(
+        tuple(a for a in stream if isinstance(a, Instruction) and a.kind is Kind.FORWARD)
+        for stream in schedule.instructions
+    )
+    name = f"{schedule.name}/forward"
+    compute = Schedule(
+        name, schedule.num_ranks, schedule.num_microbatches, schedule.chunks, schedule.placement, streams
+    )
+    return lower(compute)

@@ -1,0 +1,23 @@
+"""The CUDA path: NCCL on one GPU (one rank), and gloo ranks on CPU beside it. Skipped without a GPU."""
+
+import pytest
+import torch
+
+from pipeengine import launch
+from tests.pipeengine import workers
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_one_cuda_rank_many_microbatches_on_streams(schedule: str) -> None:
+    launch(workers.parity_on, 1, args=("cuda", "transformer", schedule, [4, 8], [8, 16]), device="cuda", timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_one_cuda_rank_interleaved_chunks() -> None:
+    launch(workers.parity_on, 1, args=("cuda", "transformer", "interleaved", [2, 4], [8, 4], 3), device="cuda")

@@ -1,0 +1,108 @@
+"""Bad input gets a clear error on every rank, and a failing rank stops them all: never a hang."""
+
+import multiprocessing
+import re
+import time
+
+import pytest
+from torch import nn
+
+from pipeengine import LaunchError, PeerError, PipelineEngine, PipelineError, launch
+from tests.pipeengine import failures
+from tests.pipeengine.models import mse
+
+
+def test_not_a_sequential_is_refused_before_anything_else() -> None:
+    with pytest.raises(TypeError, match=r"splits an nn.Sequential into stages, got ModuleList"):
+        PipelineEngine(nn.ModuleList([nn.Linear(2, 2)]), mse, num_microbatches=2)  # type: ignore[arg-type]
+
+
+def test_without_torch_distributed_it_says_how_to_start() -> None:
+    with pytest.raises(RuntimeError, match=r"pipeengine.launch\(fn, nprocs=N\) or torchrun"):
+        PipelineEngine(nn.Sequential(nn.Linear(2, 2)), mse, num_microbatches=2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("not_sequential", TypeError, "got ModuleList"),
+        ("more_stages_than_layers", ValueError, "4 stages but the model has 3 layers"),
+        ("interleaved_needs_more_microbatches", ValueError, "must be a multiple of 4, got 2; use 4"),
+        ("schedule_for_another_world", ValueError, "schedule is for 8 ranks .* world has 4 ranks"),
+        ("partition_does_not_fit", ValueError, "partition lists 5 stages, the schedule has 4"),
+    ],
+)
+def test_bad_construction_is_refused_on_every_rank(case: str, error: type, message: str) -> None:
+    with pytest.raises(error, match=message) as caught:
+        launch(failures.construct, 4, args=(case,), timeout=30)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert len(re.findall(rf"^  rank \d: {error.__name__}: ", notes, re.M)) == 3  # the same refusal on the others
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no_targets", "step refused by rank 1: the rank of the last stage got no targets"),
+        ("uneven", "a batch of 10 does not split into 4 equal micro-batches: .* multiple of 4 .*8 or 12"),
+        ("rows_disagree", "the targets have 6 rows but the inputs 8"),
+        ("inputs_not_tensors", "step refused by rank 0: the inputs on the first stage's rank are not usable"),
+    ],
+)
+def test_a_bad_batch_is_refused_by_every_rank_before_any_transfer(case: str, message: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        launch(failures.bad_batch, 2, args=(case,), timeout=30)
+    assert time.monotonic() - started < 25  # refused together, not after a peer's timeout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [0, 2, 3])
+def test_a_rank_raising_mid_step_stops_every_rank_with_its_error(rank: int) -> None:
+    started = time.monotonic()
+    with pytest.raises(
+        PipelineError,
+        match=rf"rank {rank}, step \d+: {rank}F\d \(stage {rank}, micro-batch \d\): RuntimeError: planted failure",
+    ) as caught:
+        launch(failures.train_with_fault, 4, args=(rank, "raise", 60.0), timeout=60)
+    notes = "\n".join(caught.value.__notes__)
+    assert f"rank {rank} of 4 is the cause" in notes
+    assert "waiting for" in notes  # what the other ranks were waiting on when it went
+    assert time.monotonic() - started < 45  # far inside the 60 s timeout: the peers noticed the exit
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_is_named_and_the_others_stop() -> None:
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 died from signal SIGKILL") as caught:
+        launch(failures.train_with_fault, 4, args=(1, "kill", 60.0), timeout=60)
+    assert "PeerError: rank 0, step" in str(caught.value) and "from rank 1" in str(caught.value)
+    assert time.monotonic() - started < 45
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_is_found_by_the_timeout_and_stopped() -> None:
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 2 was still running .* and was stopped") as caught:
+        launch(failures.train_with_fault, 4, args=(2, "hang", 3.0), timeout=3)
+    assert "failed after 3." in str(caught.value)  # a neighbour gave up after the 3 s timeout
+    assert time.monotonic() - started < 40
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.timeout(120)
+def test_an_output_that_differs_from_the_inferred_shape_is_caught_before_sending() -> None:
+    with pytest.raises(
+        PipelineError,
+        match=r"rank 0, step \d+: 0F0 \(stage 0, micro-batch 0\): ValueError: stage 0 produced float32\[2, 15\]"
+        r".*expects float32\[2, 16\]",
+    ) as caught:
+        launch(failures.train_with_fault, 4, args=(0, "shape", 60.0), timeout=60)
+    assert "PeerError" in "\n".join(caught.value.__notes__)
+
+
+def test_peer_error_is_a_pipeline_error() -> None:
+    assert issubclass(PeerError, PipelineError)

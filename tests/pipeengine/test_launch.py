@@ -1,0 +1,61 @@
+"""launch: N local ranks with a process group, errors re-raised with their rank, or torchrun's group joined."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeengine import launch
+from tests.pipeengine import workers
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_runs_with_gloo_and_its_share_of_the_cores(tmp_path: Path) -> None:
+    launch(workers.report_world, 2, args=(str(tmp_path / "world"),), threads=1)
+    seen = sorted((tmp_path / f"world.{r}").read_text() for r in range(2))
+    assert seen == ["0 2 gloo 1", "1 2 gloo 1"]
+
+
+@pytest.mark.timeout(60)
+def test_a_child_exception_is_re_raised_as_itself_naming_its_rank() -> None:
+    with pytest.raises(KeyError, match="raised on purpose by rank 1") as caught:
+        launch(workers.raise_on, 2, args=(1,))
+    assert "rank 1 of 2 is the cause" in "\n".join(caught.value.__notes__)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5])
+def test_nprocs_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(ValueError, match="nprocs must be a positive int"):
+        launch(workers.report_world, bad, args=("x",))  # type: ignore[arg-type]
+
+
+def test_cuda_ranks_need_a_gpu_each() -> None:
+    import torch
+
+    with pytest.raises(ValueError, match="NCCL cannot run two ranks on one GPU"):
+        launch(workers.report_world, torch.cuda.device_count() + 1, args=("x",), device="cuda")
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_launch_joins_its_group(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "from pipeengine import launch\n"
+        "from tests.pipeengine import workers\n"
+        "if __name__ == '__main__':\n"
+        f"    launch(workers.parity, 2, args=('mlp', '1f1b', [2], [4]))\n"
+        f"    launch(workers.report_world, 2, args=({str(tmp_path / 'world')!r},))\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted((tmp_path / f"world.{r}").read_text().rsplit(" ", 1)[0] for r in range(2)) == [
+        "0 2 gloo",
+        "1 2 gloo",
+    ]

@@ -1,0 +1,140 @@
+"""Functions that run on every rank under pipeengine.launch; they assert, and launch re-raises."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeengine import PipelineEngine
+from tests.pipeengine.models import MODELS, batch
+
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str) -> None:
+    actual, expected = torch.as_tensor(actual).cpu(), torch.as_tensor(expected).cpu()
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def check_grads(engine: PipelineEngine, reference: nn.Module, what: str) -> int:
+    """Every local gradient equals the reference's under the same name; returns how many were checked."""
+    expected = dict(reference.named_parameters())
+    count = 0
+    for name, param in engine.named_parameters():
+        assert param.grad is not None, f"{what}: {name} has no gradient on rank {dist.get_rank()}"
+        close(param.grad, expected[name].grad, f"{what}: grad of {name}")
+        count += 1
+    return count
+
+
+def parity(
+    model_name: str,
+    schedule: str,
+    microbatches: list[int],
+    sizes: list[int],
+    steps: int = 3,
+    chunks: int | None = None,
+    device: str | None = None,
+) -> None:
+    """Loss, gradients and parameters after several AdamW steps equal a single-process model.
+
+    Batch sizes change from step to step; data is on every rank, but only the ends get it.
+    """
+    build, loss_fn = MODELS[model_name]
+    for m in microbatches:
+        model = build()
+        reference = copy.deepcopy(model)
+        engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule, chunks=chunks, device=device)
+        # eps=1e-6: the attention key bias has a mathematically zero gradient, i.e. ~1e-9 of rounding
+        # noise that differs with summation order; AdamW's default eps=1e-8 would blow it up to ~lr
+        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+        checked = 0
+        for step in range(steps):
+            size = sizes[step % len(sizes)]
+            x, y = batch(model_name, size, seed=step)
+            loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+            expected = loss_fn(reference(x), y)
+            expected.backward()
+            what = f"{model_name} {schedule} m={m} step {step} batch {size}"
+            close(loss, expected.item(), f"{what}: loss")
+            checked += check_grads(engine, reference, what)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad()
+            reference_optimizer.zero_grad()
+        weights = dict(reference.named_parameters())
+        for name, param in engine.named_parameters():
+            close(param.detach(), weights[name].detach(), f"{model_name} {schedule} m={m}: {name} after {steps} steps")
+        assert checked > 0 or not any(True for _ in engine.parameters())
+
+
+def parity_on(
+    device: str, model_name: str, schedule: str, microbatches: list[int], sizes: list[int], chunks: int | None = None
+) -> None:
+    """parity() with the engine on ``device`` and the reference on the CPU."""
+    parity(model_name, schedule, microbatches, sizes, chunks=chunks, device=device)
+
+
+def parity_chunks(model_name: str, chunks: int, microbatches: list[int], sizes: list[int]) -> None:
+    """Interleaved with several chunks per rank: on one rank, every boundary is a local handoff."""
+    parity(model_name, "interleaved", microbatches, sizes, chunks=chunks)
+
+
+def accumulate_and_eval(model_name: str, schedule: str, m: int) -> None:
+    """Gradients accumulate over train_steps until zeroed; eval, train, eval leaves no stale state."""
+    build, loss_fn = MODELS[model_name]
+    model = build()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule)
+    x0, y0 = batch(model_name, 2 * m, seed=10)
+    x1, y1 = batch(model_name, 4 * m, seed=11)
+
+    out = engine.eval_step(x0 if engine.first else None)
+    with torch.no_grad():
+        expected = reference(x0)
+    if engine.last:
+        close(out, expected, "eval before training")
+    else:
+        assert out is None
+
+    for x, y in ((x0, y0), (x1, y1)):  # no zero_grad in between: gradients add up
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        loss_fn(reference(x), y).backward()
+    check_grads(engine, reference, f"{model_name} {schedule} two accumulated steps")
+
+    out = engine.eval_step(x1 if engine.first else None)
+    with torch.no_grad():
+        expected = reference(x1)
+    if engine.last:
+        close(out, expected, "eval after training")
+    check_grads(engine, reference, "eval does not touch gradients")
+
+
+def names_are_the_models(schedule: str) -> None:
+    """named_parameters and state_dict use the nn.Sequential's own names, and together cover the model."""
+    build, loss_fn = MODELS["transformer"]
+    model = build()
+    full = set(dict(model.named_parameters()))
+    state_keys = set(model.state_dict())
+    engine = PipelineEngine(model, loss_fn, num_microbatches=dist.get_world_size() * 2, schedule=schedule)
+    local = [name for name, _ in engine.named_parameters()]
+    assert set(local) <= full and set(engine.state_dict()) <= state_keys
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, list(engine.state_dict()))
+    assert sorted(k for keys in gathered for k in keys) == sorted(state_keys), "the ranks' state_dicts tile the model"
+
+
+def report_world(path: str) -> None:
+    """Write this rank's view of the world to a file per rank."""
+    with open(f"{path}.{dist.get_rank()}", "w") as out:
+        out.write(f"{dist.get_rank()} {dist.get_world_size()} {dist.get_backend()} {torch.get_num_threads()}")
+
+
+def raise_on(rank: int) -> None:
+    if dist.get_rank() == rank:
+        raise KeyError(f"raised on purpose by rank {rank}")
+    dist.barrier()
