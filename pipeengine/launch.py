@@ -10,6 +10,7 @@ parent then re-raises the first failure, naming its rank and what each other ran
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing
 import multiprocessing.connection
@@ -96,10 +97,15 @@ def _join_torchrun(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], dev
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
+        # once per process: a second init against torchrun's store could read the first one's stale
+        # addresses and hang, so the group stays for later launch() calls and goes at exit
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    try:
-        fn(*args)
-    finally:
+        atexit.register(_destroy_group)
+    fn(*args)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
