@@ -21,9 +21,14 @@ def main(schedule: str, microbatches: int, steps: int) -> None:
     model = nn.Sequential(
         *(layer for _ in range(4) for layer in (nn.Linear(WIDTH, WIDTH), nn.ReLU())), nn.Linear(WIDTH, 1)
     )
-    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule)
-    optimizer = torch.optim.AdamW(engine.parameters(), lr=3e-3)
     data = torch.Generator().manual_seed(1)
+    sample = torch.randn(BATCH, WIDTH, generator=data)  # an example batch: the layers are timed on it
+    engine = PipelineEngine(
+        model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule, sample=sample
+    )
+    if engine.rank == 0:
+        print(engine.partition, flush=True)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=3e-3)
     for step in range(steps):
         x = torch.randn(BATCH, WIDTH, generator=data)
         y = x[:, :8].sum(dim=1, keepdim=True).sin()  # a function to learn

@@ -3,7 +3,8 @@
 from pipeengine.engine import DEFAULT_TIMEOUT, PipelineEngine
 from pipeengine.errors import LaunchError, PeerError, PipelineError
 from pipeengine.launch import launch
-from pipeengine.partition import uniform_partition
+from pipeengine.partition import METHODS, Partition, plan, solve
+from pipeengine.profile import LayerCosts, measure
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -11,6 +12,11 @@ __all__ = [
     "PeerError",
     "PipelineEngine",
     "PipelineError",
+    "LayerCosts",
+    "METHODS",
+    "Partition",
     "launch",
-    "uniform_partition",
+    "measure",
+    "plan",
+    "solve",
 ]

@@ -12,7 +12,8 @@ from pipeengine.comm import P2P
 from pipeengine.errors import PeerError
 from pipeengine.executor import Executor, Step
 from pipeengine.header import exchange
-from pipeengine.partition import check_bounds, stage_module, uniform_partition
+from pipeengine.partition import METHODS, Partition, bounds_from_counts, method_costs, solve, stage_module
+from pipeengine.profile import LayerCosts, measure
 from pipeengine.specs import Boundary, Tensors, infer_boundaries, meta_copy, unpack
 from pipeengine.stage import LossFn, StageWorker
 from pipeengine.streams import Streams
@@ -35,6 +36,12 @@ class PipelineEngine:
 
     Gradients equal those of one process running the whole batch with a mean-reduced loss,
     and accumulate across steps until zeroed. Parameter names are the model's own.
+
+    ``partition``: "uniform" (layer count), "parameters", "time" (each layer's forward and
+    backward measured on one micro-batch of ``sample``, an example input batch), "memory",
+    or the layers of each stage. Default "time" when the first stage's rank has a ``sample``,
+    else "parameters". The first stage's rank measures, every rank solves alike, and
+    ``engine.partition`` reports the result.
     """
 
     def __init__(
@@ -45,7 +52,8 @@ class PipelineEngine:
         num_microbatches: int,
         schedule: str | Schedule = "1f1b",
         chunks: int | None = None,
-        partition: str | Sequence[int] = "uniform",
+        partition: str | Sequence[int] | None = None,
+        sample: object = None,
         device: str | torch.device | None = None,
         group: dist.ProcessGroup | None = None,
         timeout: float = DEFAULT_TIMEOUT,
@@ -70,16 +78,8 @@ class PipelineEngine:
         self.schedule = _schedule(schedule, world, num_microbatches, chunks)
         self.num_microbatches = num_microbatches
         num_stages = self.schedule.num_stages
-        if isinstance(partition, str):
-            if partition != "uniform":
-                raise ValueError(f"unknown partition {partition!r}; valid: 'uniform' or a list of layers per stage")
-            self.bounds = uniform_partition(len(model), num_stages)
-        else:
-            counts = list(partition)
-            if len(counts) != num_stages:
-                raise ValueError(f"partition lists {len(counts)} stages, the schedule has {num_stages}: {counts}")
-            starts = [sum(counts[:i]) for i in range(len(counts))]
-            self.bounds = check_bounds([(a, a + n) for a, n in zip(starts, counts, strict=True)], len(model))
+        self.partition = _agree_partition(model, self.schedule, partition, sample, self.rank, group, self.device)
+        self.bounds = self.partition.bounds
         _check_no_shared_parameters(model, self.bounds, self.schedule.placement)
 
         placement = self.schedule.placement
@@ -199,6 +199,64 @@ class PipelineEngine:
         for s, worker in self._workers.items():
             worker.output = boundaries[s] if s < self.schedule.num_stages - 1 else None
         return boundaries
+
+
+def _agree_partition(
+    model: nn.Sequential,
+    schedule: Schedule,
+    partition: str | Sequence[int] | None,
+    sample: object,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Partition:
+    """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike."""
+    if isinstance(partition, str) and partition not in METHODS:
+        raise ValueError(f"unknown partition {partition!r}; valid: {', '.join(METHODS)}, or a list of layers per stage")
+    counts = None if partition is None or isinstance(partition, str) else list(partition)
+    if counts is not None and len(counts) != schedule.num_stages:
+        raise ValueError(f"partition lists {len(counts)} stages, the schedule has {schedule.num_stages}: {counts}")
+    source, m = schedule.placement[0], schedule.num_microbatches
+    header = torch.zeros(2, dtype=torch.int64, device=device)  # [failed, method]
+    rows = torch.zeros(5, len(model), dtype=torch.float64, device=device)
+    failure: Exception | None = None
+    if rank == source:
+        method = partition if isinstance(partition, str) else ("time" if sample is not None else "parameters")
+        try:
+            micro = None if sample is None else _first_microbatch(sample, m)
+            if method == "time" and micro is None:
+                raise ValueError("partition='time' needs sample= (an example input batch) on the first stage's rank")
+            costs = measure(model, micro, timed=counts is None and method == "time", device=device)
+            rows = torch.tensor(costs.to_rows(), dtype=torch.float64, device=device)
+            header[1] = METHODS.index(method)
+        except Exception as error:  # every rank must hear of it, or they would wait for the costs
+            failure = error
+            header[0] = 1
+    dist.broadcast(header, group_src=source, group=group)
+    if failure is not None:
+        raise failure
+    if header[0]:
+        raise ValueError(
+            f"the first stage's rank ({source}) could not measure the layers to partition them; see its error"
+        )
+    dist.broadcast(rows, group_src=source, group=group)
+    costs = LayerCosts.from_rows(rows.tolist())
+    if counts is not None:
+        return Partition("explicit", bounds_from_counts(counts, len(model)), costs, schedule.placement)
+    method = METHODS[int(header[1])]
+    return Partition(method, solve(method_costs(method, costs), schedule.num_stages), costs, schedule.placement)
+
+
+def _first_microbatch(sample: object, num_microbatches: int) -> torch.Tensor | Tensors:
+    """One micro-batch of an example input batch: its first batch // m rows (at least one)."""
+    if isinstance(sample, torch.Tensor) or (
+        isinstance(sample, tuple) and all(isinstance(t, torch.Tensor) for t in sample)
+    ):
+        tensors = unpack(sample)
+        rows = max(1, tensors[0].shape[0] // num_microbatches)
+        pieces = tuple(t[:rows] for t in tensors)
+        return pieces if isinstance(sample, tuple) else pieces[0]
+    raise TypeError(f"sample must be a tensor or a tuple of tensors (an input batch), got {type(sample).__name__}")
 
 
 def _device(device: str | torch.device | None, group: dist.ProcessGroup | None) -> torch.device:

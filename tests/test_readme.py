@@ -23,9 +23,13 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
-def test_the_schedules_snippet_runs() -> None:
-    snippets = [block for block in code_blocks("python") if block.startswith("from schedules")]
-    assert snippets
+def test_the_schedules_and_partition_snippets_run() -> None:
+    snippets = [
+        block
+        for block in code_blocks("python")
+        if block.startswith(("from schedules", "import torch\nfrom torch import nn\nfrom pipeengine import plan"))
+    ]
+    assert len(snippets) == 2
     for snippet in snippets:
         exec(compile(snippet, "README.md", "exec"), {})
 

@@ -42,10 +42,10 @@ class Fault(nn.Module):
 
 def train_with_fault(rank: int, how: str, timeout: float) -> None:
     """4 ranks, 1F1B, 8 micro-batches; the Fault sits in ``rank``'s stage and strikes at its 3rd call."""
-    layers = list(mlp(layers=4))  # 9 layers; with the Fault 10, split uniformly as [0,3) [3,6) [6,8) [8,10)
-    at = {0: 1, 1: 4, 2: 6, 3: 8}[rank]
+    layers = list(mlp(layers=4))  # 9 layers; with the Fault 10, split uniformly as [0,2) [2,5) [5,7) [7,10)
+    at = {0: 1, 1: 3, 2: 5, 3: 8}[rank]
     model = nn.Sequential(*layers[:at], Fault(rank, 3, how), *layers[at:])
-    engine = PipelineEngine(model, mse, num_microbatches=8, schedule="1f1b", timeout=timeout)
+    engine = PipelineEngine(model, mse, num_microbatches=8, schedule="1f1b", partition="uniform", timeout=timeout)
     x, y = torch.randn(16, 16), torch.randn(16, 4)
     engine.train_step(x if engine.first else None, y if engine.last else None)
 

@@ -1,33 +1,81 @@
+"""Partitioning: the exact solver, the cost methods, the report, and agreement across ranks."""
+
+import itertools
+import random
+
 import pytest
 import torch
 from torch import nn
 
-from pipeengine import uniform_partition
-from pipeengine.partition import check_bounds, stage_module
+from pipeengine import Partition, launch, measure, plan, solve
+from pipeengine.partition import bounds_from_counts, check_bounds, stage_module
+from schedules import Costs, build_schedule, simulate
+from tests.pipeengine import workers
+
+
+def brute_force(costs: list[float], stages: int) -> float:
+    n, best = len(costs), float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        edges = [0, *cuts, n]
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(edges)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_solver_equals_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    stages = rng.randint(1, n)
+    if seed % 2:  # integers with ties and zeros
+        costs = [float(rng.choice([0, 0, 1, 2, 3, 5, 8, 13, 100])) for _ in range(n)]
+    else:
+        costs = [rng.random() * 10 for _ in range(n)]
+    bounds = solve(costs, stages)
+    assert check_bounds(bounds, n) == bounds and len(bounds) == stages  # contiguous, every stage non-empty
+    assert max(sum(costs[a:b]) for a, b in bounds) == pytest.approx(brute_force(costs, stages), rel=1e-12)
 
 
 @pytest.mark.parametrize(
-    "layers, stages, bounds",
+    "costs, stages, bounds",
     [
-        (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
-        (10, 4, [(0, 3), (3, 6), (6, 8), (8, 10)]),
-        (3, 3, [(0, 1), (1, 2), (2, 3)]),
-        (5, 1, [(0, 5)]),
+        ([10] + [1] * 9, 2, [(0, 1), (1, 10)]),  # a heavy first layer gets a stage of its own
+        ([1] * 8 + [20], 3, [(0, 4), (4, 8), (8, 9)]),  # and a heavy head too
+        ([1] * 8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        ([5, 0, 5, 0], 2, [(0, 2), (2, 4)]),  # a parameter-free layer stays with its neighbour
+        ([0] * 6, 3, [(0, 2), (2, 4), (4, 6)]),
+        ([3], 1, [(0, 1)]),
     ],
 )
-def test_uniform_partition_tiles_the_layers(layers: int, stages: int, bounds: list[tuple[int, int]]) -> None:
-    assert uniform_partition(layers, stages) == bounds
+def test_known_cases(costs: list[float], stages: int, bounds: list[tuple[int, int]]) -> None:
+    assert solve(costs, stages) == bounds
 
 
 def test_more_stages_than_layers_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="5 stages but the model has 4 layers: .* use at most 4 ranks x chunks"):
-        uniform_partition(4, 5)
+        solve([1.0] * 4, 5)
+
+
+@pytest.mark.parametrize("costs", [[1.0, -1.0], [float("nan"), 1.0]])
+def test_costs_must_be_finite_and_non_negative(costs: list[float]) -> None:
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        solve(costs, 1)
+
+
+def test_the_solver_scales() -> None:
+    costs = [random.Random(0).random() for _ in range(500)]
+    assert len(solve(costs, 64)) == 64
 
 
 @pytest.mark.parametrize("bounds", [[(0, 2), (3, 4)], [(0, 2), (2, 2), (2, 4)], [(0, 3)], [(1, 4)]])
 def test_bounds_must_tile_the_layers_in_order(bounds: list[tuple[int, int]]) -> None:
     with pytest.raises(ValueError, match="layers"):
         check_bounds(bounds, 4)
+
+
+def test_explicit_counts_become_bounds() -> None:
+    assert bounds_from_counts([3, 1, 2], 6) == [(0, 3), (3, 4), (4, 6)]
+    with pytest.raises(ValueError, match="cover 5 layers, the model has 6"):
+        bounds_from_counts([3, 1, 1], 6)
 
 
 def test_stage_modules_keep_the_sequentials_names_and_modules() -> None:
@@ -37,3 +85,85 @@ def test_stage_modules_keep_the_sequentials_names_and_modules() -> None:
     assert stage[0] is model[2]  # the same module, not a copy
     x = torch.randn(5, 3)
     torch.testing.assert_close(stage(x), model[3](model[2](x)))
+
+
+def test_measured_costs_parameters_memory_and_activations() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    costs = measure(model, torch.randn(8, 16))
+    assert costs.params == (16 * 32 + 32, 0, 32 * 4 + 4)
+    assert costs.param_bytes == tuple(4 * p for p in costs.params)
+    # saved for backward: Linear its input (8x16 floats), Tanh its output (8x32), Linear its input (8x32)
+    assert costs.activation_bytes == (8 * 16 * 4, 8 * 32 * 4, 8 * 32 * 4)
+    assert costs.memory == tuple(4 * b + a for b, a in zip(costs.param_bytes, costs.activation_bytes, strict=True))
+    assert costs.forward is None and measure(model).activation_bytes is None
+
+
+def test_timing_leaves_the_model_untouched() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    sample = torch.randn(4, 8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    costs = measure(model, sample, timed=True, repeats=2)
+    assert costs.forward is not None and all(t > 0 for t in costs.forward)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # batch-norm statistics too
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def ten_x_widths() -> nn.Sequential:
+    """Narrow layers, then a wide block: 640-wide layers cost ~100x the 64-wide ones."""
+    torch.manual_seed(0)
+    narrow, wide = 64, 640
+    return nn.Sequential(
+        nn.Linear(narrow, narrow), nn.ReLU(), nn.Linear(narrow, narrow), nn.ReLU(), nn.Linear(narrow, narrow),
+        nn.ReLU(), nn.Linear(narrow, wide), nn.Linear(wide, wide), nn.Linear(wide, wide), nn.Linear(wide, narrow),
+        nn.ReLU(), nn.Linear(narrow, narrow),
+    )  # fmt: skip
+
+
+def simulated_makespan(partition: Partition, forward: tuple[float, ...], backward: tuple[float, ...]) -> float:
+    per_stage = [(sum(forward[a:b]), sum(backward[a:b])) for a, b in partition.bounds]
+    costs = Costs(forward=[f for f, _ in per_stage], backward=[b for _, b in per_stage])
+    return simulate(build_schedule("1f1b", len(per_stage), 8), costs).makespan
+
+
+def test_time_balances_a_model_of_uneven_widths_better_than_uniform() -> None:
+    model, sample = ten_x_widths(), torch.randn(32, 64)
+    timed = plan(model, 4, "time", sample, repeats=5)
+    uniform = plan(model, 4, "uniform", sample)
+    forward, backward = timed.costs.forward, timed.costs.backward
+    assert forward is not None and backward is not None
+    by_time, by_count = simulated_makespan(timed, forward, backward), simulated_makespan(uniform, forward, backward)
+    assert by_time < 0.8 * by_count, (timed.bounds, uniform.bounds, by_time, by_count)
+    slowest_by_time = max(timed.stage_sum(timed.costs.time) or [0.0])
+    slowest_by_count = max(Partition("uniform", uniform.bounds, timed.costs).stage_sum(timed.costs.time) or [0.0])
+    assert 0 < slowest_by_time < slowest_by_count
+
+
+def test_the_report_lists_every_stage() -> None:
+    partition = plan(ten_x_widths(), 3, "parameters", torch.randn(4, 64))
+    text = str(partition)
+    assert text.startswith("partition by parameters: 3 stages, imbalance ")
+    assert "stage  rank  layers   params    time ms  memory MB" in text
+    assert len(text.splitlines()) == 2 + 3
+    assert partition.imbalance == pytest.approx(
+        max(sum(partition.costs.params[a:b]) for a, b in partition.bounds) / (sum(partition.costs.params) / 3)
+    )
+
+
+@pytest.mark.parametrize("bad", ["fastest", ["a"]])
+def test_plan_names_the_valid_methods(bad: object) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        plan(ten_x_widths(), 2, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="valid: uniform, parameters, time, memory"):
+        plan(ten_x_widths(), 2, "fastest")
+
+
+def test_time_without_a_sample_says_so() -> None:
+    with pytest.raises(ValueError, match="needs a sample micro-batch"):
+        plan(ten_x_widths(), 2, "time")
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_builds_the_same_partition_from_the_first_ranks_measurements() -> None:
+    launch(workers.partition_agreement, 4, timeout=60)

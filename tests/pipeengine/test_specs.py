@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine.partition import uniform_partition
+from pipeengine import solve
 from pipeengine.specs import Boundary, TensorSpec, infer_boundaries, meta_copy
 from tests.pipeengine.models import LENGTH, VOCAB, WIDTH, mlp, transformer
 
@@ -19,7 +19,7 @@ def test_meta_copy_allocates_nothing_and_keeps_requires_grad() -> None:
 
 def test_transformer_boundaries_are_tuples_whose_mask_needs_no_gradient() -> None:
     model = transformer(blocks=3)
-    bounds = uniform_partition(len(model), 3)
+    bounds = solve([1.0] * len(model), 3)
     inputs = Boundary((TensorSpec((4, LENGTH), torch.int64, False),), False)
     outputs = infer_boundaries([meta_copy(layer) for layer in model], bounds, inputs)
     hidden = TensorSpec((4, LENGTH, WIDTH), torch.float32, True)
@@ -31,7 +31,7 @@ def test_transformer_boundaries_are_tuples_whose_mask_needs_no_gradient() -> Non
 
 def test_the_same_boundaries_as_a_real_forward() -> None:
     model = mlp()
-    bounds = uniform_partition(len(model), 4)
+    bounds = solve([1.0] * len(model), 4)
     inputs = Boundary((TensorSpec((3, 16), torch.float32, False),), False)
     inferred = infer_boundaries([meta_copy(layer) for layer in model], bounds, inputs)
     value = torch.randn(3, 16)

@@ -50,7 +50,9 @@ def parity(
         engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule, chunks=chunks, device=device)
         # eps=1e-6: the attention key bias has a mathematically zero gradient, i.e. ~1e-9 of rounding
         # noise that differs with summation order; AdamW's default eps=1e-8 would blow it up to ~lr
-        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
+        # a rank may hold only parameter-free stages (e.g. 8 stages of an MLP with 5 Linear layers)
+        local = list(engine.parameters())
+        optimizer = torch.optim.AdamW(local, lr=1e-3, eps=1e-6) if local else None
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
         checked = 0
         for step in range(steps):
@@ -62,9 +64,10 @@ def parity(
             what = f"{model_name} {schedule} m={m} step {step} batch {size}"
             close(loss, expected.item(), f"{what}: loss")
             checked += check_grads(engine, reference, what)
-            optimizer.step()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad()
             reference_optimizer.step()
-            optimizer.zero_grad()
             reference_optimizer.zero_grad()
         weights = dict(reference.named_parameters())
         for name, param in engine.named_parameters():
@@ -138,3 +141,25 @@ def raise_on(rank: int) -> None:
     if dist.get_rank() == rank:
         raise KeyError(f"raised on purpose by rank {rank}")
     dist.barrier()
+
+
+def partition_agreement() -> None:
+    """Rank 0 alone has the sample: it measures, all agree; default 'time' with it, 'parameters' without."""
+    build, loss_fn = MODELS["transformer"]
+    x, y = batch("transformer", 8, seed=0)
+    world = dist.get_world_size()
+    engine = PipelineEngine(build(), loss_fn, num_microbatches=4, sample=x if dist.get_rank() == 0 else None)
+    assert engine.partition.method == "time" and engine.partition.costs.time is not None
+    everyone: list[object] = [None] * world
+    dist.all_gather_object(everyone, (engine.partition.bounds, engine.partition.costs.time))
+    assert all(view == everyone[0] for view in everyone), everyone
+    engine.train_step(x if engine.first else None, y if engine.last else None)  # and it trains
+    assert PipelineEngine(build(), loss_fn, num_microbatches=4).partition.method == "parameters"
+    explicit = PipelineEngine(build(), loss_fn, num_microbatches=4, partition=[3, 2, 2, 2])
+    assert explicit.partition.bounds == [(0, 3), (3, 5), (5, 7), (7, 9)]
+    try:
+        PipelineEngine(build(), loss_fn, num_microbatches=4, partition="time")  # no sample anywhere
+    except ValueError as error:
+        assert "needs sample=" in str(error) or "could not measure" in str(error), error
+    else:
+        raise AssertionError("partition='time' without a sample was accepted")
