@@ -7,6 +7,8 @@ python examples/quickstart.py --ranks 4 --schedule interleaved --steps 20
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 import torch
 from torch import nn
@@ -16,7 +18,7 @@ from pipeengine import PipelineEngine, launch
 RANKS, SCHEDULE, MICROBATCHES, STEPS, BATCH, WIDTH = 2, "1f1b", 4, 10, 64, 64
 
 
-def main(schedule: str, microbatches: int, steps: int) -> None:
+def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> None:
     torch.manual_seed(0)  # the same model on every rank; each keeps only its stages
     model = nn.Sequential(
         *(layer for _ in range(4) for layer in (nn.Linear(WIDTH, WIDTH), nn.ReLU())), nn.Linear(WIDTH, 1)
@@ -32,11 +34,18 @@ def main(schedule: str, microbatches: int, steps: int) -> None:
     for step in range(steps):
         x = torch.randn(BATCH, WIDTH, generator=data)
         y = x[:, :8].sum(dim=1, keepdim=True).sin()  # a function to learn
-        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        with engine.tracing() if timeline and step == steps - 1 else contextlib.nullcontext():
+            loss = engine.train_step(x if engine.first else None, y if engine.last else None)
         optimizer.step()
         optimizer.zero_grad()
         if engine.rank == 0:
             print(f"step {step:3d}  loss {loss:.4f}  ({schedule}, {engine.schedule.num_ranks} ranks)", flush=True)
+    measured = engine.timeline()  # rank 0 only, and only after a traced step
+    if timeline and measured is not None:
+        os.makedirs(os.path.dirname(timeline) or ".", exist_ok=True)
+        measured.plot(f"{timeline}.png")
+        measured.to_chrome_trace(f"{timeline}.json")
+        print(f"measured bubble {measured.bubble_fraction:.1%}: wrote {timeline}.png and {timeline}.json")
 
 
 if __name__ == "__main__":
@@ -45,5 +54,6 @@ if __name__ == "__main__":
     parser.add_argument("--schedule", default=SCHEDULE, choices=["gpipe", "1f1b", "interleaved"])
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--timeline", help="write the last step's measured timeline to PATH.png and PATH.json")
     args = parser.parse_args()
-    launch(main, args.ranks, args=(args.schedule, args.microbatches, args.steps))
+    launch(main, args.ranks, args=(args.schedule, args.microbatches, args.steps, args.timeline))

@@ -8,14 +8,16 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.streams import Streams
+from schedules import Instruction
 
 __all__: list[str] = []
 
 
 @dataclass
 class Transfer:
-    """One posted send or recv: its tensors and the work handles that complete it."""
+    """One posted send or recv: its instruction, its tensors and the work handles that complete it."""
 
+    op: Instruction
     tensors: tuple[torch.Tensor, ...]
     peer: int
     works: list[dist.Work] = field(default_factory=list)

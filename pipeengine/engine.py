@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -17,7 +18,8 @@ from pipeengine.profile import LayerCosts, measure
 from pipeengine.specs import Boundary, Tensors, infer_boundaries, meta_copy, unpack
 from pipeengine.stage import LossFn, StageWorker
 from pipeengine.streams import Streams
-from schedules import Schedule, build_schedule, forward_only, validate
+from pipeengine.trace import Tracer
+from schedules import Schedule, Timeline, build_schedule, forward_only, validate
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
 
@@ -57,6 +59,7 @@ class PipelineEngine:
         device: str | torch.device | None = None,
         group: dist.ProcessGroup | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        trace: bool = False,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -96,6 +99,9 @@ class PipelineEngine:
         p2p = P2P(group, Streams(self.device, timeout))
         self._executor = Executor(self.rank, self._workers, p2p, self.device)
         self._boundaries: dict[Boundary, list[Boundary]] = {}
+        self._trace = trace
+        self._tracer = Tracer(self.device)
+        self._timeline: Timeline | None = None
 
     # ---- what an optimizer and a checkpoint see: this rank's stages, under the model's names
 
@@ -126,6 +132,31 @@ class PipelineEngine:
     def eval(self) -> PipelineEngine:
         return self.train(False)
 
+    # ---- tracing
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[PipelineEngine]:
+        """Trace the steps run inside the block (every rank must enter it)."""
+        previous, self._trace = self._trace, True
+        try:
+            yield self
+        finally:
+            self._trace = previous
+
+    def timeline(self) -> Timeline | None:
+        """The last traced step on every rank, aligned on one clock (seconds): on rank 0, None elsewhere."""
+        return self._timeline
+
+    def _traced(self, schedule: Schedule, step: Step) -> dict[int, Tensors]:
+        tracer = self._tracer if self._trace else None
+        if tracer:
+            tracer.begin()
+        results = self._executor.run(schedule, step, tracer)
+        if tracer:
+            label = f"{schedule.name} measured"
+            self._timeline = tracer.gather(schedule.num_ranks, label, self.group)
+        return results
+
     # ---- steps
 
     def train_step(self, inputs: object = None, targets: object = None) -> float:
@@ -147,7 +178,7 @@ class PipelineEngine:
             first_input=header.microbatch_inputs,
             outputs=self._infer(header.microbatch_inputs),
         )
-        self._executor.run(self.schedule, step)
+        self._traced(self.schedule, step)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.last:
             worker = self._workers[self.schedule.num_stages - 1]
@@ -174,7 +205,7 @@ class PipelineEngine:
         )
         outputs = self._infer(header.microbatch_inputs)
         step = Step(False, self._split(inputs) if self.first else None, None, header.microbatch_inputs, outputs)
-        results = self._executor.run(self._forward_schedule, step)
+        results = self._traced(self._forward_schedule, step)
         if not self.last:
             return None
         parts = [results[mb] for mb in range(self.num_microbatches)]

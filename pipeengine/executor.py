@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from pipeengine.comm import P2P, Transfer
 from pipeengine.errors import PeerError, PipelineError
 from pipeengine.specs import Boundary, Tensors
 from pipeengine.stage import StageWorker
+from pipeengine.trace import Tracer
 from schedules import Batch, Instruction, Kind, Schedule
 
 __all__: list[str] = []
@@ -44,133 +45,137 @@ class Executor:
         self.p2p = p2p
         self.device = device
 
-    def run(self, schedule: Schedule, step: Step) -> dict[int, Tensors]:
+    def run(self, schedule: Schedule, step: Step, tracer: Tracer | None = None) -> dict[int, Tensors]:
         """Run this rank's stream; return the last stage's outputs per micro-batch (evaluation)."""
-        placement, last = schedule.placement, schedule.num_stages - 1
-        handoff: dict[tuple[Kind, int, int], Tensors] = {}  # (kind, stage, mb) -> tensors produced here
-        pending: dict[Instruction, Transfer] = {}  # posted recvs, by their instruction
-        sending: deque[Transfer] = deque()  # posted sends, oldest first
-        results: dict[int, Tensors] = {}
-        stream = schedule.instructions[self.rank]
+        state = _Run(self, schedule, step, tracer)
         where = ""
         try:
-            for index, action in enumerate(stream):
+            for index, action in enumerate(schedule.instructions[self.rank]):
                 where = f"rank {self.rank}, step {index}: {action}"
-                if isinstance(action, Instruction) and action.kind.is_compute:
-                    where += f" (stage {action.stage}, micro-batch {action.microbatch})"
-                while sending and all(w.is_completed() for w in sending[0].works):
-                    sending.popleft()  # its tensors may be freed now
+                state.reap_sends()
                 if isinstance(action, Batch) or not action.kind.is_compute:
-                    self._post(action, placement, step, handoff, pending, sending)
+                    state.post(action)
                     continue
-                s, mb = action.stage, action.microbatch
-                worker = self.workers[s]
+                where += f" (stage {action.stage}, micro-batch {action.microbatch})"
                 if action.kind is _F:
-                    if s == 0:
-                        inputs = step.inputs[mb]  # type: ignore[index]  # the first stage's rank has inputs
-                        packed = step.first_input.is_tuple
-                    else:
-                        boundary = step.outputs[s - 1]
-                        inputs = self._take(
-                            Instruction(s, _RF, mb),
-                            (_F, s - 1, mb),
-                            placement[s - 1],
-                            boundary if step.train else None,
-                            handoff,
-                            pending,
-                            where,
-                        )
-                        packed = boundary.is_tuple
-                    target = step.targets[mb] if s == last and step.train else None  # type: ignore[index]
-                    with torch.set_grad_enabled(step.train):
-                        out = worker.forward(mb, inputs, packed, target, step.train)
-                    if s == last:
-                        if not step.train:
-                            results[mb] = out
-                    else:
-                        handoff[(_F, s, mb)] = out
+                    state.forward(action, where)
                 elif action.kind is _B:
-                    grads = None
-                    if s < last:
-                        grads = self._take(
-                            Instruction(s, _RB, mb), (_B, s + 1, mb), placement[s + 1], None, handoff, pending, where
-                        )
-                    input_grads = worker.backward(mb, grads)
-                    if s > 0:
-                        handoff[(_B, s, mb)] = input_grads
+                    state.backward(action, where)
                 else:
-                    raise PipelineError(f"{where}: this executor runs F and B; {action.kind.name} is not supported yet")
-            for transfer in sending:
-                where = f"rank {self.rank}, end of step: completing a send to rank {transfer.peer}"
-                try:
-                    self.p2p.wait(transfer)
-                except Exception as error:
-                    raise PeerError(f"{where}: {error}") from error
+                    raise PipelineError(f"{where}: this executor runs F and B; {action.kind.name} is not supported")
+            where = f"rank {self.rank}, end of step"
+            state.finish(where)
         except PipelineError:
             raise
         except Exception as error:
             raise PipelineError(f"{where}: {type(error).__name__}: {error}") from error
-        return results
+        return state.results
 
-    def _post(
-        self,
-        action: Instruction | Batch,
-        placement: tuple[int, ...],
-        step: Step,
-        handoff: dict[tuple[Kind, int, int], Tensors],
-        pending: dict[Instruction, Transfer],
-        sending: deque[Transfer],
-    ) -> None:
+
+@dataclass
+class _Run:
+    """The state of one step on one rank."""
+
+    executor: Executor
+    schedule: Schedule
+    step: Step
+    tracer: Tracer | None
+    handoff: dict[tuple[Kind, int, int], Tensors] = field(default_factory=dict)  # (kind, stage, mb) -> produced
+    pending: dict[Instruction, Transfer] = field(default_factory=dict)  # posted recvs
+    sending: deque[Transfer] = field(default_factory=deque)  # posted sends, oldest first
+    results: dict[int, Tensors] = field(default_factory=dict)  # last stage's outputs (evaluation)
+
+    def reap_sends(self) -> None:
+        while self.sending and all(w.is_completed() for w in self.sending[0].works):
+            self.sending.popleft()  # its tensors may be freed now
+
+    def post(self, action: Instruction | Batch) -> None:
+        start = self.tracer.mark() if self.tracer else 0.0
+        placement, outputs, device = self.schedule.placement, self.step.outputs, self.executor.device
         transfers = []
         for op in action.ops if isinstance(action, Batch) else (action,):
             peer = placement[op.peer_stage]
             if op.kind is _SF:
-                transfer = Transfer(
-                    tuple(t.detach().contiguous() for t in handoff.pop((_F, op.stage, op.microbatch))), peer
-                )
+                tensors = tuple(t.detach().contiguous() for t in self.handoff.pop((_F, op.stage, op.microbatch)))
             elif op.kind is _SB:
-                transfer = Transfer(tuple(g.contiguous() for g in handoff.pop((_B, op.stage, op.microbatch))), peer)
+                tensors = tuple(g.contiguous() for g in self.handoff.pop((_B, op.stage, op.microbatch)))
             else:
-                boundary = step.outputs[op.stage - 1] if op.kind is _RF else step.outputs[op.stage]
+                boundary = outputs[op.stage - 1] if op.kind is _RF else outputs[op.stage]
                 specs = boundary.specs if op.kind is _RF else boundary.grad_specs
-                buffers = tuple(torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs)
-                transfer = Transfer(buffers, peer)
-                pending[op] = transfer
+                tensors = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs)
+            transfer = Transfer(op, tensors, peer)
             if op.kind.is_send:
-                sending.append(transfer)
+                self.sending.append(transfer)
+            else:
+                self.pending[op] = transfer
             transfers.append((op.kind.is_send, transfer))
-        self.p2p.post(transfers)
+        self.executor.p2p.post(transfers)
+        if self.tracer:
+            self.tracer.add(action, start, self.tracer.mark())
 
-    def _take(
-        self,
-        recv: Instruction,
-        local: tuple[Kind, int, int],
-        peer: int,
-        leaves: Boundary | None,
-        handoff: dict[tuple[Kind, int, int], Tensors],
-        pending: dict[Instruction, Transfer],
-        where: str,
-    ) -> Tensors:
+    def forward(self, op: Instruction, where: str) -> None:
+        s, mb, last, step = op.stage, op.microbatch, self.schedule.num_stages - 1, self.step
+        if s == 0:
+            inputs, packed = step.inputs[mb], step.first_input.is_tuple  # type: ignore[index]  # this rank has them
+        else:
+            boundary = step.outputs[s - 1]
+            leaves = boundary if step.train else None
+            inputs, packed = self.take(Instruction(s, _RF, mb), (_F, s - 1, mb), leaves, where), boundary.is_tuple
+        target = step.targets[mb] if s == last and step.train else None  # type: ignore[index]
+        start = self.tracer.mark() if self.tracer else 0.0
+        with torch.set_grad_enabled(step.train):
+            out = self.executor.workers[s].forward(mb, inputs, packed, target, step.train)
+        if self.tracer:
+            self.tracer.add(op, start, self.tracer.mark())
+        if s < last:
+            self.handoff[(_F, s, mb)] = out
+        elif not step.train:
+            self.results[mb] = out
+
+    def backward(self, op: Instruction, where: str) -> None:
+        s, mb = op.stage, op.microbatch
+        grads = None
+        if s < self.schedule.num_stages - 1:
+            grads = self.take(Instruction(s, _RB, mb), (_B, s + 1, mb), None, where)
+        start = self.tracer.mark() if self.tracer else 0.0
+        input_grads = self.executor.workers[s].backward(mb, grads)
+        if self.tracer:
+            self.tracer.add(op, start, self.tracer.mark())
+        if s > 0:
+            self.handoff[(_B, s, mb)] = input_grads
+
+    def take(self, recv: Instruction, local: tuple[Kind, int, int], leaves: Boundary | None, where: str) -> Tensors:
         """The tensors a compute consumes: handed over on this rank, or received (waited on here).
 
         With ``leaves`` (a training forward's input), they become leaf tensors that require
         grad as the boundary says; otherwise (gradients, evaluation) they are plain tensors.
         """
-        if local in handoff:  # the neighbouring stage runs on this rank
-            tensors = handoff.pop(local)
+        if local in self.handoff:  # the neighbouring stage runs on this rank
+            tensors = self.handoff.pop(local)
         else:
-            transfer = pending.pop(recv)
-            started = time.perf_counter()
-            try:
-                self.p2p.wait(transfer)
-            except Exception as error:
-                what = "activation" if recv.kind is _RF else "gradient"
-                raise PeerError(
-                    f"{where}: waiting for {recv} (the {what} of micro-batch {recv.microbatch} from rank {peer}) "
-                    f"failed after {time.perf_counter() - started:.1f} s: {error}"
-                ) from error
+            transfer = self.pending.pop(recv)
+            what = "activation" if recv.kind is _RF else "gradient"
+            self.wait(transfer, f"{where}: waiting for {recv} (the {what} of micro-batch {recv.microbatch} "
+                                f"from rank {transfer.peer})")  # fmt: skip
             tensors = transfer.tensors
         if leaves is None:
             return tuple(t.detach() for t in tensors)
         # a stage's inputs are leaves: autograd stops at the boundary and leaves their gradient in .grad
         return tuple(t.detach().requires_grad_(s.requires_grad) for t, s in zip(tensors, leaves.specs, strict=True))
+
+    def wait(self, transfer: Transfer, what: str) -> None:
+        """Block until a transfer is done; a failure is the peer's (PeerError), with how long we waited."""
+        tracer = self.tracer
+        start = tracer.mark() if tracer else 0.0
+        began = time.perf_counter()
+        try:
+            self.executor.p2p.wait(transfer)
+        except Exception as error:
+            raise PeerError(f"{what} failed after {time.perf_counter() - began:.1f} s: {error}") from error
+        if tracer:
+            tracer.add(transfer.op, start, tracer.mark(), wait=True)
+
+    def finish(self, where: str) -> None:
+        """Complete the sends still in flight: the step is over when every message has left."""
+        for transfer in self.sending:
+            self.wait(transfer, f"{where}: completing {transfer.op} to rank {transfer.peer}")

@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     ]:
         sim.add_argument(flag, type=float, default=default, help=f"{text} (default {default})")
     sim.add_argument("--diagram", action="store_true", help="print the text Gantt chart (needs integral costs)")
+    plot = verbs.add_parser("plot", parents=[common], help="draw the simulated timeline (unit costs) as a PNG")
+    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
     return parser
 
 
@@ -59,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"valid: {schedule.describe()}; {count} instructions "
                 f"(built and validated in {time.perf_counter() - start:.2f} s)"
             )
+        elif args.verb == "plot":
+            schedule = build_schedule(args.name, args.ranks, args.microbatches, args.chunks)
+            simulate(schedule).plot(args.output, title=schedule.describe())
+            print(f"wrote {args.output}")
         else:
             schedule = build_schedule(args.name, args.ranks, args.microbatches, args.chunks)
             costs = Costs(args.forward, args.backward, args.backward_input, args.backward_weight, args.latency)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from schedules.gcpause import gc_paused
-from schedules.instructions import Action, Batch, Kind, message_key
+from schedules.instructions import Action, Batch, Instruction, Kind, message_key
 from schedules.schedule import Schedule
 from schedules.timeline import Span, Timeline
 
@@ -31,6 +32,33 @@ class Costs:
     latency: float = 0.0
     per_byte: float = 0.0
     message_bytes: PerStage = 0.0
+
+    @classmethod
+    def from_timeline(cls, timeline: Timeline) -> Costs:
+        """A cost model from a (measured) timeline: the median time of each compute kind on each stage.
+
+        Communication is taken as free; kinds a stage never ran cost 0.
+        """
+        durations: dict[tuple[Kind, int], list[float]] = {}
+        for rank in range(timeline.num_ranks):
+            for span in timeline.compute_spans(rank):
+                op = span.action
+                if isinstance(op, Instruction):  # always, for compute spans
+                    durations.setdefault((op.kind, op.stage), []).append(span.duration)
+        if not durations:
+            raise ValueError(f"timeline {timeline.label!r} has no compute spans to take costs from")
+        stages = 1 + max(stage for _, stage in durations)
+
+        def medians(kind: Kind) -> list[float]:
+            return [statistics.median(durations.get((kind, s), [0.0])) for s in range(stages)]
+
+        split = any(kind is Kind.BACKWARD_INPUT for kind, _ in durations)
+        return cls(
+            forward=medians(Kind.FORWARD),
+            backward=None if split else medians(Kind.BACKWARD),
+            backward_input=medians(Kind.BACKWARD_INPUT),
+            backward_weight=medians(Kind.BACKWARD_WEIGHT),
+        )
 
     def per_stage(self, num_stages: int) -> dict[Kind, list[float]]:
         """Expand to one list per kind (compute kinds, and the message time under SEND_ACTIVATION)."""

@@ -12,16 +12,21 @@ __all__ = ["Span", "Timeline"]
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One instruction on one rank, from start to end (same unit as the costs or seconds)."""
+    """One instruction on one rank, from start to end (same unit as the costs, or seconds).
+
+    ``wait`` marks time a measured rank spent blocked on a transfer; its action is the
+    send or recv it waited for.
+    """
 
     rank: int
     action: Action
     start: float
     end: float
+    wait: bool = False
 
     @property
     def is_compute(self) -> bool:
-        return isinstance(self.action, Instruction) and self.action.kind.is_compute
+        return not self.wait and isinstance(self.action, Instruction) and self.action.kind.is_compute
 
     @property
     def duration(self) -> float:
@@ -35,13 +40,15 @@ class Timeline:
     num_ranks: int
     spans: list[Span]
     label: str = ""
+    unit: str = ""  # "s" for seconds (measured, or simulated from measured costs); else cost units
+    measured: bool = False  # spans are host time on each rank (so posting communication is drawn)
     _compute: list[list[Span]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._compute = [[] for _ in range(self.num_ranks)]
         for span in self.spans:
             action = span.action
-            if isinstance(action, Instruction) and action.kind.is_compute:
+            if not span.wait and isinstance(action, Instruction) and action.kind.is_compute:
                 self._compute[span.rank].append(span)
         for spans in self._compute:
             spans.sort(key=lambda s: s.start)
@@ -121,6 +128,22 @@ class Timeline:
                     cells[column] = str(span.action)
             rows.append(f"rank {rank}: " + " ".join(cell.ljust(width) for cell in cells).rstrip())
         return "\n".join(rows)
+
+    def waits(self, rank: int) -> list[Span]:
+        """The spans a rank spent blocked on communication, in time order (measured timelines)."""
+        return sorted((s for s in self.spans if s.wait and s.rank == rank), key=lambda s: s.start)
+
+    def plot(self, path: str, title: str | None = None) -> None:
+        """Write a PNG Gantt chart: one row per rank, micro-batch numbers on the boxes (needs matplotlib)."""
+        from schedules.plot import plot_timelines
+
+        plot_timelines([self], path, titles=[title] if title else None)
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write JSON for chrome://tracing and Perfetto: one process per rank (times in microseconds)."""
+        from schedules.chrome import write_chrome_trace
+
+        write_chrome_trace(self, path)
 
     def summary(self) -> str:
         per_rank = " ".join(f"{b:.3f}" for b in self.bubble_fractions)

@@ -9,10 +9,22 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
-@pytest.mark.timeout(120)
-def test_quickstart_trains_and_prints_the_loss() -> None:
-    command = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--steps", "3"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=ROOT)
+def run(*args: str, cwd: Path = ROOT) -> str:
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=170, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [float(line.split()[3]) for line in result.stdout.splitlines() if line.startswith("step")]
+    return result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_quickstart_trains_prints_the_loss_and_writes_its_timeline(tmp_path: Path) -> None:
+    out = run(str(ROOT / "examples" / "quickstart.py"), "--steps", "3", "--timeline", str(tmp_path / "last"))
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
+    assert out.splitlines()[0].startswith("partition by time: 2 stages")
+    assert (tmp_path / "last.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "last.json").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_plot_schedules_draws_every_schedule(tmp_path: Path) -> None:
+    out = run(str(ROOT / "examples" / "plot_schedules.py"), "-o", str(tmp_path / "schedules.png"))
+    assert "interleaved (p=4, m=8, v=2)" in out and (tmp_path / "schedules.png").stat().st_size > 20_000

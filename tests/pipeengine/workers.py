@@ -163,3 +163,28 @@ def partition_agreement() -> None:
         assert "needs sample=" in str(error) or "could not measure" in str(error), error
     else:
         raise AssertionError("partition='time' without a sample was accepted")
+
+
+def traced_steps(path: str, schedule: str, microbatches: int) -> None:
+    """A warm-up step, then one traced train step and one traced eval step; rank 0 pickles the timelines."""
+    import pickle
+
+    torch.manual_seed(0)  # compute (~2 ms a stage per micro-batch) well above per-message overheads
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(8)])
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule,
+                            partition="uniform")  # fmt: skip
+    x, y = torch.randn(64 * microbatches, 512), torch.randn(64 * microbatches, 512)
+    engine.train_step(x, y)
+    assert engine.timeline() is None  # not traced
+    with engine.tracing():
+        engine.train_step(x, y)
+        train = engine.timeline()
+        engine.eval_step(x)
+        evaluation = engine.timeline()
+    engine.train_step(x, y)
+    assert engine.timeline() is evaluation  # tracing is off again: the last traced step stays
+    if dist.get_rank() == 0:
+        with open(path, "wb") as out:
+            pickle.dump((engine.schedule, train, evaluation), out)
+    else:
+        assert train is None and evaluation is None

@@ -1,0 +1,106 @@
+"""Gantt charts of timelines: one row per rank, forward / backward / weight / wait in their own colours."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from schedules.instructions import Instruction, Kind
+from schedules.timeline import Timeline
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["plot_timelines", "COLOURS"]
+
+COLOURS = {
+    Kind.FORWARD: "#4C72B0",
+    Kind.BACKWARD: "#DD8452",
+    Kind.BACKWARD_INPUT: "#C44E52",
+    Kind.BACKWARD_WEIGHT: "#8172B2",
+    "post": "#7F7F7F",
+    "wait": "#C8C8C8",
+}
+LABELS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward (input)",
+          Kind.BACKWARD_WEIGHT: "backward (weight)", "post": "posting sends/recvs",
+          "wait": "waiting on a transfer"}  # fmt: skip
+
+
+def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[str] | None = None) -> None:
+    """Draw timelines stacked on one time axis (e.g. GPipe, 1F1B, interleaved; or simulated vs measured)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    if not timelines:
+        raise ValueError("plot_timelines needs at least one timeline")
+    heights = [max(1, t.num_ranks) for t in timelines]
+    figure = Figure(figsize=(12, 1.0 + sum(0.42 * h + 0.7 for h in heights)), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(timelines), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
+    scale, unit = _scale(timelines)
+    end = max(t.makespan for t in timelines) * scale
+    used: set[Kind | str] = set()
+    for index, (axis, timeline) in enumerate(zip(axes, timelines, strict=True)):
+        title = titles[index] if titles and index < len(titles) else timeline.label
+        axis.set_title(
+            f"{title}: bubble {timeline.bubble_fraction:.1%}, makespan {timeline.makespan * scale:.3g} {unit}",
+            fontsize=10,
+            loc="left",
+        )
+        used |= _draw(axis, timeline, scale, end)
+        axis.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
+        axis.set_ylim(timeline.num_ranks - 0.5, -0.5)
+        axis.set_xlim(0, end)
+    axes[-1].set_xlabel(f"time ({unit})")
+    order = [k for k in COLOURS if k in used]
+    figure.legend(
+        [Patch(color=COLOURS[k]) for k in order],
+        [LABELS[k] for k in order],
+        loc="outside lower center",
+        ncol=len(order),
+        fontsize=9,
+        frameon=False,
+    )
+    figure.savefig(path, dpi=110)
+
+
+def _scale(timelines: Sequence[Timeline]) -> tuple[float, str]:
+    """Seconds are drawn in milliseconds; simulated timelines keep their cost units."""
+    if all(t.unit == "s" for t in timelines):
+        return 1e3, "ms"
+    return 1.0, "cost units"
+
+
+def _draw(axis: Axes, timeline: Timeline, scale: float, end: float) -> set[Kind | str]:
+    origin = timeline.start
+    used: set[Kind | str] = set()
+    chunk_of = _chunks(timeline)
+    measured = timeline.measured  # there a post is host time; simulated comm spans overlap compute
+    for span in timeline.spans:
+        op = span.action
+        if span.is_compute or span.wait:
+            key: Kind | str = "wait" if span.wait else op.kind  # type: ignore[union-attr]  # compute: Instruction
+        elif measured:
+            key = "post"
+        else:
+            continue
+        used.add(key)
+        left, width = (span.start - origin) * scale, max(span.duration * scale, end * 1e-4)
+        chunk = chunk_of.get((span.rank, op.stage), 0) if isinstance(op, Instruction) else 0
+        alpha = 1.0 if chunk == 0 or not span.is_compute else 0.6
+        axis.barh(span.rank, width, left=left, height=0.8, color=COLOURS[key], alpha=alpha, edgecolor="white",
+                  linewidth=0.4)  # fmt: skip
+        if span.is_compute and isinstance(op, Instruction) and width > end / 90:
+            axis.text(left + width / 2, span.rank, str(op.microbatch), ha="center", va="center", fontsize=7,
+                      color="white")  # fmt: skip
+    return used
+
+
+def _chunks(timeline: Timeline) -> dict[tuple[int, int], int]:
+    """(rank, stage) -> the stage's position among the rank's stages: chunks are drawn lighter."""
+    stages: dict[int, set[int]] = {}
+    for span in timeline.spans:
+        if isinstance(span.action, Instruction):
+            stages.setdefault(span.rank, set()).add(span.action.stage)
+    return {(rank, stage): i for rank, owned in stages.items() for i, stage in enumerate(sorted(owned))}

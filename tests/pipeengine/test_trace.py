@@ -1,0 +1,85 @@
+"""Measured timelines: one span per instruction, waits apart, one clock for all ranks, and plots of them."""
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from pipeengine import launch
+from schedules import Batch, Costs, Instruction, Schedule, Span, Timeline, forward_only, simulate
+from schedules.plot import plot_timelines
+from tests.pipeengine import workers
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Schedule, Timeline, Timeline]:
+    path = tmp_path_factory.mktemp("trace") / "timelines.pickle"
+    launch(workers.traced_steps, 2, args=(str(path), "gpipe", 4), timeout=60)
+    with path.open("rb") as data:
+        return pickle.load(data)  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(120)
+def test_one_span_per_executed_instruction_and_per_rank_spans_do_not_overlap(traced: tuple) -> None:
+    schedule, train, evaluation = traced
+    for timeline, run in ((train, schedule), (evaluation, forward_only(schedule))):
+        assert timeline.measured and timeline.unit == "s"
+        for rank in range(2):
+            mine = sorted((s for s in timeline.spans if s.rank == rank), key=lambda s: s.start)
+            executed = [s.action for s in mine if not s.wait]
+            assert sorted(map(str, executed)) == sorted(map(str, run.instructions[rank]))
+            assert all(s.start < s.end for s in mine)
+            assert all(a.end <= b.start for a, b in zip(mine, mine[1:], strict=False))
+
+
+@pytest.mark.timeout(120)
+def test_waits_are_their_own_spans_and_every_recv_ends_after_its_send_was_posted(traced: tuple) -> None:
+    _, train, _ = traced
+    posted: dict[Instruction, float] = {}
+    for span in train.spans:
+        if not span.wait and not span.is_compute:
+            for op in span.action.ops if isinstance(span.action, Batch) else (span.action,):
+                posted[op] = span.start
+    waits = [s for s in train.spans if s.wait and s.action.kind.is_recv]  # type: ignore[union-attr]
+    assert waits  # rank 1 waits for activations, rank 0 for gradients
+    for wait in waits:
+        send = wait.action.peer()  # type: ignore[union-attr]
+        assert wait.end >= posted[send] - 5e-4, (wait, posted[send])  # one clock: causality, to the offset error
+
+
+@pytest.mark.timeout(120)
+def test_measured_gpipe_bubble_is_near_the_simulated_one(traced: tuple) -> None:
+    schedule, train, _ = traced
+    predicted = simulate(schedule, Costs.from_timeline(train))
+    assert 0.0 < train.bubble_fraction < 0.9
+    assert predicted.bubble_fraction - 0.05 < train.bubble_fraction < predicted.bubble_fraction + 0.3, (
+        train.bubble_fraction,
+        predicted.bubble_fraction,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_plot_and_chrome_trace_of_a_measured_step(traced: tuple, tmp_path: Path) -> None:
+    schedule, train, _ = traced
+    predicted = simulate(schedule, Costs.from_timeline(train))
+    predicted.unit = "s"
+    figure = tmp_path / "measured.png"
+    plot_timelines([train, predicted], str(figure), titles=["measured", "predicted"])
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
+    trace = tmp_path / "trace.json"
+    train.to_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert len(events) == 3 * train.num_ranks + len(train.spans)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1} and all(e["dur"] >= 0 for e in spans)
+
+
+def test_costs_from_a_timeline_are_medians_per_kind_and_stage() -> None:
+    from schedules import parse
+
+    spans = [Span(0, parse("0F0"), 0, 1), Span(0, parse("0F1"), 1, 4), Span(0, parse("0F2"), 4, 6),
+             Span(1, parse("1F0"), 2, 4), Span(1, parse("1B0"), 4, 9), Span(0, parse("0B0"), 9, 12),
+             Span(0, parse("0RB0"), 6, 9, wait=True)]  # fmt: skip
+    costs = Costs.from_timeline(Timeline(2, spans))
+    assert costs.forward == [2, 2] and costs.backward == [3, 5]

@@ -1,0 +1,57 @@
+"""Plots and Chrome traces of simulated timelines (no torch)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schedules import build_schedule, simulate
+from schedules.plot import plot_timelines
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_several_schedules_on_one_time_axis(tmp_path: Path) -> None:
+    timelines = [simulate(build_schedule(name, 4, 8, v)) for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]]
+    path = tmp_path / "three.png"
+    plot_timelines(timelines, str(path))
+    assert path.read_bytes()[:8] == PNG and path.stat().st_size > 20_000
+
+
+def test_plot_needs_a_timeline(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one timeline"):
+        plot_timelines([], str(tmp_path / "none.png"))
+
+
+def test_chrome_trace_has_a_process_per_rank_and_an_event_per_span(tmp_path: Path) -> None:
+    timeline = simulate(build_schedule("1f1b", 3, 4))
+    path = tmp_path / "trace.json"
+    timeline.to_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    names = [e["args"]["name"] for e in events if e["name"] == "process_name"]
+    assert names == ["rank 0", "rank 1", "rank 2"]
+    assert len([e for e in events if e["ph"] == "X"]) == len(timeline.spans)
+    forward = next(e for e in events if e.get("name") == "1F0")
+    assert forward["ts"] == 1000.0 and forward["dur"] == 1000.0  # 1 cost unit is drawn as 1 ms
+
+
+def test_the_plot_command_writes_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "1f1b.png"
+    command = [
+        sys.executable,
+        "-m",
+        "schedules",
+        "plot",
+        "1f1b",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "8",
+        "-o",
+        str(path),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert path.read_bytes()[:8] == PNG
