@@ -28,3 +28,17 @@ def test_quickstart_trains_prints_the_loss_and_writes_its_timeline(tmp_path: Pat
 def test_plot_schedules_draws_every_schedule(tmp_path: Path) -> None:
     out = run(str(ROOT / "examples" / "plot_schedules.py"), "-o", str(tmp_path / "schedules.png"))
     assert "interleaved (p=4, m=8, v=2)" in out and (tmp_path / "schedules.png").stat().st_size > 20_000
+
+
+@pytest.mark.timeout(180)
+def test_train_gpt_trains_samples_and_writes_its_timeline(tmp_path: Path) -> None:
+    out = run(
+        str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--steps", "3", "--layers", "2", "--batch", "8",
+        "--microbatches", "2", "--sample-chars", "5", "--out", str(tmp_path / "gpt"),
+    )  # fmt: skip
+    steps = [line for line in out.splitlines() if line.startswith("step")]
+    assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 2
+    assert float(steps[0].split()[3]) > 3.0  # about ln(96) at the start
+    samples = [line for line in out.splitlines() if line.startswith("sample: 'def ")]
+    assert len(samples) == 2 and all(len(eval(line[len("sample: ") :])) == 4 + 5 for line in samples)
+    assert (tmp_path / "gpt_timeline.png").stat().st_size > 10_000 and (tmp_path / "gpt_timeline.json").exists()

@@ -1,0 +1,180 @@
+"""Train a small character-level GPT with pipeline parallelism, on the Python standard library's own source.
+
+    python examples/train_gpt.py                                # 4 CPU ranks, 1F1B, a few minutes on 2 cores
+    python examples/train_gpt.py --schedule interleaved --steps 100
+    torchrun --nproc-per-node 4 examples/train_gpt.py           # the same, launched by torchrun
+
+The model is an nn.Sequential of blocks (embedding, transformer blocks, head), split into
+stages by measured time. Every rank reads the same batches; the first stage's rank feeds
+the inputs, the last stage's rank the targets. At the end it samples a few lines and
+writes the last step's measured timeline (PNG and Chrome trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from pipeengine import PipelineEngine, launch
+
+RANKS, SCHEDULE, STEPS, LAYERS, WIDTH, HEADS, CONTEXT, BATCH, MICROBATCHES = 4, "1f1b", 300, 6, 128, 4, 64, 32, 8
+LEARNING_RATE, TRACE_EVERY, CORPUS_BYTES, OUT = 3e-3, 50, 2_000_000, "out/gpt"
+VOCAB = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII; anything else reads as a space
+INDEX = {c: i for i, c in enumerate(VOCAB)}
+
+
+class Embed(nn.Module):
+    def __init__(self, width: int, context: int) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(len(VOCAB), width), nn.Embedding(context, width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, D)
+        return self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each with a residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, width // self.heads).unbind(2)
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True)  # (B, H, T, D/H)  # fmt: skip
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(width), nn.Linear(width, len(VOCAB))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, vocab)
+        return self.out(self.norm(x))
+
+
+def gpt(layers: int, width: int, heads: int, context: int) -> nn.Sequential:
+    return nn.Sequential(Embed(width, context), *[Block(width, heads) for _ in range(layers)], Head(width))
+
+
+def next_char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def corpus(device: torch.device) -> torch.Tensor:
+    """The standard library's .py files as token ids, read on rank 0 and broadcast (every machine agrees)."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    if dist.get_rank() == 0:
+        text, total = [], 0
+        for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+            text.append(path.read_text(errors="replace"))
+            total += len(text[-1])
+            if total >= CORPUS_BYTES:
+                break
+        ids = torch.tensor([INDEX.get(c, 0) for c in "".join(text)[:CORPUS_BYTES]], dtype=torch.uint8, device=device)
+        size[0] = ids.numel()
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        ids = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(ids, src=0)
+    return ids.long().cpu()
+
+
+def main(args: argparse.Namespace) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = corpus(device)
+    batches = torch.Generator().manual_seed(0)  # the same batches on every rank
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, data.numel() - args.context - 1, (args.batch,), generator=batches)
+        window = torch.stack([data[s : s + args.context + 1] for s in starts.tolist()])
+        return window[:, :-1], window[:, 1:]
+
+    torch.manual_seed(0)  # the same model on every rank; each keeps its stages
+    model = gpt(args.layers, args.width, args.heads, args.context)
+    sample, _ = batch()
+    engine = PipelineEngine(model, next_char_loss, num_microbatches=args.microbatches, schedule=args.schedule,
+                            sample=sample)  # fmt: skip
+    talk = engine.rank == 0
+    if talk:
+        print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {data.numel():,} characters of stdlib")
+        print(engine.partition, flush=True)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE) if list(engine.parameters()) else None
+    bubble, started, tokens = float("nan"), time.perf_counter(), 0
+    for step in range(args.steps):
+        x, y = batch()
+        traced = step % TRACE_EVERY == TRACE_EVERY - 1 or step == args.steps - 1
+        with engine.tracing() if traced else contextlib.nullcontext():
+            loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        tokens += x.numel()
+        timeline = engine.timeline()
+        if traced and timeline is not None:
+            bubble = timeline.bubble_fraction
+        if talk and (step % 10 == 0 or step == args.steps - 1):
+            rate = tokens / (time.perf_counter() - started)
+            measured = "n/a" if bubble != bubble else f"{bubble:.1%}"  # nan until the first traced step
+            print(f"step {step:4d}  loss {loss:.3f}  {rate:8.0f} tokens/s  bubble {measured} (measured)", flush=True)
+    generate(engine, args, device)
+    if talk and timeline is not None:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        timeline.plot(f"{args.out}_timeline.png", title=f"{args.schedule}, last step, measured")
+        timeline.to_chrome_trace(f"{args.out}_timeline.json")
+        print(f"wrote {args.out}_timeline.png and {args.out}_timeline.json")
+
+
+@torch.no_grad()
+def generate(engine: PipelineEngine, args: argparse.Namespace, device: torch.device) -> None:
+    """Sample one line per micro-batch: each character is an eval_step through the whole pipeline."""
+    engine.eval()
+    context = torch.tensor([[INDEX[c] for c in "def "]] * args.microbatches)
+    draw = torch.Generator(device=device).manual_seed(1)
+    last = engine.schedule.placement[-1]
+    for _ in range(args.sample_chars):
+        logits = engine.eval_step(context[:, -args.context :] if engine.first else None)
+        chosen = torch.zeros(args.microbatches, dtype=torch.int64, device=device)
+        if logits is not None:
+            probabilities = F.softmax(logits[:, -1] / 0.8, dim=-1)
+            chosen = torch.multinomial(probabilities, 1, generator=draw).squeeze(1)
+        dist.broadcast(chosen, src=last)  # the last stage's choice becomes everyone's next input
+        context = torch.cat([context, chosen.cpu()[:, None]], dim=1)
+    engine.train()
+    if engine.rank == 0:
+        for line in context[:3].tolist():
+            print("sample:", repr("".join(VOCAB[i] for i in line)))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=RANKS)
+    parser.add_argument("--schedule", default=SCHEDULE, choices=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--context", type=int, default=CONTEXT)
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    parser.add_argument("--sample-chars", type=int, default=120)
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA when there is a GPU per rank")
+    parser.add_argument("--out", default=OUT, help="prefix of the timeline files")
+    arguments = parser.parse_args()
+    launch(main, arguments.ranks, args=(arguments,), device=arguments.device)
