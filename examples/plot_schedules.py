@@ -16,7 +16,7 @@ from schedules import Costs, build_schedule, simulate
 from schedules.plot import plot_timelines
 
 RANKS, MICROBATCHES, OUTPUT = 4, 8, "docs/schedules.png"
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
 
 
 def main(ranks: int, microbatches: int, output: str) -> None:

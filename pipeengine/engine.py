@@ -20,6 +20,7 @@ from pipeengine.stage import LossFn, StageWorker
 from pipeengine.streams import Streams
 from pipeengine.trace import Tracer
 from schedules import Schedule, Timeline, build_schedule, forward_only, validate
+from schedules.registry import DEFAULT_CHUNKS
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
 
@@ -52,7 +53,7 @@ class PipelineEngine:
         loss_fn: LossFn,
         *,
         num_microbatches: int,
-        schedule: str | Schedule = "1f1b",
+        schedule: str | Schedule = "1f1b",  # "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", or a Schedule
         chunks: int | None = None,
         partition: str | Sequence[int] | None = None,
         sample: object = None,
@@ -312,7 +313,7 @@ def _schedule(schedule: str | Schedule, world: int, num_microbatches: int, chunk
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(schedule).__name__}")
     if chunks is None:
-        chunks = 2 if schedule == "interleaved" else 1
+        chunks = DEFAULT_CHUNKS.get(schedule, 1)
     return build_schedule(schedule, world, num_microbatches, chunks)
 
 

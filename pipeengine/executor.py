@@ -23,7 +23,7 @@ from schedules import Batch, Instruction, Kind, Schedule
 
 __all__: list[str] = []
 
-_F, _B = Kind.FORWARD, Kind.BACKWARD
+_F, _B, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT
 _SF, _SB, _RF, _RB = Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT, Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT
 
 
@@ -59,10 +59,10 @@ class Executor:
                 where += f" (stage {action.stage}, micro-batch {action.microbatch})"
                 if action.kind is _F:
                     state.forward(action, where)
-                elif action.kind is _B:
+                elif action.kind is _W:
+                    state.weights(action)
+                else:  # B, or I (the input half of a split backward)
                     state.backward(action, where)
-                else:
-                    raise PipelineError(f"{where}: this executor runs F and B; {action.kind.name} is not supported")
             where = f"rank {self.rank}, end of step"
             state.finish(where)
         except PipelineError:
@@ -138,11 +138,18 @@ class _Run:
         if s < self.schedule.num_stages - 1:
             grads = self.take(Instruction(s, _RB, mb), (_B, s + 1, mb), None, where)
         start = self.tracer.mark() if self.tracer else 0.0
-        input_grads = self.executor.workers[s].backward(mb, grads)
+        worker = self.executor.workers[s]
+        input_grads = worker.backward(mb, grads) if op.kind is _B else worker.backward_input(mb, grads)
         if self.tracer:
             self.tracer.add(op, start, self.tracer.mark())
         if s > 0:
             self.handoff[(_B, s, mb)] = input_grads
+
+    def weights(self, op: Instruction) -> None:
+        start = self.tracer.mark() if self.tracer else 0.0
+        self.executor.workers[op.stage].backward_weight(op.microbatch)
+        if self.tracer:
+            self.tracer.add(op, start, self.tracer.mark())
 
     def take(self, recv: Instruction, local: tuple[Kind, int, int], leaves: Boundary | None, where: str) -> Tensors:
         """The tensors a compute consumes: handed over on this rank, or received (waited on here).

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pipeengine.backward import WeightPass, backward_input
 from pipeengine.specs import Boundary, Tensors, unpack
 
 __all__: list[str] = []
@@ -39,6 +40,7 @@ class StageWorker:
         self.output: Boundary | None = None  # expected output of one micro-batch (None on the last stage)
         self.saved: dict[int, tuple[Tensors, Tensors]] = {}  # micro-batch -> (inputs, outputs) for backward
         self.losses: dict[int, torch.Tensor] = {}  # micro-batch -> unscaled loss (last stage)
+        self.weight_passes: dict[int, WeightPass] = {}  # micro-batch -> its pending W (zero-bubble)
 
     def forward(self, mb: int, inputs: Tensors, packed: bool, target: object = None, train: bool = True) -> Tensors:
         """Run the layers; on the last stage of a training step, return the scaled loss instead."""
@@ -64,15 +66,28 @@ class StageWorker:
 
     def backward(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
         """Backpropagate one micro-batch; return the gradients of the inputs that need one, and free it."""
+        inputs, outputs, grads = self._pop(mb, grad_outputs)
+        if outputs:
+            torch.autograd.backward(outputs, grads)  # None for a scalar loss
+        return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad)
+
+    def backward_input(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
+        """The input gradients alone (zero-bubble I); the weight pass is kept for backward_weight."""
+        inputs, outputs, grads = self._pop(mb, grad_outputs)
+        input_grads, self.weight_passes[mb] = backward_input(outputs, grads, inputs, list(self.module.parameters()))
+        return input_grads
+
+    def backward_weight(self, mb: int) -> None:
+        """The parameter gradients of a micro-batch whose input gradients were taken (zero-bubble W)."""
+        self.weight_passes.pop(mb).run()  # then its graph, and the activations it held, are freed
+
+    def _pop(self, mb: int, grad_outputs: Tensors | None) -> tuple[Tensors, Tensors, Tensors]:
+        """A micro-batch's inputs, the outputs to backpropagate from, and their gradients."""
         inputs, outputs = self.saved.pop(mb)
         if self.is_last:
-            outputs[0].backward()
-        else:
-            pairs = [(o, g) for o, g in zip((o for o in outputs if o.requires_grad), grad_outputs or (), strict=True)]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad)
-        return grads
+            return inputs, outputs, (None,)  # type: ignore[return-value]  # the loss: d(loss)/d(loss) = 1
+        needing = tuple(o for o in outputs if o.requires_grad)
+        return inputs, needing, tuple(grad_outputs or ())
 
     def _check(self, outputs: Tensors, value: object, train: bool) -> None:
         """The output must be what the receiver's buffers were sized for: never a hang or a truncation."""

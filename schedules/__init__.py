@@ -11,6 +11,7 @@ from schedules.schedule import Schedule, ScheduleError
 from schedules.simulation import Costs, simulate
 from schedules.timeline import Span, Timeline
 from schedules.validation import validate
+from schedules.zero_bubble import zb_h1, zb_v
 
 __all__ = [
     "Action",
@@ -33,4 +34,6 @@ __all__ = [
     "parse",
     "simulate",
     "validate",
+    "zb_h1",
+    "zb_v",
 ]

@@ -10,8 +10,9 @@ from schedules.interleaved import interleaved_1f1b
 from schedules.lowering import lower
 from schedules.one_f_one_b import one_f_one_b
 from schedules.schedule import Schedule
+from schedules.zero_bubble import zb_h1, zb_v
 
-__all__ = ["SCHEDULES", "build_schedule", "compile_schedule"]
+__all__ = ["DEFAULT_CHUNKS", "SCHEDULES", "build_schedule", "compile_schedule"]
 
 
 def _one_chunk(compiler: Callable[[int, int], Schedule], name: str) -> Callable[[int, int, int], Schedule]:
@@ -26,12 +27,21 @@ def _one_chunk(compiler: Callable[[int, int], Schedule], name: str) -> Callable[
     return compile_
 
 
+def _two_chunks(num_ranks: int, num_microbatches: int, chunks: int) -> Schedule:
+    if chunks != 2:
+        raise ValueError(f"'zb-v' runs two chunks per rank in a V (chunks=2), got chunks={chunks}")
+    return zb_v(num_ranks, num_microbatches)
+
+
 # name -> compiler(num_ranks, num_microbatches, chunks) emitting compute order only
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "gpipe": _one_chunk(gpipe, "gpipe"),
     "1f1b": _one_chunk(one_f_one_b, "1f1b"),
     "interleaved": interleaved_1f1b,
+    "zb-h1": _one_chunk(zb_h1, "zb-h1"),
+    "zb-v": _two_chunks,
 }
+DEFAULT_CHUNKS = {"interleaved": 2, "zb-v": 2}  # chunks when none is given (PipelineEngine, CLI)
 
 
 def compile_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:

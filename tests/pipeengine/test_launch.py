@@ -64,3 +64,14 @@ def test_under_torchrun_launch_joins_its_group(tmp_path: Path) -> None:
         "0 2 gloo",
         "1 2 gloo",
     ]
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_gets_multiprocessings_own_explanation(tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text("from pipeengine import launch\nfrom tests.pipeengine import workers\n"
+                      "launch(workers.report_world, 2, args=('x',))\n")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
+    assert result.returncode != 0
+    assert "if __name__ == '__main__'" in result.stderr and "can only join a started process" not in result.stderr

@@ -13,7 +13,7 @@ def microbatch_counts(schedule: str, ranks: int) -> list[int]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_loss_gradients_and_weights_equal_single_process(model: str, schedule: str, ranks: int) -> None:
     ms = microbatch_counts(schedule, ranks)
@@ -22,7 +22,7 @@ def test_loss_gradients_and_weights_equal_single_process(model: str, schedule: s
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-v"])
 def test_gradients_accumulate_and_eval_train_eval_leaves_no_state(schedule: str) -> None:
     launch(workers.accumulate_and_eval, 2, args=("transformer", schedule, 4), timeout=60)
 

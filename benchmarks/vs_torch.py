@@ -1,0 +1,137 @@
+"""Side by side with torch.distributed.pipelining: same model, micro-batches and schedule, alternating.
+
+    python benchmarks/vs_torch.py                          # 2 ranks, 1 thread, 8 x Linear(1024), batch 256, m=8
+    python benchmarks/vs_torch.py --ranks 4 --rounds 8
+
+For each schedule, one set of ranks builds this engine and torch's (ScheduleGPipe,
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble) from the same weights and split, checks they
+compute the same loss, then times them in alternating rounds so both see the same
+machine. Rank 0 also times a single process running the whole model (the baseline).
+Reports median step times and the throughput ratio. Writes out/bench/vs_torch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from common import OUT, median, mlp, timed, write_json
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from pipeengine import PipelineEngine, launch
+
+RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES, ROUNDS, STEPS = 2, 1, 1024, 8, 256, 8, 6, 3
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-v"]
+TORCH = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI = {"interleaved": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble}  # several stages per rank
+
+
+def torch_pipeline(
+    schedule: str, args: argparse.Namespace, bounds: list[tuple[int, int]], placement: tuple[int, ...]
+) -> object:
+    """torch's schedule over the same layers as ours (same split and placement, same initial weights)."""
+    rank = dist.get_rank()
+    layers = list(mlp(args.width, args.layers))
+    stages = [
+        PipelineStage(nn.Sequential(*layers[a:b]), s, len(bounds), torch.device("cpu"))
+        for s, (a, b) in enumerate(bounds)
+        if placement[s] == rank
+    ]
+    loss = nn.functional.mse_loss
+    if schedule in MULTI:
+        return MULTI[schedule](stages, args.microbatches, loss_fn=loss)
+    return TORCH[schedule](stages[0], args.microbatches, loss_fn=loss)
+
+
+def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    engine = PipelineEngine(mlp(args.width, args.layers), nn.functional.mse_loss, num_microbatches=args.microbatches,
+                            schedule=schedule, partition="uniform")  # fmt: skip
+    theirs = torch_pipeline(schedule, args, engine.bounds, engine.schedule.placement)
+    first, last = rank == 0, rank == engine.schedule.placement[-1]
+
+    def ours() -> float:
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        engine_zero_grad()
+        return loss
+
+    def engine_zero_grad() -> None:
+        for param in engine.parameters():
+            param.grad = None
+
+    def torch_step() -> float | None:
+        losses: list[torch.Tensor] = []
+        if first:
+            theirs.step(x, target=y, losses=losses) if last else theirs.step(x)  # type: ignore[attr-defined]
+        elif last:
+            theirs.step(target=y, losses=losses)  # type: ignore[attr-defined]
+        else:
+            theirs.step()  # type: ignore[attr-defined]
+        for stage in getattr(theirs, "_stages", [getattr(theirs, "_stage", None)]):
+            if stage is not None:
+                stage.submod.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if losses else None
+
+    # the same work: the same mean loss on the last rank
+    ours_loss, their_loss = ours(), torch_step()
+    if their_loss is not None and abs(ours_loss - their_loss) > 1e-4 * abs(ours_loss):
+        raise AssertionError(f"{schedule}: this engine's loss {ours_loss} differs from torch's {their_loss}")
+    whole = mlp(args.width, args.layers) if rank == 0 else None
+
+    def single() -> None:
+        if whole is not None:  # the other ranks wait in the barrier: their cores idle
+            nn.functional.mse_loss(whole(x), y).backward()
+            whole.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        ours(), torch_step(), single()
+    mine, torch_times, single_times = [], [], []
+    for _ in range(args.rounds):
+        mine += [timed(ours) for _ in range(args.steps)]
+        torch_times += [timed(torch_step) for _ in range(args.steps)]
+        single_times += [timed(single) for _ in range(args.steps)]
+    if rank == 0:
+        row = {"schedule": schedule, "ranks": world, "ours_ms": 1e3 * median(mine),
+               "torch_ms": 1e3 * median(torch_times), "single_process_ms": 1e3 * median(single_times)}  # fmt: skip
+        row["speedup_vs_torch"] = row["torch_ms"] / row["ours_ms"]
+        row["speedup_vs_single"] = row["single_process_ms"] / row["ours_ms"]
+        with open(path, "w") as out:
+            json.dump(row, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for flag, default in [("ranks", RANKS), ("threads", THREADS), ("width", WIDTH), ("layers", LAYERS),
+                          ("batch", BATCH), ("microbatches", MICROBATCHES), ("rounds", ROUNDS),
+                          ("steps", STEPS)]:  # fmt: skip
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows = []
+    started = time.perf_counter()
+    for schedule in args.schedules:
+        path = OUT / "vs_torch.row.json"
+        launch(worker, args.ranks, args=(schedule, args, str(path)), threads=args.threads)
+        rows.append(json.loads(path.read_text()))
+        path.unlink()
+        r = rows[-1]
+        print(f"{schedule:12} pipeengine {r['ours_ms']:7.1f} ms  torch.distributed.pipelining {r['torch_ms']:7.1f} ms  "
+              f"-> {r['speedup_vs_torch']:.2f}x   single process {r['single_process_ms']:7.1f} ms "
+              f"-> {r['speedup_vs_single']:.2f}x", flush=True)  # fmt: skip
+    print(f"wrote {write_json('vs_torch', rows)} ({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Every benchmark runs end to end in a tiny configuration (its figures are not checked here)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+TINY = ["--width", "64", "--layers", "4", "--batch", "16"]
+
+
+def bench(script: str, *args: str, out: Path) -> str:
+    env = {**os.environ, "PIPEENGINE_BENCH_OUT": str(out)}
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_vs_torch_reports_a_ratio_per_schedule(tmp_path: Path) -> None:
+    schedules = ["1f1b", "interleaved", "zb-v"]
+    out = bench("vs_torch.py", *TINY, "--microbatches", "4", "--rounds", "1", "--steps", "1", "--schedules", *schedules,
+                out=tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "vs_torch.json").read_text())
+    assert [r["schedule"] for r in rows] == schedules and "-> " in out
+    assert all(r["ours_ms"] > 0 and r["torch_ms"] > 0 and r["single_process_ms"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_split_size_sweeps_and_draws(tmp_path: Path) -> None:
+    bench("split_size.py", *TINY, "--microbatches", "2", "4", "--steps", "1", "--schedules", "1f1b", out=tmp_path)
+    rows = json.loads((tmp_path / "split_size.json").read_text())
+    assert [r["microbatches"] for r in rows] == [2, 4]
+    assert (tmp_path / "split_size.png").stat().st_size > 10_000 and (tmp_path / "split_size.csv").exists()
+
+
+@pytest.mark.timeout(300)
+def test_schedules_and_overhead(tmp_path: Path) -> None:
+    bench("compare_schedules.py", *TINY, "--ranks", "2", "--microbatches", "4", "--steps", "1",
+          "--schedules", "1f1b", "zb-h1", out=tmp_path)  # fmt: skip
+    assert len(json.loads((tmp_path / "schedules.json").read_text())) == 2 and (tmp_path / "schedules_p2.png").exists()
+    out = bench("overhead.py", *TINY, "--microbatches", "4", "--steps", "2", "--schedules", "1f1b", out=tmp_path)
+    assert "us/instruction" in out and json.loads((tmp_path / "overhead.json").read_text())[0]["ratio"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_schedule_scale_runs_small() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "schedule_scale.py"), "1f1b", "4", "8", "1"],
+                            capture_output=True, text=True, timeout=50, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0 and "total median" in result.stdout, result.stderr
