@@ -18,8 +18,9 @@ from pipeengine.profile import LayerCosts, measure
 from pipeengine.specs import Boundary, Tensors, infer_boundaries, meta_copy, unpack
 from pipeengine.stage import LossFn, StageWorker
 from pipeengine.streams import Streams
+from pipeengine.topology import Topology
 from pipeengine.trace import Tracer
-from schedules import Schedule, Timeline, build_schedule, forward_only, validate
+from schedules import Schedule, Timeline, build_schedule, forward_only, validate, with_gradient_sync
 from schedules.registry import DEFAULT_CHUNKS
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
@@ -61,6 +62,7 @@ class PipelineEngine:
         group: dist.ProcessGroup | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         trace: bool = False,
+        data_parallel: int = 1,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -74,15 +76,21 @@ class PipelineEngine:
                 "torch.distributed is not initialised: start the ranks with pipeengine.launch(fn, nprocs=N) "
                 "or torchrun (and call torch.distributed.init_process_group)"
             )
-        self.group = group
-        self.rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
+        self.topology = Topology.build(data_parallel, group)
+        self.group = self.topology.pipeline_group  # this replica's pipeline
+        self.rank = self.topology.pp_rank  # the position in it
+        self.dp_rank, self.data_parallel = self.topology.dp_rank, self.topology.data_parallel
+        world = self.topology.pipeline
         self.device = _device(device, group)
         self.timeout = timeout
         self.schedule = _schedule(schedule, world, num_microbatches, chunks)
+        if self.data_parallel > 1:  # average each stage's gradients over the replicas, in the stream
+            self.schedule = with_gradient_sync(self.schedule)
         self.num_microbatches = num_microbatches
         num_stages = self.schedule.num_stages
-        self.partition = _agree_partition(model, self.schedule, partition, sample, self.rank, group, self.device)
+        # every replica must cut the model alike: the whole world agrees when there are several
+        agreeing = None if self.data_parallel > 1 else self.group
+        self.partition = _agree_partition(model, self.schedule, partition, sample, agreeing, self.device)
         self.bounds = self.partition.bounds
         _check_no_shared_parameters(model, self.bounds, self.schedule.placement)
 
@@ -97,8 +105,8 @@ class PipelineEngine:
             s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn, num_microbatches=num_microbatches)
             for s, module in self.stages.items()
         }
-        p2p = P2P(group, Streams(self.device, timeout))
-        self._executor = Executor(self.rank, self._workers, p2p, self.device)
+        p2p = P2P(self.group, Streams(self.device, timeout))
+        self._executor = Executor(self.rank, self._workers, p2p, self.device, self.topology.data_group)
         self._boundaries: dict[Boundary, list[Boundary]] = {}
         self._trace = trace
         self._tracer = Tracer(self.device)
@@ -187,6 +195,9 @@ class PipelineEngine:
         last = self.schedule.placement[-1]
         try:
             dist.broadcast(loss, group_src=last, group=self.group)
+            if self.data_parallel > 1:  # the mean over every replica's batch
+                dist.all_reduce(loss, group=self.topology.data_group)
+                loss /= self.data_parallel
         except Exception as error:
             raise PeerError(f"rank {self.rank}: waiting for the loss from rank {last} failed: {error}") from error
         return loss.item()
@@ -238,7 +249,6 @@ def _agree_partition(
     schedule: Schedule,
     partition: str | Sequence[int] | None,
     sample: object,
-    rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> Partition:
@@ -248,7 +258,8 @@ def _agree_partition(
     counts = None if partition is None or isinstance(partition, str) else list(partition)
     if counts is not None and len(counts) != schedule.num_stages:
         raise ValueError(f"partition lists {len(counts)} stages, the schedule has {schedule.num_stages}: {counts}")
-    source, m = schedule.placement[0], schedule.num_microbatches
+    m = schedule.num_microbatches
+    source, rank = 0, dist.get_rank(group)  # group rank 0 runs the first stage (of the first replica)
     header = torch.zeros(2, dtype=torch.int64, device=device)  # [failed, method]
     rows = torch.zeros(5, len(model), dtype=torch.float64, device=device)
     failure: Exception | None = None

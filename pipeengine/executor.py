@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from pipeengine.comm import P2P, Transfer
 from pipeengine.errors import PeerError, PipelineError
@@ -23,7 +25,7 @@ from schedules import Batch, Instruction, Kind, Schedule
 
 __all__: list[str] = []
 
-_F, _B, _W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT
+_F, _B, _W, _AR = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT, Kind.ALL_REDUCE
 _SF, _SB, _RF, _RB = Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT, Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT
 
 
@@ -39,11 +41,36 @@ class Step:
 
 
 class Executor:
-    def __init__(self, rank: int, workers: dict[int, StageWorker], p2p: P2P, device: torch.device) -> None:
+    def __init__(
+        self,
+        rank: int,
+        workers: dict[int, StageWorker],
+        p2p: P2P,
+        device: torch.device,
+        data_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.rank = rank
         self.workers = workers
         self.p2p = p2p
         self.device = device
+        self.data_group = data_group  # the replicas of this pipeline position (data parallelism)
+        self._owners: dict[tuple[Instruction | Batch, ...], dict[int, list[nn.Parameter]]] = {}
+
+    def owned(self, stream: tuple[Instruction | Batch, ...]) -> dict[int, list[nn.Parameter]]:
+        """Per stage, the parameters its all-reduce averages: a weight shared by stages of this rank
+        goes with the stage whose all-reduce comes last, when all its gradient is in."""
+        owners = self._owners.get(stream)
+        if owners is None:
+            order = [a.stage for a in stream if isinstance(a, Instruction) and a.kind is Kind.ALL_REDUCE]
+            last_stage = {}
+            for stage in order:
+                for param in self.workers[stage].module.parameters():
+                    last_stage[id(param)] = (stage, param)
+            owners = {stage: [] for stage in order}
+            for stage, param in last_stage.values():
+                owners[stage].append(param)
+            self._owners[stream] = owners
+        return owners
 
     def run(self, schedule: Schedule, step: Step, tracer: Tracer | None = None) -> dict[int, Tensors]:
         """Run this rank's stream; return the last stage's outputs per micro-batch (evaluation)."""
@@ -53,12 +80,14 @@ class Executor:
             for index, action in enumerate(schedule.instructions[self.rank]):
                 where = f"rank {self.rank}, step {index}: {action}"
                 state.reap_sends()
-                if isinstance(action, Batch) or not action.kind.is_compute:
+                if isinstance(action, Batch) or action.kind.is_send or action.kind.is_recv:
                     state.post(action)
                     continue
                 where += f" (stage {action.stage}, micro-batch {action.microbatch})"
                 if action.kind is _F:
                     state.forward(action, where)
+                elif action.kind is _AR:
+                    state.all_reduce(action)
                 elif action.kind is _W:
                     state.weights(action)
                 else:  # B, or I (the input half of a split backward)
@@ -84,6 +113,7 @@ class _Run:
     pending: dict[Instruction, Transfer] = field(default_factory=dict)  # posted recvs
     sending: deque[Transfer] = field(default_factory=deque)  # posted sends, oldest first
     results: dict[int, Tensors] = field(default_factory=dict)  # last stage's outputs (evaluation)
+    reducing: list[tuple[Instruction, dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
 
     def reap_sends(self) -> None:
         while self.sending and all(w.is_completed() for w in self.sending[0].works):
@@ -182,7 +212,38 @@ class _Run:
         if tracer:
             tracer.add(transfer.op, start, tracer.mark(), wait=True)
 
+    def all_reduce(self, op: Instruction) -> None:
+        """Start averaging a stage's gradients over the data-parallel replicas (waited on in finish)."""
+        start = self.tracer.mark() if self.tracer else 0.0
+        params = self.executor.owned(self.schedule.instructions[self.executor.rank])[op.stage]
+        buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in params:
+            if param.grad is not None:  # the same on every replica: the same model, the same graph
+                buckets.setdefault(param.grad.dtype, []).append(param.grad)
+        for grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work = dist.all_reduce(flat, group=self.executor.data_group, async_op=True)
+            self.reducing.append((op, work, flat, grads))
+        if self.tracer:
+            self.tracer.add(op, start, self.tracer.mark())
+
     def finish(self, where: str) -> None:
-        """Complete the sends still in flight: the step is over when every message has left."""
+        """Complete the sends still in flight and the gradient all-reduces: the step is over."""
         for transfer in self.sending:
             self.wait(transfer, f"{where}: completing {transfer.op} to rank {transfer.peer}")
+        replicas = dist.get_world_size(self.executor.data_group) if self.reducing else 1
+        for op, work, flat, grads in self.reducing:
+            start, began = (self.tracer.mark() if self.tracer else 0.0), time.perf_counter()
+            try:
+                work.wait()
+            except Exception as error:
+                waited = time.perf_counter() - began
+                what = f"the gradient all-reduce of stage {op.stage} over the data-parallel replicas"
+                raise PeerError(f"{where}: {what} failed after {waited:.1f} s: {error}") from error
+            flat /= replicas
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+            if self.tracer:
+                self.tracer.add(op, start, self.tracer.mark(), wait=True)

@@ -9,6 +9,7 @@ from schedules.one_f_one_b import one_f_one_b
 from schedules.registry import SCHEDULES, build_schedule, compile_schedule
 from schedules.schedule import Schedule, ScheduleError
 from schedules.simulation import Costs, simulate
+from schedules.sync import with_gradient_sync
 from schedules.timeline import Span, Timeline
 from schedules.validation import validate
 from schedules.zero_bubble import zb_h1, zb_v
@@ -34,6 +35,7 @@ __all__ = [
     "parse",
     "simulate",
     "validate",
+    "with_gradient_sync",
     "zb_h1",
     "zb_v",
 ]

@@ -20,6 +20,7 @@ class Kind(enum.Enum):
     RECV_ACTIVATION = "RF"  # stage s receives its input from stage s-1
     SEND_GRADIENT = "SB"  # stage s sends the gradient of its input to stage s-1
     RECV_GRADIENT = "RB"  # stage s receives the gradient of its output from stage s+1
+    ALL_REDUCE = "AR"  # stage s starts averaging its gradients over data-parallel replicas (after micro-batch k)
 
     # members are singletons: hashing by identity is C-speed (Enum's own __hash__ is Python)
     __hash__ = object.__hash__
@@ -28,12 +29,14 @@ class Kind(enum.Enum):
     is_compute: bool
     is_send: bool
     is_recv: bool
+    is_collective: bool
 
 
 for _kind in Kind:
     _kind.is_compute = _kind.value in ("F", "B", "I", "W")
     _kind.is_send = _kind.value in ("SF", "SB")
     _kind.is_recv = _kind.value in ("RF", "RB")
+    _kind.is_collective = _kind.value == "AR"
 _BY_CODE = {kind.value: kind for kind in Kind}
 # The partner of each communication kind, and the stage offset of the partner.
 _PEER = {
@@ -81,7 +84,7 @@ class Batch:
     ops: tuple[Instruction, ...]
 
     def __post_init__(self) -> None:
-        if not self.ops or not all(op.kind.is_send or op.kind.is_recv for op in self.ops):
+        if not self.ops or not all(op.kind.is_send or op.kind.is_recv for op in self.ops):  # point-to-point only
             raise ValueError(f"a Batch holds one or more send/recv instructions, got {self.ops}")
 
     def __str__(self) -> str:

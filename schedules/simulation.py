@@ -209,7 +209,9 @@ def _compile(stream: tuple[Action, ...], table: dict[Kind, list[float]], M: int,
     """Flatten a rank's stream into tuples for the hot loop, marking the messages it receives."""
     program: list[Entry] = []
     for action in stream:
-        if isinstance(action, Batch) or not action.kind.is_compute:
+        if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous, free here
+            program.append((None, 0, 0, 0.0, ()))
+        elif isinstance(action, Batch) or not action.kind.is_compute:
             keys = tuple(
                 (message_key(op, M), op.kind.is_send) for op in (action.ops if isinstance(action, Batch) else (action,))
             )

@@ -8,7 +8,9 @@
    (sender, receiver) channel recvs are posted in the order of the sends;
 3. no deadlock under rendezvous semantics: an op (or a batch) blocks until its partners
    are posted. In the graph of program order plus matched pairs, each pair contracted
-   to one node, a cycle is a deadlock.
+   to one node, a cycle is a deadlock;
+4. with data parallelism, each stage's gradient all-reduce comes once, after the stage's
+   last gradient compute (all-reduces are asynchronous: waited on at the end of the step).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def validate(schedule: Schedule) -> None:
     index = _Index.build(schedule)
     _check_order(index)
     _check_messages(index)
+    _check_syncs(index)
     _check_deadlock(index)
 
 
@@ -62,6 +65,7 @@ class _Index:
     sends: list[Where]  # message key -> where its send is, or ABSENT
     recvs: list[Where]  # message key -> where its recv is, or ABSENT
     channels: dict[tuple[int, int], tuple[list[int], list[int]]]  # (sender, receiver) -> (sends, recvs) in order
+    syncs: dict[int, list[Where]]  # stage -> where its gradient all-reduces are
 
     @classmethod
     def build(cls, schedule: Schedule) -> _Index:
@@ -69,6 +73,7 @@ class _Index:
         compute = {kind: [ABSENT] * (S * M) for kind in (F, B, IN, W)}
         sends, recvs = [ABSENT] * (2 * S * M), [ABSENT] * (2 * S * M)
         channels: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        syncs: dict[int, list[Where]] = {}
         for rank in range(schedule.num_ranks):
             for step, action in enumerate(schedule.instructions[rank]):
                 for op in action.ops if isinstance(action, Batch) else (action,):
@@ -86,6 +91,9 @@ class _Index:
                             f"hosted on rank {placement[op.stage]}",
                             [here],
                         )
+                    if op.kind.is_collective:
+                        syncs.setdefault(op.stage, []).append(here)
+                        continue
                     if op.kind.is_compute:
                         slots, key = compute[op.kind], op.stage * M + op.microbatch
                     else:
@@ -109,7 +117,7 @@ class _Index:
                             [slots[key], here],
                         )
                     slots[key] = here
-        return cls(schedule, compute, sends, recvs, dict(channels))
+        return cls(schedule, compute, sends, recvs, dict(channels), syncs)
 
     def message(self, key: int, send: bool) -> Instruction:
         """The send (or recv) instruction of a message key."""
@@ -263,6 +271,30 @@ def _check_messages(index: _Index) -> None:
             )
 
 
+def _check_syncs(index: _Index) -> None:
+    """Gradient all-reduces (data parallel): none at all, or one per stage after its last gradient compute."""
+    schedule, M = index.schedule, index.schedule.num_microbatches
+    if not index.syncs:
+        return
+    for stage in range(schedule.num_stages):
+        where = index.syncs.get(stage, [])
+        if len(where) != 1:
+            raise schedule.error(
+                "with gradient sync, every stage all-reduces its gradients exactly once",
+                f"stage {stage} has {len(where)} all-reduces, at (rank, step) {where}",
+                where,
+            )
+        for kind in (B, W):
+            last = max(index.compute[kind][stage * M : (stage + 1) * M])
+            if last is not ABSENT and last[1] > where[0][1]:
+                raise schedule.error(
+                    "a stage's gradients are all-reduced after its last gradient compute",
+                    f"rank {last[0]}: the all-reduce of stage {stage} at step {where[0][1]} comes before a "
+                    f"{kind.value} of that stage at step {last[1]}",
+                    [where[0], last],
+                )
+
+
 def _check_deadlock(index: _Index) -> None:
     """Rule 3: replay the streams under blocking semantics; if it gets stuck, print the cycle.
 
@@ -280,7 +312,7 @@ def _check_deadlock(index: _Index) -> None:
     for rank in range(p):
         mine: list[Point] = []
         for step, action in enumerate(schedule.instructions[rank]):
-            if isinstance(action, Batch) or not action.kind.is_compute:
+            if isinstance(action, Batch) or not (action.kind.is_compute or action.kind.is_collective):
                 ops = action.ops if isinstance(action, Batch) else (action,)
                 mine.append(
                     (step, tuple((message_key(op, M), op.kind.is_send, placement[op.peer_stage]) for op in ops))

@@ -63,6 +63,8 @@ def construct(case: str) -> None:
         PipelineEngine(mlp(), mse, num_microbatches=4, schedule=build_schedule("1f1b", world * 2, 4))
     elif case == "partition_does_not_fit":
         PipelineEngine(mlp(), mse, num_microbatches=4, partition=[1] * (world + 1))
+    elif case == "dp_does_not_divide":
+        PipelineEngine(mlp(), mse, num_microbatches=4, data_parallel=3)
     else:
         raise AssertionError(case)
 

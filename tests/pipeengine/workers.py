@@ -188,3 +188,33 @@ def traced_steps(path: str, schedule: str, microbatches: int) -> None:
             pickle.dump((engine.schedule, train, evaluation), out)
     else:
         assert train is None and evaluation is None
+
+
+def data_parallel_parity(model_name: str, schedule: str, data_parallel: int, m: int, size: int, steps: int = 3) -> None:
+    """dp replicas of a pipeline equal one process trained on the union of the replicas' batches."""
+    build, loss_fn = MODELS[model_name]
+    model = build()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule, data_parallel=data_parallel)
+    assert (engine.dp_rank, engine.rank) == divmod(dist.get_rank(), dist.get_world_size() // data_parallel)
+    local = list(engine.parameters())
+    optimizer = torch.optim.AdamW(local, lr=1e-3, eps=1e-6) if local else None
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(steps):
+        parts = [batch(model_name, size, seed=100 * step + replica) for replica in range(data_parallel)]
+        x, y = parts[engine.dp_rank]
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        union_x, union_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        expected = loss_fn(reference(union_x), union_y)
+        expected.backward()
+        what = f"{model_name} {schedule} dp={data_parallel} step {step}"
+        close(loss, expected.item(), f"{what}: loss")
+        check_grads(engine, reference, what)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    weights = dict(reference.named_parameters())
+    for name, param in engine.named_parameters():
+        close(param.detach(), weights[name].detach(), f"{what}: {name} after {steps} steps")

@@ -1,0 +1,24 @@
+"""Data parallel x pipeline: dp replicas of a pipeline train like one process on all their batches."""
+
+import pytest
+
+from pipeengine import launch
+from tests.pipeengine import failures, workers
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "model, schedule, data_parallel",
+    [("mlp", "1f1b", 2), ("transformer", "zb-v", 2), ("transformer", "interleaved", 2), ("mlp", "gpipe", 4)],
+)
+def test_dp_x_pp_equals_single_process_on_the_union_of_the_batches(
+    model: str, schedule: str, data_parallel: int
+) -> None:
+    # 4 ranks: dp=2 x pp=2 (chunks for interleaved and zb-v), or dp=4 x pp=1
+    launch(workers.data_parallel_parity, 4, args=(model, schedule, data_parallel, 4, 8), timeout=90)
+
+
+@pytest.mark.timeout(120)
+def test_a_world_that_does_not_split_into_the_replicas_is_refused() -> None:
+    with pytest.raises(ValueError, match="a world of 4 ranks does not split into data_parallel=3 equal pipelines"):
+        launch(failures.construct, 4, args=("dp_does_not_divide",), timeout=30)
