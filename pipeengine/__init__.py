@@ -1,5 +1,6 @@
 """pipeengine: pipeline-parallel training of an nn.Sequential, executing `schedules` across ranks."""
 
+from pipeengine.checkpoint import consolidate
 from pipeengine.engine import DEFAULT_TIMEOUT, PipelineEngine
 from pipeengine.errors import LaunchError, PeerError, PipelineError
 from pipeengine.launch import launch
@@ -15,6 +16,7 @@ __all__ = [
     "LayerCosts",
     "METHODS",
     "Partition",
+    "consolidate",
     "launch",
     "measure",
     "plan",

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeengine.checkpoint import load_checkpoint, save_checkpoint
 from pipeengine.comm import P2P
 from pipeengine.errors import PeerError
 from pipeengine.executor import Executor, Step
@@ -96,6 +100,8 @@ class PipelineEngine:
 
         placement = self.schedule.placement
         self.first, self.last = placement[0] == self.rank, placement[-1] == self.rank
+        self._layer_names = [name for name, _ in model.named_children()]
+        self._model_keys = set(model.state_dict())  # to tell a checkpoint of another model
         self.stages = {
             s: stage_module(model, *self.bounds[s]).to(self.device) for s in self.schedule.stages_of(self.rank)
         }
@@ -131,6 +137,48 @@ class PipelineEngine:
         for module in self.stages.values():
             state.update(module.state_dict())
         return state
+
+    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
+        """Write a checkpoint (every rank calls it): each stage under the model's names, with the optimizer's
+        state, atomically; loadable into any number of stages (see pipeengine.checkpoint)."""
+        names = {id(param): name for name, param in self.named_parameters()}
+        writer = self.dp_rank == 0  # the replicas are identical
+        return save_checkpoint(directory, self.state_dict(), optimizer, names, layers=self._layer_names,
+                               writer=writer, pipeline=self.group)  # fmt: skip
+
+    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
+        """Load the latest checkpoint in ``directory`` into this rank's stages (and optimizer), whatever
+        partition saved it. A checkpoint of another model is refused, naming the missing and unexpected keys."""
+        names = {id(param): name for name, param in self.named_parameters()}
+        return load_checkpoint(directory, self.stages.values(), optimizer, names, expected=self._model_keys)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the whole model by its total norm, as torch.nn.utils.clip_grad_norm_.
+
+        The norm is reduced over the pipeline's stages (every rank returns the same total).
+        With data parallelism the replicas hold the same averaged gradients, so it is not
+        reduced over them. Call it after train_step, before optimizer.step().
+        """
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in grads])
+            local = norms.max() if norm_type == math.inf else (norms**norm_type).sum()
+        reduce = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(local, op=reduce, group=self.group)
+        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot "
+                "be clipped; pass error_if_nonfinite=False to clip anyway"
+            )
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(scale.to(grad.dtype))
+        return total
 
     def train(self, mode: bool = True) -> PipelineEngine:
         """Set the training mode of this rank's stages (dropout, batch norm), as nn.Module.train."""

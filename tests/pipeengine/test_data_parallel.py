@@ -22,3 +22,9 @@ def test_dp_x_pp_equals_single_process_on_the_union_of_the_batches(
 def test_a_world_that_does_not_split_into_the_replicas_is_refused() -> None:
     with pytest.raises(ValueError, match="a world of 4 ranks does not split into data_parallel=3 equal pipelines"):
         launch(failures.construct, 4, args=("dp_does_not_divide",), timeout=30)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule, data_parallel", [("1f1b", 1), ("zb-v", 1), ("interleaved", 2)])
+def test_clip_grad_norm_across_stages_equals_torchs_on_the_whole_model(schedule: str, data_parallel: int) -> None:
+    launch(workers.clipping, 4, args=(schedule, data_parallel), timeout=60)

@@ -218,3 +218,92 @@ def data_parallel_parity(model_name: str, schedule: str, data_parallel: int, m: 
     weights = dict(reference.named_parameters())
     for name, param in engine.named_parameters():
         close(param.detach(), weights[name].detach(), f"{what}: {name} after {steps} steps")
+
+
+def clipping(schedule: str, data_parallel: int = 1) -> None:
+    """clip_grad_norm_ across stages equals torch.nn.utils.clip_grad_norm_ on the whole model."""
+    build, loss_fn = MODELS["transformer"]
+    for norm_type, max_norm in ((2.0, 0.5), (float("inf"), 0.01), (1.0, 1e6)):
+        model = build()
+        reference = copy.deepcopy(model)
+        engine = PipelineEngine(model, loss_fn, num_microbatches=4, schedule=schedule, data_parallel=data_parallel)
+        x, y = batch("transformer", 8, seed=3)
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        loss_fn(reference(x), y).backward()  # every replica had the same batch: the same mean
+        total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type)
+        close(total, expected, f"total {norm_type}-norm")
+        check_grads(engine, reference, f"clipped to {max_norm} ({norm_type}-norm)")
+
+
+def train_and_save(directory: str, schedule: str, steps: int, data_parallel: int = 1) -> None:
+    """Train the engine and a single-process reference in step; save both (the reference for the test)."""
+    from pathlib import Path
+
+    build, loss_fn = MODELS["transformer"]
+    model = build()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=4, schedule=schedule, data_parallel=data_parallel)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(steps):
+        x, y = batch("transformer", 8, seed=step)
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        loss_fn(reference(x), y).backward()
+        for opt in (optimizer, reference_optimizer):
+            opt.step()
+            opt.zero_grad()
+    engine.save(directory, optimizer)
+    if dist.get_rank() == 0:
+        torch.save({"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict()},
+                   Path(directory) / "reference.pt")  # fmt: skip
+
+
+def load_and_continue(directory: str, schedule: str, steps_done: int) -> None:
+    """A different partition loads the checkpoint and continues exactly like the single-process reference."""
+    from pathlib import Path
+
+    build, loss_fn = MODELS["transformer"]
+    engine = PipelineEngine(build(seed=123), loss_fn, num_microbatches=4, schedule=schedule)  # other weights
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
+    engine.load(directory, optimizer)
+    saved = torch.load(Path(directory) / "reference.pt", weights_only=False)
+    reference = build()
+    reference.load_state_dict(saved["model"])
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    reference_optimizer.load_state_dict(saved["optimizer"])
+    check_weights(engine, reference, "after load")
+    x, y = batch("transformer", 8, seed=steps_done)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    close(loss, expected.item(), "loss after load")
+    optimizer.step()
+    reference_optimizer.step()  # equal only if the AdamW moments were loaded too
+    check_weights(engine, reference, "one step after load")
+
+
+def check_weights(engine: PipelineEngine, reference: nn.Module, what: str) -> None:
+    weights = dict(reference.named_parameters())
+    for name, param in engine.named_parameters():
+        close(param.detach(), weights[name].detach(), f"{what}: {name}")
+
+
+def save_that_crashes(directory: str) -> None:
+    """Rank 1 fails while writing its part of a second checkpoint."""
+    build, loss_fn = MODELS["transformer"]
+    engine = PipelineEngine(build(seed=7), loss_fn, num_microbatches=2, schedule="1f1b")
+    if dist.get_rank() == 1:
+        original = torch.save
+
+        def broken(obj: object, path: object) -> None:
+            original(obj, path)  # the temporary file is written...
+            raise OSError("disk full (planted)")  # ...and the rename never happens
+
+        torch.save = broken  # type: ignore[assignment]
+    engine.save(directory)
+
+
+def load_foreign(directory: str) -> None:
+    build, loss_fn = MODELS["mlp"]
+    PipelineEngine(build(), loss_fn, num_microbatches=2).load(directory)
