@@ -4,6 +4,11 @@
     python examples/train_gpt.py --schedule interleaved --steps 100
     torchrun --nproc-per-node 4 examples/train_gpt.py           # the same, launched by torchrun
 
+Two machines, two replicas of a 2-rank pipeline (run on each, with its --node-rank):
+
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29500 examples/train_gpt.py --ranks 2 --data-parallel 2
+
 The model is an nn.Sequential of blocks (embedding, transformer blocks, head), split into
 stages by measured time. Every rank reads the same batches; the first stage's rank feeds
 the inputs, the last stage's rank the targets. At the end it samples a few lines and
@@ -99,7 +104,7 @@ def corpus(device: torch.device) -> torch.Tensor:
 def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     data = corpus(device)
-    batches = torch.Generator().manual_seed(0)  # the same batches on every rank
+    batches = torch.Generator().manual_seed(0)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, data.numel() - args.context - 1, (args.batch,), generator=batches)
@@ -110,10 +115,12 @@ def main(args: argparse.Namespace) -> None:
     model = gpt(args.layers, args.width, args.heads, args.context)
     sample, _ = batch()
     engine = PipelineEngine(model, next_char_loss, num_microbatches=args.microbatches, schedule=args.schedule,
-                            sample=sample)  # fmt: skip
-    talk = engine.rank == 0
+                            sample=sample, data_parallel=args.data_parallel)  # fmt: skip
+    batches.manual_seed(1 + engine.dp_rank)  # the same batches along a pipeline, others on each replica
+    talk = dist.get_rank() == 0  # the first stage of the first replica
     if talk:
-        print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {data.numel():,} characters of stdlib")
+        print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {data.numel():,} characters of stdlib, "
+              f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline")  # fmt: skip
         print(engine.partition, flush=True)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE) if list(engine.parameters()) else None
     bubble, started, tokens = float("nan"), time.perf_counter(), 0
@@ -130,7 +137,7 @@ def main(args: argparse.Namespace) -> None:
         if traced and timeline is not None:
             bubble = timeline.bubble_fraction
         if talk and (step % 10 == 0 or step == args.steps - 1):
-            rate = tokens / (time.perf_counter() - started)
+            rate = tokens * engine.data_parallel / (time.perf_counter() - started)
             measured = "n/a" if bubble != bubble else f"{bubble:.1%}"  # nan until the first traced step
             print(f"step {step:4d}  loss {loss:.3f}  {rate:8.0f} tokens/s  bubble {measured} (measured)", flush=True)
     generate(engine, args, device)
@@ -154,17 +161,18 @@ def generate(engine: PipelineEngine, args: argparse.Namespace, device: torch.dev
         if logits is not None:
             probabilities = F.softmax(logits[:, -1] / 0.8, dim=-1)
             chosen = torch.multinomial(probabilities, 1, generator=draw).squeeze(1)
-        dist.broadcast(chosen, src=last)  # the last stage's choice becomes everyone's next input
+        dist.broadcast(chosen, group_src=last, group=engine.group)  # the last stage's choice: everyone's next input
         context = torch.cat([context, chosen.cpu()[:, None]], dim=1)
     engine.train()
-    if engine.rank == 0:
+    if dist.get_rank() == 0:
         for line in context[:3].tolist():
             print("sample:", repr("".join(VOCAB[i] for i in line)))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=RANKS)
+    parser.add_argument("--ranks", type=int, default=RANKS, help="processes on this machine")
+    parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline")
     parser.add_argument("--schedule", default=SCHEDULE, choices=["gpipe", "1f1b", "interleaved"])
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--layers", type=int, default=LAYERS, help="transformer blocks")

@@ -66,9 +66,13 @@ class WeightPass:
 
 
 def backward_input(
-    outputs: Tensors, grads: Tensors, inputs: Tensors, params: Sequence[nn.Parameter]
+    outputs: Tensors, grads: Tensors, inputs: Tensors, params: Sequence[nn.Parameter], one_pass: bool = False
 ) -> tuple[Tensors, WeightPass]:
-    """The gradient of every input that requires one, and what the weight pass will need."""
+    """The gradient of every input that requires one, and what the weight pass will need.
+
+    ``one_pass``: W as one autograd call from the outputs, for stages under activation
+    checkpointing, whose forward each separate W call would recompute.
+    """
     wanted = [x for x in inputs if x.requires_grad]
     if not wanted:  # nothing flows upstream (the first stage): the whole backward is the weight pass
         return (), WeightPass(fallback=(outputs, grads, [p for p in params if p.requires_grad]))
@@ -81,7 +85,7 @@ def backward_input(
         for weight in below.get(node, ()):
             owner[weight] = owner.get(weight, 0) + 1
     weight_pass = WeightPass()
-    if any(count > 1 for count in owner.values()) or set(owner) != reachable:
+    if one_pass or any(count > 1 for count in owner.values()) or set(owner) != reachable:
         # a weight beneath several input-path nodes, or beneath none (off the input path): one plain W call
         weight_pass.fallback = (outputs, grads, list(weight_nodes.values()))
         handles = []

@@ -12,24 +12,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeengine.assembly import agree_partition, check_no_shared_parameters, resolve_device, resolve_schedule
 from pipeengine.checkpoint import load_checkpoint, save_checkpoint
 from pipeengine.comm import P2P
 from pipeengine.errors import PeerError
 from pipeengine.executor import Executor, Step
 from pipeengine.header import exchange
-from pipeengine.partition import METHODS, Partition, bounds_from_counts, method_costs, solve, stage_module
-from pipeengine.profile import LayerCosts, measure
+from pipeengine.partition import stage_module
+from pipeengine.precision import PRECISIONS, GradScaler
 from pipeengine.specs import Boundary, Tensors, infer_boundaries, meta_copy, unpack
 from pipeengine.stage import LossFn, StageWorker
 from pipeengine.streams import Streams
 from pipeengine.topology import Topology
 from pipeengine.trace import Tracer
-from schedules import Schedule, Timeline, build_schedule, forward_only, validate, with_gradient_sync
-from schedules.registry import DEFAULT_CHUNKS
+from schedules import Schedule, Timeline, forward_only, with_gradient_sync
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on a peer before it gives up
+CHECKPOINTING = ("never", "always", "except_last")  # activation checkpointing, per stage
 
 
 class PipelineEngine:
@@ -50,6 +51,24 @@ class PipelineEngine:
     or the layers of each stage. Default "time" when the first stage's rank has a ``sample``,
     else "parameters". The first stage's rank measures, every rank solves alike, and
     ``engine.partition`` reports the result.
+
+    ``data_parallel=d`` splits the world into d replicas of a pipeline of world/d ranks (each
+    pipeline on consecutive ranks). Each replica reads its own batch; every stage's gradients
+    are averaged over the replicas right after its last backward, while the rest of the step
+    runs; the loss returned is the mean over all replicas. ``engine.dp_rank`` and
+    ``engine.rank`` (the position in the pipeline) tell where a rank sits.
+
+    ``checkpoint``: "always" keeps only each stage's input through the forward and recomputes
+    the rest in its backward (less memory, about one more forward of compute); "except_last"
+    spares the last stage, whose backward follows its forward at once; "never" (default).
+
+    ``precision``: "bf16" or "fp16" runs each stage's forward and the loss in torch.autocast;
+    floating tensors cross stages in that dtype. fp16 also scales the loss: step the optimizer
+    through ``engine.scaler`` (see pipeengine.precision). None (default) is full precision.
+
+    ``trace=True`` (or ``with engine.tracing():``) records every instruction of every step,
+    and waits on communication, on every rank; ``engine.timeline()`` on rank 0 returns the
+    last traced step as a schedules.Timeline (plot it, export it, simulate from it).
     """
 
     def __init__(
@@ -67,6 +86,8 @@ class PipelineEngine:
         timeout: float = DEFAULT_TIMEOUT,
         trace: bool = False,
         data_parallel: int = 1,
+        checkpoint: str = "never",
+        precision: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -85,18 +106,18 @@ class PipelineEngine:
         self.rank = self.topology.pp_rank  # the position in it
         self.dp_rank, self.data_parallel = self.topology.dp_rank, self.topology.data_parallel
         world = self.topology.pipeline
-        self.device = _device(device, group)
+        self.device = resolve_device(device, group)
         self.timeout = timeout
-        self.schedule = _schedule(schedule, world, num_microbatches, chunks)
+        self.schedule = resolve_schedule(schedule, world, num_microbatches, chunks)
         if self.data_parallel > 1:  # average each stage's gradients over the replicas, in the stream
             self.schedule = with_gradient_sync(self.schedule)
         self.num_microbatches = num_microbatches
         num_stages = self.schedule.num_stages
         # every replica must cut the model alike: the whole world agrees when there are several
         agreeing = None if self.data_parallel > 1 else self.group
-        self.partition = _agree_partition(model, self.schedule, partition, sample, agreeing, self.device)
+        self.partition = agree_partition(model, self.schedule, partition, sample, agreeing, self.device)
         self.bounds = self.partition.bounds
-        _check_no_shared_parameters(model, self.bounds, self.schedule.placement)
+        check_no_shared_parameters(model, self.bounds, self.schedule.placement)
 
         placement = self.schedule.placement
         self.first, self.last = placement[0] == self.rank, placement[-1] == self.rank
@@ -107,10 +128,20 @@ class PipelineEngine:
         }
         self._meta_layers = [meta_copy(layer) for layer in model]  # every rank infers every boundary locally
         self._forward_schedule = forward_only(self.schedule)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}, got {precision!r}")
+        self.precision = PRECISIONS[precision]
+        self.scaler = GradScaler(self.parameters, precision == "fp16", self.device)
+        if checkpoint not in CHECKPOINTING:
+            raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTING)}, got {checkpoint!r}")
         self._workers = {
-            s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn, num_microbatches=num_microbatches)
+            s: StageWorker(
+                s, module, is_last=s == num_stages - 1, loss_fn=loss_fn, num_microbatches=num_microbatches,
+                checkpointed=checkpoint == "always" or (checkpoint == "except_last" and s != num_stages - 1),
+                precision=self.precision,
+            )
             for s, module in self.stages.items()
-        }
+        }  # fmt: skip
         p2p = P2P(self.group, Streams(self.device, timeout))
         self._executor = Executor(self.rank, self._workers, p2p, self.device, self.topology.data_group)
         self._boundaries: dict[Boundary, list[Boundary]] = {}
@@ -286,106 +317,10 @@ class PipelineEngine:
         boundaries = self._boundaries.get(inputs)
         if boundaries is None:
             boundaries = infer_boundaries(self._meta_layers, self.bounds, inputs)
+            if self.precision is not None:  # floating tensors cross in the autocast dtype (see precision)
+                boundaries = [b.in_dtype(self.precision) for b in boundaries[:-1]] + boundaries[-1:]
             self._boundaries[inputs] = boundaries
         for s, worker in self._workers.items():
             worker.output = boundaries[s] if s < self.schedule.num_stages - 1 else None
+            worker.loss_scale = self.scaler.scale
         return boundaries
-
-
-def _agree_partition(
-    model: nn.Sequential,
-    schedule: Schedule,
-    partition: str | Sequence[int] | None,
-    sample: object,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-) -> Partition:
-    """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike."""
-    if isinstance(partition, str) and partition not in METHODS:
-        raise ValueError(f"unknown partition {partition!r}; valid: {', '.join(METHODS)}, or a list of layers per stage")
-    counts = None if partition is None or isinstance(partition, str) else list(partition)
-    if counts is not None and len(counts) != schedule.num_stages:
-        raise ValueError(f"partition lists {len(counts)} stages, the schedule has {schedule.num_stages}: {counts}")
-    m = schedule.num_microbatches
-    source, rank = 0, dist.get_rank(group)  # group rank 0 runs the first stage (of the first replica)
-    header = torch.zeros(2, dtype=torch.int64, device=device)  # [failed, method]
-    rows = torch.zeros(5, len(model), dtype=torch.float64, device=device)
-    failure: Exception | None = None
-    if rank == source:
-        method = partition if isinstance(partition, str) else ("time" if sample is not None else "parameters")
-        try:
-            micro = None if sample is None else _first_microbatch(sample, m)
-            if method == "time" and micro is None:
-                raise ValueError("partition='time' needs sample= (an example input batch) on the first stage's rank")
-            costs = measure(model, micro, timed=counts is None and method == "time", device=device)
-            rows = torch.tensor(costs.to_rows(), dtype=torch.float64, device=device)
-            header[1] = METHODS.index(method)
-        except Exception as error:  # every rank must hear of it, or they would wait for the costs
-            failure = error
-            header[0] = 1
-    dist.broadcast(header, group_src=source, group=group)
-    if failure is not None:
-        raise failure
-    if header[0]:
-        raise ValueError(
-            f"the first stage's rank ({source}) could not measure the layers to partition them; see its error"
-        )
-    dist.broadcast(rows, group_src=source, group=group)
-    costs = LayerCosts.from_rows(rows.tolist())
-    if counts is not None:
-        return Partition("explicit", bounds_from_counts(counts, len(model)), costs, schedule.placement)
-    method = METHODS[int(header[1])]
-    return Partition(method, solve(method_costs(method, costs), schedule.num_stages), costs, schedule.placement)
-
-
-def _first_microbatch(sample: object, num_microbatches: int) -> torch.Tensor | Tensors:
-    """One micro-batch of an example input batch: its first batch // m rows (at least one)."""
-    if isinstance(sample, torch.Tensor) or (
-        isinstance(sample, tuple) and all(isinstance(t, torch.Tensor) for t in sample)
-    ):
-        tensors = unpack(sample)
-        rows = max(1, tensors[0].shape[0] // num_microbatches)
-        pieces = tuple(t[:rows] for t in tensors)
-        return pieces if isinstance(sample, tuple) else pieces[0]
-    raise TypeError(f"sample must be a tensor or a tuple of tensors (an input batch), got {type(sample).__name__}")
-
-
-def _device(device: str | torch.device | None, group: dist.ProcessGroup | None) -> torch.device:
-    backend = dist.get_backend(group)
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    resolved = torch.device(device)
-    if backend == "nccl" and resolved.type != "cuda":
-        raise ValueError(f"the process group uses NCCL, which moves CUDA tensors only; got device={resolved}")
-    return resolved
-
-
-def _schedule(schedule: str | Schedule, world: int, num_microbatches: int, chunks: int | None) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if schedule.num_ranks != world or schedule.num_microbatches != num_microbatches:
-            raise ValueError(
-                f"the schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
-                f"but the world has {world} ranks and num_microbatches={num_microbatches}"
-            )
-        validate(schedule)
-        return schedule
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(schedule).__name__}")
-    if chunks is None:
-        chunks = DEFAULT_CHUNKS.get(schedule, 1)
-    return build_schedule(schedule, world, num_microbatches, chunks)
-
-
-def _check_no_shared_parameters(
-    model: nn.Sequential, bounds: list[tuple[int, int]], placement: tuple[int, ...]
-) -> None:
-    """A parameter used by stages on two ranks would get two diverging copies: refuse it."""
-    owner: dict[int, tuple[int, str]] = {}
-    for stage, (start, end) in enumerate(bounds):
-        for name, param in stage_module(model, start, end).named_parameters():
-            seen = owner.setdefault(id(param), (stage, name))
-            if placement[seen[0]] != placement[stage]:
-                raise ValueError(
-                    f"parameter {name!r} (stage {stage}) is the same tensor as {seen[1]!r} (stage {seen[0]}), "
-                    "which runs on another rank; tied weights across ranks are not supported: untie them"
-                )

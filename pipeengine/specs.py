@@ -54,6 +54,13 @@ class Boundary:
         kind = type(value).__name__ if not isinstance(value, tuple) else "a tuple holding non-tensors or nothing"
         raise TypeError(f"{what} is {kind}; a stage boundary carries a tensor or a non-empty tuple of tensors")
 
+    def in_dtype(self, dtype: torch.dtype) -> Boundary:
+        """The same boundary with its floating tensors in ``dtype`` (mixed precision)."""
+        specs = tuple(
+            TensorSpec(s.shape, dtype, s.requires_grad) if s.dtype.is_floating_point else s for s in self.specs
+        )
+        return Boundary(specs, self.is_tuple)
+
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | Tensors:
         """The value a layer receives: the tensor itself, or the tuple."""
         return tuple(tensors) if self.is_tuple else tensors[0]

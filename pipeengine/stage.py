@@ -13,8 +13,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipeengine.backward import WeightPass, backward_input
+from pipeengine.precision import autocast
 from pipeengine.specs import Boundary, Tensors, unpack
 
 __all__: list[str] = []
@@ -31,12 +33,17 @@ class StageWorker:
         is_last: bool,
         loss_fn: LossFn,
         num_microbatches: int,
+        checkpointed: bool = False,
+        precision: torch.dtype | None = None,
     ) -> None:
         self.index = index
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
+        self.checkpointed = checkpointed  # keep only the stage input; recompute the rest in backward
+        self.precision = precision  # autocast dtype; floating outputs cross the boundary in it
+        self.loss_scale = 1.0  # fp16: the loss is backpropagated times this
         self.output: Boundary | None = None  # expected output of one micro-batch (None on the last stage)
         self.saved: dict[int, tuple[Tensors, Tensors]] = {}  # micro-batch -> (inputs, outputs) for backward
         self.losses: dict[int, torch.Tensor] = {}  # micro-batch -> unscaled loss (last stage)
@@ -44,8 +51,19 @@ class StageWorker:
 
     def forward(self, mb: int, inputs: Tensors, packed: bool, target: object = None, train: bool = True) -> Tensors:
         """Run the layers; on the last stage of a training step, return the scaled loss instead."""
-        value = self.module(tuple(inputs) if packed else inputs[0])
+        argument = tuple(inputs) if packed else inputs[0]
+        device = next((t.device for t in inputs), torch.device("cpu"))
+        with autocast(device, self.precision):
+            if self.checkpointed and train:
+                value = checkpoint(self.module, argument, use_reentrant=False)
+            else:
+                value = self.module(argument)
+            if self.is_last and train:
+                loss = self.loss_fn(value, target)
         if not self.is_last:
+            if self.precision is not None:  # floating tensors cross the boundary in the autocast dtype
+                cast = tuple(t.to(self.precision) if t.is_floating_point() else t for t in unpack(value))
+                value = cast if isinstance(value, tuple) else cast[0]
             outputs = unpack(value)
             self._check(outputs, value, train)
             if train:
@@ -53,14 +71,15 @@ class StageWorker:
             return outputs
         if not train:
             return unpack(value)
-        loss = self.loss_fn(value, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}"
             )
-        self.losses[mb] = loss.detach()
+        self.losses[mb] = loss.detach().float()
         # the mean over micro-batches: each one's loss counts 1/m, exactly as in one full-batch mean
-        scaled = loss / self.num_microbatches
+        scaled = loss.float() / self.num_microbatches
+        if self.loss_scale != 1.0:  # fp16: backpropagate the scaled loss, unscaled before the optimizer step
+            scaled = scaled * self.loss_scale
         self.saved[mb] = (inputs, (scaled,))
         return ()
 
@@ -74,7 +93,8 @@ class StageWorker:
     def backward_input(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
         """The input gradients alone (zero-bubble I); the weight pass is kept for backward_weight."""
         inputs, outputs, grads = self._pop(mb, grad_outputs)
-        input_grads, self.weight_passes[mb] = backward_input(outputs, grads, inputs, list(self.module.parameters()))
+        params = list(self.module.parameters())
+        input_grads, self.weight_passes[mb] = backward_input(outputs, grads, inputs, params, self.checkpointed)
         return input_grads
 
     def backward_weight(self, mb: int) -> None:

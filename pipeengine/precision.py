@@ -1,0 +1,90 @@
+"""Mixed precision: autocast per stage, and a loss scaler whose overflow check every rank agrees on.
+
+Under precision="bf16" or "fp16", each stage's forward and the loss run in torch.autocast,
+and floating tensors cross stage boundaries in that dtype (cast inside the graph, so the
+gradient flows back through the cast): what crosses is known before the first send, and
+half as large. fp16 also scales the loss; as torch.amp.GradScaler, but a step with an
+inf/nan gradient on any rank is skipped on every rank::
+
+    loss = engine.train_step(x, y)     # the last stage backpropagates loss * scale
+    engine.scaler.unscale_()           # optional, e.g. before engine.clip_grad_norm_
+    engine.scaler.step(optimizer)      # unscales if needed; skipped everywhere on overflow
+    engine.scaler.update()             # halve the scale after an overflow, grow it after a run of good steps
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["PRECISIONS", "GradScaler"]
+
+PRECISIONS: dict[str | None, torch.dtype | None] = {
+    None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+}  # fmt: skip
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """torch.autocast for a stage, or nothing in full precision."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+class GradScaler:
+    """Loss scaling for a pipeline (enabled under fp16; otherwise step() is optimizer.step())."""
+
+    def __init__(
+        self,
+        parameters: Callable[[], Iterator[nn.Parameter]],
+        enabled: bool,
+        device: torch.device,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        self._parameters = parameters
+        self.enabled = enabled
+        self.device = device
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._good_steps = 0
+        self._found_inf: bool | None = None  # None: not unscaled this step
+
+    def unscale_(self) -> bool:
+        """Divide this rank's gradients by the scale; return whether any rank of the world saw inf/nan."""
+        if not self.enabled or self._found_inf is not None:
+            return bool(self._found_inf)
+        inverse = 1.0 / self.scale
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
+        for param in self._parameters():
+            if param.grad is not None:
+                param.grad.mul_(inverse)
+                found = torch.maximum(found, (~torch.isfinite(param.grad)).any().float())
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every pipeline, every replica: all skip or none
+        self._found_inf = bool(found.item())
+        return self._found_inf
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale (once), then step the optimizer unless some gradient overflowed; True if it stepped."""
+        if self.unscale_():
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """Back off after an overflow; grow after growth_interval good steps in a row."""
+        if self.enabled:
+            if self._found_inf:
+                self.scale *= self.backoff_factor
+                self._good_steps = 0
+            else:
+                self._good_steps += 1
+                if self._good_steps == self.growth_interval:
+                    self.scale *= self.growth_factor
+                    self._good_steps = 0
+        self._found_inf = None
