@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import resource
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +48,22 @@ def gather_max(value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
+
+
+def run_point(worker: Callable[..., None], ranks: int, args: tuple[object, ...], threads: int) -> object:
+    """Launch fresh ranks for one measurement; rank 0 of the worker saves its result with save_row."""
+    from pipeengine import launch
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "row.pickle"
+        launch(worker, ranks, args=(*args, str(path)), threads=threads)
+        with path.open("rb") as data:
+            return pickle.load(data)
+
+
+def save_row(path: str, row: object) -> None:
+    with open(path, "wb") as out:
+        pickle.dump(row, out)
 
 
 def write_json(name: str, rows: object) -> Path:

@@ -13,12 +13,11 @@ the measured timeline of each schedule on one time axis (out/bench/schedules_p{N
 from __future__ import annotations
 
 import argparse
-import pickle
 
 import torch
-from common import OUT, measure, mlp, write_json
+from common import OUT, measure, mlp, run_point, save_row, write_json
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from schedules.plot import plot_timelines
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS = [2, 4], 1, 1024, 8, 256, 8, 4
@@ -33,8 +32,7 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     row = measure(engine, x, y, args.steps)
     if row is not None:
         timeline = min(engine.last_timelines, key=lambda t: t.makespan)  # type: ignore[attr-defined]
-        with open(path, "wb") as out:
-            pickle.dump(({"schedule": schedule, "ranks": engine.schedule.num_ranks, **row}, timeline), out)
+        save_row(path, ({"schedule": schedule, "ranks": engine.schedule.num_ranks, **row}, timeline))
 
 
 def main() -> None:
@@ -50,11 +48,7 @@ def main() -> None:
     for ranks in args.ranks:
         timelines, titles = [], []
         for schedule in args.schedules:
-            path = OUT / "schedules.row.pickle"
-            launch(worker, ranks, args=(schedule, args, str(path)), threads=args.threads)
-            with path.open("rb") as data:
-                row, timeline = pickle.load(data)
-            path.unlink()
+            row, timeline = run_point(worker, ranks, (schedule, args), args.threads)  # type: ignore[misc]
             rows.append(row)
             timelines.append(timeline)
             titles.append(f"{schedule}, {ranks} ranks, measured (the fastest traced step)")

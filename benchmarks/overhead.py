@@ -13,13 +13,12 @@ instruction. Writes out/bench/overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
-from common import OUT, median, mlp, timed, write_json
+from common import OUT, median, mlp, run_point, save_row, timed, write_json
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from schedules import Costs, Timeline, simulate
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS, WARMUP = 2, 1, 1024, 8, 256, 8, 10, 3
@@ -62,8 +61,7 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
         "measured_bubble": median([t.bubble_fraction for t in traced]),
         "dispatch_us_per_instruction": 1e6 * median(dispatch),
     }  # fmt: skip
-    with open(path, "w") as out:
-        json.dump(row, out)
+    save_row(path, row)
 
 
 def main() -> None:
@@ -76,11 +74,8 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     for schedule in args.schedules:
-        path = OUT / f"overhead_{schedule}.row.json"
-        launch(worker, args.ranks, args=(schedule, args, str(path)), threads=args.threads)
-        rows.append(json.loads(path.read_text()))
-        path.unlink()
-        r = rows[-1]
+        r = run_point(worker, args.ranks, (schedule, args), args.threads)
+        rows.append(r)
         print(f"{schedule:12} step {r['step_ms']:7.1f} ms  simulated {r['simulated_ms']:7.1f} ms  "
               f"ratio {r['ratio']:.3f}  bubble {r['measured_bubble']:.1%}  "
               f"dispatch {r['dispatch_us_per_instruction']:.0f} us/instruction", flush=True)  # fmt: skip

@@ -17,9 +17,9 @@ import csv
 import json
 
 import torch
-from common import OUT, measure, mlp, write_json
+from common import OUT, measure, mlp, run_point, save_row, write_json
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, STEPS = 2, 1, 1024, 8, 256, 4
 MICROBATCHES = [1, 2, 4, 8, 16, 32]
@@ -38,8 +38,7 @@ def worker(schedule: str, m: int, args: argparse.Namespace, path: str) -> None:
     )  # fmt: skip  (sample: activation bytes)
     row = measure(engine, x, y, args.steps)
     if row is not None:
-        with open(path, "w") as out:
-            json.dump({"schedule": schedule, "microbatches": m, **row}, out)
+        save_row(path, {"schedule": schedule, "microbatches": m, **row})
 
 
 def plot(rows: list[dict[str, float | str]], path: str) -> None:
@@ -49,6 +48,7 @@ def plot(rows: list[dict[str, float | str]], path: str) -> None:
     figure = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
     speed, memory = figure.subplots(1, 2)
+    held = memory.twinx()  # activations are MB where the process is 100s of MB: their own scale
     for index, schedule in enumerate(dict.fromkeys(r["schedule"] for r in rows)):
         mine = [r for r in rows if r["schedule"] == schedule]
         ms = [r["microbatches"] for r in mine]
@@ -57,15 +57,16 @@ def plot(rows: list[dict[str, float | str]], path: str) -> None:
         speed.plot(ms, [float(r["samples_per_s"]) * float(r["step_ms"]) / float(r["predicted_ms"]) for r in mine],
                    "--", color=colour, label=f"{schedule} predicted")  # fmt: skip
         memory.plot(ms, [r["rss_growth_mb"] for r in mine], "o-", color=colour, label=f"{schedule} RSS growth")
-        memory.plot(ms, [r["predicted_activations_mb"] for r in mine], "--", color=colour,
-                    label=f"{schedule} activations held (predicted)")  # fmt: skip
-    for axis, label in ((speed, "throughput (samples/s)"), (memory, "memory, busiest rank (MB)")):
+        held.plot(ms, [r["predicted_activations_mb"] for r in mine], "--", color=colour,
+                  label=f"{schedule} activations held (predicted)")  # fmt: skip
+    for axis, label in ((speed, "throughput (samples/s)"), (memory, "process RSS growth, busiest rank (MB), solid")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("micro-batches per step (split size)")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
+    held.set_ylabel("activations held for backward, predicted (MB), dashed")
     speed.legend(fontsize=8)
-    memory.legend(fontsize=8)
+    memory.legend(fontsize=7, loc="upper left")
     figure.savefig(path, dpi=110)
 
 
@@ -76,18 +77,20 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--microbatches", type=int, nargs="+", default=MICROBATCHES)
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON, no runs")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((OUT / "split_size.json").read_text()), str(OUT / "split_size.png"))
+        print(f"wrote {OUT}/split_size.png")
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     for schedule in args.schedules:
         for m in args.microbatches:
             if schedule == "interleaved" and m % args.ranks:
                 continue
-            path = OUT / "split_size.row.json"
-            launch(worker, args.ranks, args=(schedule, m, args, str(path)), threads=args.threads)
-            rows.append(json.loads(path.read_text()))
-            path.unlink()
-            r = rows[-1]
+            r = run_point(worker, args.ranks, (schedule, m, args), args.threads)
+            rows.append(r)
             print(f"{schedule:12} m={m:3d}  step {r['step_ms']:7.1f} ms (predicted {r['predicted_ms']:7.1f})  "
                   f"{r['samples_per_s']:6.0f} samples/s  bubble {r['measured_bubble']:.1%} "
                   f"(predicted {r['predicted_bubble']:.1%})  RSS +{r['rss_growth_mb']:.0f} MB, activations "

@@ -13,12 +13,11 @@ Reports median step times and the throughput ratio. Writes out/bench/vs_torch.js
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.distributed as dist
-from common import OUT, median, mlp, timed, write_json
+from common import OUT, median, mlp, run_point, save_row, timed, write_json
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -28,7 +27,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES, ROUNDS, STEPS = 2, 1, 1024, 8, 256, 8, 6, 3
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-v"]
@@ -106,8 +105,7 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
                "torch_ms": 1e3 * median(torch_times), "single_process_ms": 1e3 * median(single_times)}  # fmt: skip
         row["speedup_vs_torch"] = row["torch_ms"] / row["ours_ms"]
         row["speedup_vs_single"] = row["single_process_ms"] / row["ours_ms"]
-        with open(path, "w") as out:
-            json.dump(row, out)
+        save_row(path, row)
 
 
 def main() -> None:
@@ -122,11 +120,8 @@ def main() -> None:
     rows = []
     started = time.perf_counter()
     for schedule in args.schedules:
-        path = OUT / "vs_torch.row.json"
-        launch(worker, args.ranks, args=(schedule, args, str(path)), threads=args.threads)
-        rows.append(json.loads(path.read_text()))
-        path.unlink()
-        r = rows[-1]
+        r = run_point(worker, args.ranks, (schedule, args), args.threads)
+        rows.append(r)
         print(f"{schedule:12} pipeengine {r['ours_ms']:7.1f} ms  torch.distributed.pipelining {r['torch_ms']:7.1f} ms  "
               f"-> {r['speedup_vs_torch']:.2f}x   single process {r['single_process_ms']:7.1f} ms "
               f"-> {r['speedup_vs_single']:.2f}x", flush=True)  # fmt: skip

@@ -17,7 +17,7 @@ from pipeengine.checkpoint import load_checkpoint, save_checkpoint
 from pipeengine.comm import P2P
 from pipeengine.errors import PeerError
 from pipeengine.executor import Executor, Step
-from pipeengine.header import exchange
+from pipeengine.header import Header, exchange
 from pipeengine.partition import stage_module
 from pipeengine.precision import PRECISIONS, GradScaler
 from pipeengine.specs import Boundary, Tensors, infer_boundaries, meta_copy, unpack
@@ -249,16 +249,7 @@ class PipelineEngine:
 
     def train_step(self, inputs: object = None, targets: object = None) -> float:
         """Forward and backward over all micro-batches; returns the mean loss on every rank."""
-        header = exchange(
-            inputs,
-            targets,
-            first=self.first,
-            last=self.last,
-            train=True,
-            num_microbatches=self.num_microbatches,
-            group=self.group,
-            device=self.device,
-        )
+        header = self._agree_on(inputs, targets, train=True)
         step = Step(
             train=True,
             inputs=self._split(inputs) if self.first else None,
@@ -284,16 +275,7 @@ class PipelineEngine:
     @torch.no_grad()
     def eval_step(self, inputs: object = None) -> torch.Tensor | Tensors | None:
         """Forward only; the last stage's rank returns the outputs of the whole batch, others None."""
-        header = exchange(
-            inputs,
-            None,
-            first=self.first,
-            last=self.last,
-            train=False,
-            num_microbatches=self.num_microbatches,
-            group=self.group,
-            device=self.device,
-        )
+        header = self._agree_on(inputs, None, train=False)
         outputs = self._infer(header.microbatch_inputs)
         step = Step(False, self._split(inputs) if self.first else None, None, header.microbatch_inputs, outputs)
         results = self._traced(self._forward_schedule, step)
@@ -304,6 +286,11 @@ class PipelineEngine:
         return outputs[-1].pack(joined)
 
     # ---- helpers
+
+    def _agree_on(self, inputs: object, targets: object, train: bool) -> Header:
+        """Every rank of the pipeline learns the batch (or refuses it, together): see pipeengine.header."""
+        return exchange(inputs, targets, first=self.first, last=self.last, train=train,
+                        num_microbatches=self.num_microbatches, group=self.group, device=self.device)  # fmt: skip
 
     def _split(self, value: object) -> list[Tensors]:
         """Per micro-batch tuples of tensors, on this rank's device (the header checked the shapes)."""

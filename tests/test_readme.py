@@ -34,7 +34,7 @@ def test_the_schedules_and_partition_snippets_run() -> None:
         exec(compile(snippet, "README.md", "exec"), {})
 
 
-def test_the_schedules_commands_run() -> None:
+def test_the_schedules_commands_run(tmp_path: Path) -> None:
     import shlex
     import subprocess
     import sys
@@ -45,8 +45,13 @@ def test_the_schedules_commands_run() -> None:
         for line in block.splitlines()
         if line.startswith("python -m schedules")
     ]
-    assert len(commands) >= 3
+    assert len(commands) >= 4
     for command in commands:
         argv = shlex.split(command)
-        result = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        result = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert result.returncode == 0, (command, result.stderr)
+
+
+def test_the_pictures_it_shows_exist() -> None:
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (ROOT / "README.md").read_text())
+    assert pictures and all((ROOT / picture).is_file() for picture in pictures), pictures

@@ -69,6 +69,21 @@ def construct(case: str) -> None:
         raise AssertionError(case)
 
 
+def refused_everywhere(cases: dict[str, tuple[str, str]], check: str) -> None:
+    """Each case raises the expected error on this rank (every rank runs this: none may hang)."""
+    import re
+
+    run = construct if check == "construct" else bad_batch
+    for case, (error, message) in cases.items():
+        try:
+            run(case)
+        except Exception as raised:  # noqa: BLE001  (the type is checked below)
+            assert type(raised).__name__ == error and re.search(message, str(raised)), (case, raised)
+        else:
+            raise AssertionError(f"{case} was accepted")
+        dist.barrier()  # every rank refused it, and none is left waiting
+
+
 def bad_batch(case: str) -> None:
     """Steps that every rank must refuse together, before any transfer."""
     engine = PipelineEngine(mlp(), mse, num_microbatches=4, schedule="1f1b")
