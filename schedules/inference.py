@@ -15,12 +15,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     No backward means no activation is held past its send, so the order of the
     training schedule's forwards is all that matters.
     """
-    streams = tuple(
-        tuple(a for a in stream if isinstance(a, Instruction) and a.kind is Kind.FORWARD)
-        for stream in schedule.instructions
+    forwards = (
+        (a for a in stream if isinstance(a, Instruction) and a.kind is Kind.FORWARD) for stream in schedule.instructions
     )
-    name = f"{schedule.name}/forward"
-    compute = Schedule(
-        name, schedule.num_ranks, schedule.num_microbatches, schedule.chunks, schedule.placement, streams
-    )
-    return lower(compute)
+    return lower(schedule.with_streams(forwards, name=f"{schedule.name}/forward"))

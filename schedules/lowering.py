@@ -87,8 +87,8 @@ def lower(schedule: Schedule) -> Schedule:
                 lowered.append(Batch(tuple(ops)))
             if gap < len(stream):
                 lowered.append(stream[gap])
-        streams.append(tuple(lowered))
-    return Schedule(compute.name, p, M, compute.chunks, placement, tuple(streams))
+        streams.append(lowered)
+    return compute.with_streams(streams)
 
 
 _F, _SF, _SB = Kind.FORWARD, Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT

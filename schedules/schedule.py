@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from schedules.instructions import Action, Batch, Instruction
 
@@ -58,12 +58,15 @@ class Schedule:
         """The stages a rank runs, in stage order."""
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
+    def with_streams(self, streams: Iterable[Iterable[Action]], name: str | None = None) -> Schedule:
+        """The same ranks, micro-batches and placement running other streams (a pass's output)."""
+        return replace(self, name=name or self.name, instructions=tuple(tuple(stream) for stream in streams))
+
     def compute_only(self) -> Schedule:
         """The same schedule without its communication: what a compiler emits."""
-        streams = tuple(
-            tuple(a for a in stream if isinstance(a, Instruction) and a.kind.is_compute) for stream in self.instructions
+        return self.with_streams(
+            (a for a in stream if isinstance(a, Instruction) and a.kind.is_compute) for stream in self.instructions
         )
-        return Schedule(self.name, self.num_ranks, self.num_microbatches, self.chunks, self.placement, streams)
 
     def ops(self, rank: int) -> Iterator[tuple[int, Instruction]]:
         """Each instruction of a rank with its step, batches opened up."""

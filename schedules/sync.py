@@ -29,6 +29,5 @@ def with_gradient_sync(schedule: Schedule) -> Schedule:
             for stage, at in last.items():
                 if at == step:
                     synced.append(Instruction(stage, Kind.ALL_REDUCE, action.microbatch))  # type: ignore[union-attr]
-        streams.append(tuple(synced))
-    return Schedule(schedule.name, schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
-                    schedule.placement, tuple(streams))  # fmt: skip
+        streams.append(synced)
+    return schedule.with_streams(streams)
