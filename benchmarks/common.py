@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pickle
@@ -17,6 +18,15 @@ import torch.distributed as dist
 from torch import nn
 
 OUT = Path(os.environ.get("PIPEENGINE_BENCH_OUT", "out/bench"))
+
+
+def arguments(doc: str, schedules: list[str], **knobs: int) -> argparse.ArgumentParser:
+    """The command line every benchmark shares: ``--schedules`` and one int flag per knob (its default)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for flag, default in knobs.items():
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--schedules", nargs="+", default=schedules)
+    return parser
 
 
 def mlp(width: int, layers: int, seed: int = 0) -> nn.Sequential:

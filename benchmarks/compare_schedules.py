@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import OUT, measure, mlp, run_point, save_row, write_json
+from common import OUT, arguments, measure, mlp, run_point, save_row, write_json
 
 from pipeengine import PipelineEngine
 from schedules.plot import plot_timelines
@@ -36,12 +36,9 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for flag, default in [("threads", THREADS), ("width", WIDTH), ("layers", LAYERS), ("batch", BATCH),
-                          ("microbatches", MICROBATCHES), ("steps", STEPS)]:  # fmt: skip
-        parser.add_argument(f"--{flag}", type=int, default=default)
+    parser = arguments(__doc__, SCHEDULES, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
+                       microbatches=MICROBATCHES, steps=STEPS)  # fmt: skip
     parser.add_argument("--ranks", type=int, nargs="+", default=RANKS)
-    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []

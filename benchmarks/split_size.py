@@ -17,7 +17,7 @@ import csv
 import json
 
 import torch
-from common import OUT, measure, mlp, run_point, save_row, write_json
+from common import OUT, arguments, measure, mlp, run_point, save_row, write_json
 
 from pipeengine import PipelineEngine
 
@@ -71,12 +71,9 @@ def plot(rows: list[dict[str, float | str]], path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for flag, default in [("ranks", RANKS), ("threads", THREADS), ("width", WIDTH), ("layers", LAYERS),
-                          ("batch", BATCH), ("steps", STEPS)]:  # fmt: skip
-        parser.add_argument(f"--{flag}", type=int, default=default)
+    parser = arguments(__doc__, SCHEDULES, ranks=RANKS, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
+                       steps=STEPS)  # fmt: skip
     parser.add_argument("--microbatches", type=int, nargs="+", default=MICROBATCHES)
-    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON, no runs")
     args = parser.parse_args()
     if args.replot:

@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import OUT, median, mlp, run_point, save_row, timed, write_json
+from common import arguments, median, mlp, run_point, save_row, timed, write_json
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -109,14 +109,8 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for flag, default in [("ranks", RANKS), ("threads", THREADS), ("width", WIDTH), ("layers", LAYERS),
-                          ("batch", BATCH), ("microbatches", MICROBATCHES), ("rounds", ROUNDS),
-                          ("steps", STEPS)]:  # fmt: skip
-        parser.add_argument(f"--{flag}", type=int, default=default)
-    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
-    args = parser.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    args = arguments(__doc__, SCHEDULES, ranks=RANKS, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
+                     microbatches=MICROBATCHES, rounds=ROUNDS, steps=STEPS).parse_args()  # fmt: skip
     rows = []
     started = time.perf_counter()
     for schedule in args.schedules:
