@@ -8,7 +8,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeengine.partition import METHODS, Partition, bounds_from_counts, method_costs, solve, stage_module
+from pipeengine.partition import (
+    METHODS,
+    Partition,
+    bounds_from_counts,
+    check_counts,
+    check_method,
+    method_costs,
+    solve,
+    stage_module,
+)
 from pipeengine.profile import LayerCosts, measure
 from pipeengine.specs import Tensors, unpack
 from schedules import Schedule, build_schedule, validate
@@ -26,11 +35,9 @@ def agree_partition(
     device: torch.device,
 ) -> Partition:
     """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike."""
-    if isinstance(partition, str) and partition not in METHODS:
-        raise ValueError(f"unknown partition {partition!r}; valid: {', '.join(METHODS)}, or a list of layers per stage")
-    counts = None if partition is None or isinstance(partition, str) else list(partition)
-    if counts is not None and len(counts) != schedule.num_stages:
-        raise ValueError(f"partition lists {len(counts)} stages, the schedule has {schedule.num_stages}: {counts}")
+    if isinstance(partition, str):
+        check_method(partition)
+    counts = None if partition is None or isinstance(partition, str) else check_counts(partition, schedule.num_stages)
     m = schedule.num_microbatches
     source, rank = 0, dist.get_rank(group)  # group rank 0 runs the first stage (of the first replica)
     header = torch.zeros(2, dtype=torch.int64, device=device)  # [failed, method]

@@ -109,6 +109,24 @@ def stage_module(model: nn.Sequential, start: int, end: int) -> nn.Sequential:
     return nn.Sequential(OrderedDict(named))
 
 
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise _unknown(method)
+
+
+def check_counts(counts: Sequence[int], num_stages: int) -> list[int]:
+    """An explicit partition: the layers of each stage, one count per stage of the schedule."""
+    counts = list(counts)
+    if len(counts) != num_stages:
+        raise ValueError(f"partition lists {len(counts)} stages, the schedule has {num_stages}: {counts}")
+    return counts
+
+
+def _unknown(method: str) -> ValueError:
+    valid = ", ".join(METHODS)
+    return ValueError(f"unknown partition method {method!r}; valid: {valid}, or a list of layers per stage")
+
+
 def method_costs(method: str, costs: LayerCosts) -> list[float]:
     """The per-layer numbers a method balances."""
     if method == "uniform":
@@ -121,7 +139,7 @@ def method_costs(method: str, costs: LayerCosts) -> list[float]:
         if costs.time is None:
             raise ValueError("partition='time' needs measured layer times: pass a sample micro-batch")
         return list(costs.time)
-    raise ValueError(f"unknown partition method {method!r}; valid: {', '.join(METHODS)}, or a list of layers per stage")
+    raise _unknown(method)
 
 
 @dataclass(frozen=True)
@@ -180,13 +198,8 @@ def plan(
     number of layers of each stage.
     """
     if not isinstance(method, str):
-        counts = list(method)
-        if len(counts) != num_stages:
-            raise ValueError(f"partition lists {len(counts)} stages, the schedule has {num_stages}: {counts}")
+        counts = check_counts(method, num_stages)
         return Partition("explicit", bounds_from_counts(counts, len(model)), measure(model, sample))
-    if method not in METHODS:
-        raise ValueError(
-            f"unknown partition method {method!r}; valid: {', '.join(METHODS)}, or a list of layers per stage"
-        )
+    check_method(method)
     costs = measure(model, sample, timed=method == "time", repeats=repeats, device=device)
     return Partition(method, solve(method_costs(method, costs), num_stages), costs)
