@@ -19,7 +19,7 @@ from pipeengine.partition import (
     stage_module,
 )
 from pipeengine.profile import LayerCosts, measure
-from pipeengine.specs import Tensors, unpack
+from pipeengine.specs import Tensors, map_tensors, unpack
 from schedules import Schedule, build_schedule, validate
 from schedules.registry import DEFAULT_CHUNKS
 
@@ -75,10 +75,8 @@ def _first_microbatch(sample: object, num_microbatches: int) -> torch.Tensor | T
     if isinstance(sample, torch.Tensor) or (
         isinstance(sample, tuple) and all(isinstance(t, torch.Tensor) for t in sample)
     ):
-        tensors = unpack(sample)
-        rows = max(1, tensors[0].shape[0] // num_microbatches)
-        pieces = tuple(t[:rows] for t in tensors)
-        return pieces if isinstance(sample, tuple) else pieces[0]
+        rows = max(1, unpack(sample)[0].shape[0] // num_microbatches)
+        return map_tensors(sample, lambda t: t[:rows])
     raise TypeError(f"sample must be a tensor or a tuple of tensors (an input batch), got {type(sample).__name__}")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeengine.specs import Tensors, meta_copy, unpack
+from pipeengine.specs import Tensors, map_tensors, meta_copy, unpack
 
 __all__ = ["LayerCosts", "measure"]
 
@@ -105,8 +105,7 @@ def measure(
 
 def _activation_bytes(model: nn.Sequential, sample: torch.Tensor | Tensors) -> tuple[int, ...]:
     """Bytes each layer saves for its backward, counted on meta copies (parameters excluded)."""
-    meta = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in unpack(sample))
-    value: torch.Tensor | Tensors = _as_input(meta, isinstance(sample, tuple))
+    value = map_tensors(sample, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     sizes = []
     for layer in model:
         copy_ = meta_copy(layer)
@@ -131,7 +130,7 @@ def _time_layers(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     forward, backward = [], []
-    value = _as_input(tuple(t.to(device) for t in unpack(sample)), isinstance(sample, tuple))
+    value = map_tensors(sample, lambda t: t.to(device))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for layer in model:
             probe = copy.deepcopy(layer).to(device)
@@ -165,9 +164,4 @@ def _run_once(layer: nn.Module, value: torch.Tensor | Tensors, device: torch.dev
 
 def _leaves(value: torch.Tensor | Tensors) -> torch.Tensor | Tensors:
     """Fresh leaf inputs, floating ones requiring grad, as a stage receives them."""
-    tensors = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in unpack(value))
-    return _as_input(tensors, isinstance(value, tuple))
-
-
-def _as_input(tensors: Tensors, is_tuple: bool) -> torch.Tensor | Tensors:
-    return tensors if is_tuple else tensors[0]
+    return map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))

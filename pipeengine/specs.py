@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,11 +63,27 @@ class Boundary:
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | Tensors:
         """The value a layer receives: the tensor itself, or the tuple."""
-        return tuple(tensors) if self.is_tuple else tensors[0]
+        return pack(tensors, self.is_tuple)
+
+    def meta_leaves(self) -> torch.Tensor | Tensors:
+        """Fresh meta tensors of these specs, as the next stage receives them (shapes only, no memory)."""
+        return self.pack(
+            [torch.empty(s.shape, dtype=s.dtype, device="meta", requires_grad=s.requires_grad) for s in self.specs]
+        )
 
 
 def unpack(value: torch.Tensor | Tensors) -> Tensors:
     return value if isinstance(value, tuple) else (value,)
+
+
+def pack(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor | Tensors:
+    """The value a layer receives: the tuple, or the one tensor (unpack's inverse)."""
+    return tuple(tensors) if is_tuple else tensors[0]
+
+
+def map_tensors(value: torch.Tensor | Tensors, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | Tensors:
+    """``fn`` applied to each tensor of a value, keeping its form (a tensor, or a tuple)."""
+    return pack([fn(t) for t in unpack(value)], isinstance(value, tuple))
 
 
 def meta_copy(layer: nn.Module) -> nn.Module:
@@ -89,9 +105,7 @@ def infer_boundaries(
     spec also says whether a gradient flows back through it.
     """
     outputs = []
-    value: torch.Tensor | Tensors = inputs.pack(
-        [torch.empty(s.shape, dtype=s.dtype, device="meta", requires_grad=s.requires_grad) for s in inputs.specs]
-    )
+    value = inputs.meta_leaves()
     with torch.enable_grad():
         for stage, (start, end) in enumerate(bounds):
             for index in range(start, end):
@@ -101,16 +115,9 @@ def infer_boundaries(
                     raise RuntimeError(
                         f"could not infer the shapes leaving layer {index} (stage {stage}) on the meta device: "
                         f"{type(error).__name__}: {str(error).rstrip('.')}. Every layer's output shape must follow "
-                        "from its input "
-                        "shape (no data-dependent shapes, no .item())"
+                        "from its input shape (no data-dependent shapes, no .item())"
                     ) from error
             boundary = Boundary.of(value, f"the output of stage {stage} (layers {start}..{end - 1})")
             outputs.append(boundary)
-            # the next stage receives a leaf: fresh meta tensors with the same specs
-            value = boundary.pack(
-                [
-                    torch.empty(s.shape, dtype=s.dtype, device="meta", requires_grad=s.requires_grad)
-                    for s in boundary.specs
-                ]
-            )
+            value = boundary.meta_leaves()  # the next stage receives leaves
     return outputs

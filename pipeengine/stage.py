@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeengine.backward import WeightPass, backward_input
 from pipeengine.precision import autocast
-from pipeengine.specs import Boundary, Tensors, unpack
+from pipeengine.specs import Boundary, Tensors, map_tensors, pack, unpack
 
 __all__: list[str] = []
 
@@ -51,7 +51,7 @@ class StageWorker:
 
     def forward(self, mb: int, inputs: Tensors, packed: bool, target: object = None, train: bool = True) -> Tensors:
         """Run the layers; on the last stage of a training step, return the scaled loss instead."""
-        argument = tuple(inputs) if packed else inputs[0]
+        argument = pack(inputs, packed)
         device = next((t.device for t in inputs), torch.device("cpu"))
         with autocast(device, self.precision):
             if self.checkpointed and train:
@@ -62,8 +62,8 @@ class StageWorker:
                 loss = self.loss_fn(value, target)
         if not self.is_last:
             if self.precision is not None:  # floating tensors cross the boundary in the autocast dtype
-                cast = tuple(t.to(self.precision) if t.is_floating_point() else t for t in unpack(value))
-                value = cast if isinstance(value, tuple) else cast[0]
+                dtype = self.precision
+                value = map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
             outputs = unpack(value)
             self._check(outputs, value, train)
             if train:
