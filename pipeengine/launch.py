@@ -202,14 +202,8 @@ def _supervise(
     outcome: dict[int, _Report | str] = {}
     failed_at: float | None = None
     while True:
-        try:
-            while True:
-                report = reports.get_nowait()
-                outcome[report.rank] = report
-                if not report.ok and failed_at is None:
-                    failed_at = time.monotonic()
-        except queue_module.Empty:
-            pass
+        if not _drain(reports, outcome) and failed_at is None:
+            failed_at = time.monotonic()
         alive = [c for c in children if c.is_alive()]
         for rank, child in enumerate(children):
             if not child.is_alive() and rank not in outcome and child.exitcode not in (0, None):
@@ -218,12 +212,7 @@ def _supervise(
             break
         multiprocessing.connection.wait([c.sentinel for c in alive], timeout=0.2)
     time.sleep(0.1)  # let the queue deliver reports sent just before exit
-    try:
-        while True:
-            report = reports.get_nowait()
-            outcome[report.rank] = report
-    except queue_module.Empty:
-        pass
+    _drain(reports, outcome)
     for rank, child in enumerate(children):
         if rank in outcome:
             continue
@@ -234,6 +223,18 @@ def _supervise(
         elif child.exitcode:
             outcome[rank] = f"exited with code {child.exitcode} without a report"
     return outcome
+
+
+def _drain(reports: multiprocessing.Queue[_Report], outcome: dict[int, _Report | str]) -> bool:
+    """Move the reports that have arrived into ``outcome``; False if one of them is a failure."""
+    ok = True
+    try:
+        while True:
+            report = reports.get_nowait()
+            outcome[report.rank] = report
+            ok = ok and report.ok
+    except queue_module.Empty:
+        return ok
 
 
 def _stop(children: Sequence[multiprocessing.process.BaseProcess]) -> None:
