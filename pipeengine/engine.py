@@ -25,7 +25,7 @@ from pipeengine.stage import LossFn, StageWorker
 from pipeengine.streams import Streams
 from pipeengine.topology import Topology
 from pipeengine.trace import Tracer
-from schedules import Schedule, Timeline, forward_only, with_gradient_sync
+from schedules import Schedule, Timeline, forward_only, receives_first, with_gradient_sync
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
 
@@ -127,7 +127,10 @@ class PipelineEngine:
             s: stage_module(model, *self.bounds[s]).to(self.device) for s in self.schedule.stages_of(self.rank)
         }
         self._meta_layers = [meta_copy(layer) for layer in model]  # every rank infers every boundary locally
-        self._forward_schedule = forward_only(self.schedule)
+        runs = (self.schedule, forward_only(self.schedule))
+        if dist.get_backend(self.group) == "gloo":  # posting never blocks there: each step's recvs go out first
+            runs = (receives_first(runs[0]), receives_first(runs[1]))
+        self._train_run, self._forward_run = runs  # what the executor runs
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}, got {precision!r}")
         self.precision = PRECISIONS[precision]
@@ -257,7 +260,7 @@ class PipelineEngine:
             first_input=header.microbatch_inputs,
             outputs=self._infer(header.microbatch_inputs),
         )
-        self._traced(self.schedule, step)
+        self._traced(self._train_run, step)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.last:
             worker = self._workers[self.schedule.num_stages - 1]
@@ -278,7 +281,7 @@ class PipelineEngine:
         header = self._agree_on(inputs, None, train=False)
         outputs = self._infer(header.microbatch_inputs)
         step = Step(False, self._split(inputs) if self.first else None, None, header.microbatch_inputs, outputs)
-        results = self._traced(self._forward_schedule, step)
+        results = self._traced(self._forward_run, step)
         if not self.last:
             return None
         parts = [results[mb] for mb in range(self.num_microbatches)]

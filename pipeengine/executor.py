@@ -1,6 +1,7 @@
 """The executor: interprets one rank's instruction stream; it never decides order.
 
-Communication is posted when the stream says (recvs early, batched with sends),
+Communication is posted when the stream says (recvs early, batched with sends; on
+gloo the engine hands it streams that post every recv first, schedules.receives_first),
 a recv is waited on just before the compute that needs it, and a send's tensors are
 kept alive until the send completes, checked without blocking between instructions.
 """
@@ -21,7 +22,7 @@ from pipeengine.errors import PeerError, PipelineError
 from pipeengine.specs import Boundary, Tensors
 from pipeengine.stage import StageWorker
 from pipeengine.trace import Tracer
-from schedules import Batch, Instruction, Kind, Schedule
+from schedules import Batch, Instruction, Kind, Schedule, ops_of
 
 __all__: list[str] = []
 
@@ -123,7 +124,7 @@ class _Run:
         start = self.tracer.mark() if self.tracer else 0.0
         placement, outputs, device = self.schedule.placement, self.step.outputs, self.executor.device
         transfers = []
-        for op in action.ops if isinstance(action, Batch) else (action,):
+        for op in ops_of(action):
             peer = placement[op.peer_stage]
             if op.kind is _SF:
                 tensors = tuple(t.detach().contiguous() for t in self.handoff.pop((_F, op.stage, op.microbatch)))

@@ -2,9 +2,9 @@
 
 from schedules.gpipe import gpipe
 from schedules.inference import forward_only
-from schedules.instructions import Action, Batch, Instruction, Kind, parse
+from schedules.instructions import Action, Batch, Instruction, Kind, ops_of, parse
 from schedules.interleaved import interleaved_1f1b
-from schedules.lowering import lower
+from schedules.lowering import lower, receives_first
 from schedules.one_f_one_b import one_f_one_b
 from schedules.registry import SCHEDULES, build_schedule, compile_schedule
 from schedules.schedule import Schedule, ScheduleError
@@ -32,7 +32,9 @@ __all__ = [
     "interleaved_1f1b",
     "lower",
     "one_f_one_b",
+    "ops_of",
     "parse",
+    "receives_first",
     "simulate",
     "validate",
     "with_gradient_sync",

@@ -6,7 +6,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["Kind", "Instruction", "Batch", "Action", "parse", "message_key"]
+__all__ = ["Kind", "Instruction", "Batch", "Action", "ops_of", "parse", "message_key"]
 
 
 class Kind(enum.Enum):
@@ -95,6 +95,11 @@ class Batch:
 
 
 Action = Instruction | Batch
+
+
+def ops_of(action: Action) -> tuple[Instruction, ...]:
+    """The instructions of an action: a batch's ops, or the instruction alone."""
+    return action.ops if isinstance(action, Batch) else (action,)
 
 
 # comm kind -> (stage offset of the boundary, gradient bit)

@@ -19,12 +19,12 @@ from bisect import bisect_left
 from collections import defaultdict
 
 from schedules.gcpause import gc_paused
-from schedules.instructions import Action, Batch, Instruction, Kind
+from schedules.instructions import Action, Batch, Instruction, Kind, ops_of
 from schedules.schedule import Schedule
 from schedules.simulation import Costs, run
 from schedules.validation import check_compute
 
-__all__ = ["lower"]
+__all__ = ["lower", "receives_first"]
 
 
 @gc_paused()
@@ -94,3 +94,32 @@ def lower(schedule: Schedule) -> Schedule:
 _F, _SF, _SB = Kind.FORWARD, Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT
 _RF, _RB = Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT
 _GRADIENT = (Kind.BACKWARD, Kind.BACKWARD_INPUT)  # computes that produce the gradient of their input
+
+
+def receives_first(schedule: Schedule) -> Schedule:
+    """Every rank posts all its recvs of the step at once, before anything else, in stream order.
+
+    For a transport where posting never blocks and each message is matched on its own, by
+    peer and posting order (gloo). There a recv posted early costs only its buffer, while one
+    posted mid-step, as the peer sends, contends with the transport's I/O thread for the
+    connection: on 2 CPU ranks posting took 8-15 ms of a 170 ms GPipe step as lowered, and
+    2.5-3.5 ms with the recvs first. Not for NCCL, whose point-to-point ops run in order on
+    one stream: a recv posted first holds back the sends behind it, which is why ``validate``
+    (rendezvous: a posted recv waits for its send) refuses the result.
+
+    Each channel keeps the order of its recvs, so each still meets its send in order; sends
+    and computes stay where they were. Every micro-batch's recv buffers exist from the start.
+    """
+    streams = []
+    for stream in schedule.instructions:
+        recvs = [op for action in stream for op in ops_of(action) if op.kind.is_recv]
+        rest: list[Action] = []
+        for action in stream:
+            kept = [op for op in ops_of(action) if not op.kind.is_recv]
+            if isinstance(action, Batch) and len(kept) > 1:
+                rest.append(Batch(tuple(kept)))
+            else:
+                rest += kept
+        first: list[Action] = [Batch(tuple(recvs))] if len(recvs) > 1 else list(recvs)
+        streams.append(first + rest)
+    return schedule.with_streams(streams)

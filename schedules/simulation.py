@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from schedules.gcpause import gc_paused
-from schedules.instructions import Action, Batch, Instruction, Kind, message_key
+from schedules.instructions import Action, Batch, Instruction, Kind, message_key, ops_of
 from schedules.schedule import Schedule
 from schedules.timeline import Span, Timeline
 
@@ -212,9 +212,7 @@ def _compile(stream: tuple[Action, ...], table: dict[Kind, list[float]], M: int,
         if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous, free here
             program.append((None, 0, 0, 0.0, ()))
         elif isinstance(action, Batch) or not action.kind.is_compute:
-            keys = tuple(
-                (message_key(op, M), op.kind.is_send) for op in (action.ops if isinstance(action, Batch) else (action,))
-            )
+            keys = tuple((message_key(op, M), op.kind.is_send) for op in ops_of(action))
             for key, is_send in keys:
                 if not is_send:
                     has_recv[key] = True

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from schedules.gcpause import gc_paused
-from schedules.instructions import Batch, Instruction, Kind, message_key
+from schedules.instructions import Batch, Instruction, Kind, message_key, ops_of
 from schedules.schedule import Schedule, ScheduleError
 
 __all__ = ["validate", "check_compute", "check_communication", "check_deadlock"]
@@ -76,7 +76,7 @@ class _Index:
         syncs: dict[int, list[Where]] = {}
         for rank in range(schedule.num_ranks):
             for step, action in enumerate(schedule.instructions[rank]):
-                for op in action.ops if isinstance(action, Batch) else (action,):
+                for op in ops_of(action):
                     here = (rank, step)
                     if not (0 <= op.stage < S and 0 <= op.microbatch < M):
                         raise schedule.error(
@@ -313,7 +313,7 @@ def _check_deadlock(index: _Index) -> None:
         mine: list[Point] = []
         for step, action in enumerate(schedule.instructions[rank]):
             if isinstance(action, Batch) or not (action.kind.is_compute or action.kind.is_collective):
-                ops = action.ops if isinstance(action, Batch) else (action,)
+                ops = ops_of(action)
                 mine.append(
                     (step, tuple((message_key(op, M), op.kind.is_send, placement[op.peer_stage]) for op in ops))
                 )

@@ -5,7 +5,20 @@ from itertools import pairwise
 
 import pytest
 
-from schedules import Batch, Instruction, Kind, Schedule, build_schedule, compile_schedule, lower, simulate
+from schedules import (
+    Batch,
+    Instruction,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    compile_schedule,
+    lower,
+    ops_of,
+    receives_first,
+    simulate,
+    validate,
+)
 
 CASES = [
     (name, p, m, v)
@@ -14,10 +27,6 @@ CASES = [
     for m in (1, 2, 4, 7, 12)
     if name != "interleaved" or m % p == 0
 ]
-
-
-def ops_at(action: Instruction | Batch) -> tuple[Instruction, ...]:
-    return action.ops if isinstance(action, Batch) else (action,)
 
 
 def producer(recv: Instruction) -> tuple[int, Kind, int]:
@@ -47,7 +56,7 @@ def test_each_recv_goes_to_the_first_gap_reached_after_its_send(name: str, p: in
             if isinstance(action, Instruction) and action.kind.is_compute:
                 gap += 1
                 continue
-            for op in ops_at(action):
+            for op in ops_of(action):
                 if op.kind.is_recv:
                     recvs_seen += 1
                     first_gap = bisect_left(gap_times, end_of[producer(op)])
@@ -74,7 +83,7 @@ def test_1f1b_steady_state_pairs_send_activation_with_recv_gradient_and_back(p: 
     for rank, stream in enumerate(schedule.instructions):
         first_backward = True
         for before, between, after in compute_neighbours(stream):
-            kinds = {op.kind for action in between for op in ops_at(action)}
+            kinds = {op.kind for action in between for op in ops_of(action)}
             if before.kind is Kind.FORWARD and after.kind is Kind.BACKWARD and rank < p - 1:  # type: ignore[union-attr]
                 assert len(between) == 1 and {Kind.SEND_ACTIVATION, Kind.RECV_GRADIENT} <= kinds, (rank, between)
                 pairs += 1
@@ -94,7 +103,7 @@ def test_sends_follow_their_producer_and_each_gap_is_one_batch(name: str, p: int
     for stream in build_schedule(name, p, m, v).instructions:
         for before, between, _ in compute_neighbours(stream):
             assert len(between) <= 1  # all communication of a gap is posted together
-            for op in (op for action in between for op in ops_at(action)):
+            for op in (op for action in between for op in ops_of(action)):
                 if op.kind.is_send:
                     assert (op.stage, op.microbatch) == (before.stage, before.microbatch)  # type: ignore[union-attr]
 
@@ -115,3 +124,23 @@ def test_lowering_refuses_a_compute_order_that_breaks_a_dependency() -> None:
     bad = Schedule("bad", 1, 1, 1, (0,), ((Instruction(0, Kind.BACKWARD, 0), Instruction(0, Kind.FORWARD, 0)),))
     with pytest.raises(ValueError, match="forward runs before its backward"):
         lower(bad)
+
+
+@pytest.mark.parametrize("name, p, m, v", [*CASES, ("zb-h1", 3, 6, 1), ("zb-v", 2, 4, 2), ("zb-v", 3, 3, 2)])
+def test_receives_first_posts_every_recv_at_the_start_and_moves_nothing_else(name: str, p: int, m: int, v: int) -> None:
+    lowered = build_schedule(name, p, m, v)
+    eager = receives_first(lowered)
+    assert eager.compute_only() == lowered.compute_only()
+    for before, after in zip(lowered.instructions, eager.instructions, strict=True):
+        ops = [op for action in before for op in ops_of(action)]
+        recvs = [op for op in ops if op.kind.is_recv]
+        head, rest = (ops_of(after[0]), after[1:]) if recvs else ((), after)
+        assert list(head) == recvs  # all at once, in stream order: every channel keeps the order of its sends
+        assert [op for action in rest for op in ops_of(action)] == [op for op in ops if not op.kind.is_recv]
+        assert not any(op.kind.is_recv for action in rest for op in ops_of(action))
+
+
+def test_receives_first_is_only_for_transports_whose_posts_never_block() -> None:
+    """Under rendezvous (NCCL's in-order stream) each rank's first recv waits for a send queued behind the other's."""
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(receives_first(build_schedule("1f1b", 2, 4)))
