@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeengine.assembly import agree_partition, check_no_shared_parameters, resolve_device, resolve_schedule
 from pipeengine.checkpoint import load_checkpoint, save_checkpoint
-from pipeengine.comm import P2P
+from pipeengine.comm import P2P, second_group
 from pipeengine.errors import PeerError
 from pipeengine.executor import Executor, Step
 from pipeengine.header import Header, exchange
@@ -128,7 +128,8 @@ class PipelineEngine:
         }
         self._meta_layers = [meta_copy(layer) for layer in model]  # every rank infers every boundary locally
         runs = (self.schedule, forward_only(self.schedule))
-        if dist.get_backend(self.group) == "gloo":  # posting never blocks there: each step's recvs go out first
+        gloo = dist.get_backend(self.group) == "gloo"
+        if gloo:  # posting never blocks there: each step's recvs go out first
             runs = (receives_first(runs[0]), receives_first(runs[1]))
         self._train_run, self._forward_run = runs  # what the executor runs
         if precision not in PRECISIONS:
@@ -145,7 +146,8 @@ class PipelineEngine:
             )
             for s, module in self.stages.items()
         }  # fmt: skip
-        p2p = P2P(self.group, Streams(self.device, timeout))
+        down = second_group(self.group) if gloo and world > 1 else None  # see pipeengine.comm
+        p2p = P2P(self.group, Streams(self.device, timeout), down)
         self._executor = Executor(self.rank, self._workers, p2p, self.device, self.topology.data_group)
         self._boundaries: dict[Boundary, list[Boundary]] = {}
         self._trace = trace
