@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
-from schedules.instructions import Action, Batch, Instruction
+from schedules.instructions import Action, Instruction, ops_of
 
 __all__ = ["Schedule", "ScheduleError"]
 
@@ -71,11 +71,8 @@ class Schedule:
     def ops(self, rank: int) -> Iterator[tuple[int, Instruction]]:
         """Each instruction of a rank with its step, batches opened up."""
         for step, action in enumerate(self.instructions[rank]):
-            if isinstance(action, Batch):
-                for op in action.ops:
-                    yield step, op
-            else:
-                yield step, action
+            for op in ops_of(action):
+                yield step, op
 
     def describe(self) -> str:
         return (

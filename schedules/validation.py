@@ -75,48 +75,47 @@ class _Index:
         channels: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         syncs: dict[int, list[Where]] = {}
         for rank in range(schedule.num_ranks):
-            for step, action in enumerate(schedule.instructions[rank]):
-                for op in ops_of(action):
-                    here = (rank, step)
-                    if not (0 <= op.stage < S and 0 <= op.microbatch < M):
+            for step, op in schedule.ops(rank):
+                here = (rank, step)
+                if not (0 <= op.stage < S and 0 <= op.microbatch < M):
+                    raise schedule.error(
+                        "instructions name existing stages and micro-batches",
+                        f"rank {rank} step {step}: {op} is outside stages 0..{S - 1}, micro-batches 0..{M - 1}",
+                        [here],
+                    )
+                if placement[op.stage] != rank:
+                    raise schedule.error(
+                        "a stage's instructions run on the rank that hosts it",
+                        f"rank {rank} step {step}: {op} belongs to stage {op.stage}, "
+                        f"hosted on rank {placement[op.stage]}",
+                        [here],
+                    )
+                if op.kind.is_collective:
+                    syncs.setdefault(op.stage, []).append(here)
+                    continue
+                if op.kind.is_compute:
+                    slots, key = compute[op.kind], op.stage * M + op.microbatch
+                else:
+                    peer = op.peer_stage
+                    if not 0 <= peer < S or placement[peer] == rank:
+                        reason = "does not exist" if not 0 <= peer < S else f"is on the same rank {rank}"
                         raise schedule.error(
-                            "instructions name existing stages and micro-batches",
-                            f"rank {rank} step {step}: {op} is outside stages 0..{S - 1}, micro-batches 0..{M - 1}",
+                            "communication only crosses ranks",
+                            f"rank {rank} step {step}: {op} talks to stage {peer}, which {reason}",
                             [here],
                         )
-                    if placement[op.stage] != rank:
-                        raise schedule.error(
-                            "a stage's instructions run on the rank that hosts it",
-                            f"rank {rank} step {step}: {op} belongs to stage {op.stage}, "
-                            f"hosted on rank {placement[op.stage]}",
-                            [here],
-                        )
-                    if op.kind.is_collective:
-                        syncs.setdefault(op.stage, []).append(here)
-                        continue
-                    if op.kind.is_compute:
-                        slots, key = compute[op.kind], op.stage * M + op.microbatch
+                    slots, key = (sends if op.kind.is_send else recvs), message_key(op, M)
+                    if op.kind.is_send:
+                        channels[(rank, placement[peer])][0].append(key)
                     else:
-                        peer = op.peer_stage
-                        if not 0 <= peer < S or placement[peer] == rank:
-                            reason = "does not exist" if not 0 <= peer < S else f"is on the same rank {rank}"
-                            raise schedule.error(
-                                "communication only crosses ranks",
-                                f"rank {rank} step {step}: {op} talks to stage {peer}, which {reason}",
-                                [here],
-                            )
-                        slots, key = (sends if op.kind.is_send else recvs), message_key(op, M)
-                        if op.kind.is_send:
-                            channels[(rank, placement[peer])][0].append(key)
-                        else:
-                            channels[(placement[peer], rank)][1].append(key)
-                    if slots[key] is not ABSENT:
-                        raise schedule.error(
-                            "each instruction appears exactly once",
-                            f"{op} appears at (rank, step) {slots[key]} and {here}",
-                            [slots[key], here],
-                        )
-                    slots[key] = here
+                        channels[(placement[peer], rank)][1].append(key)
+                if slots[key] is not ABSENT:
+                    raise schedule.error(
+                        "each instruction appears exactly once",
+                        f"{op} appears at (rank, step) {slots[key]} and {here}",
+                        [slots[key], here],
+                    )
+                slots[key] = here
         return cls(schedule, compute, sends, recvs, dict(channels), syncs)
 
     def message(self, key: int, send: bool) -> Instruction:

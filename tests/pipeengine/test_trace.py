@@ -7,7 +7,17 @@ from pathlib import Path
 import pytest
 
 from pipeengine import launch
-from schedules import Batch, Costs, Instruction, Schedule, Span, Timeline, forward_only, receives_first, simulate
+from schedules import (
+    Costs,
+    Instruction,
+    Schedule,
+    Span,
+    Timeline,
+    forward_only,
+    ops_of,
+    receives_first,
+    simulate,
+)
 from schedules.plot import plot_timelines
 from tests.pipeengine import workers
 
@@ -40,7 +50,7 @@ def test_waits_are_their_own_spans_and_every_recv_ends_after_its_send_was_posted
     posted: dict[Instruction, float] = {}
     for span in train.spans:
         if not span.wait and not span.is_compute:
-            for op in span.action.ops if isinstance(span.action, Batch) else (span.action,):
+            for op in ops_of(span.action):
                 posted[op] = span.start
     waits = [s for s in train.spans if s.wait and s.action.kind.is_recv]  # type: ignore[union-attr]
     assert waits  # rank 1 waits for activations, rank 0 for gradients
