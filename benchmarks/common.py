@@ -87,9 +87,11 @@ def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup
     """Alternate untraced and traced steps; on rank 0 return step time, bubble, prediction and memory.
 
     The prediction is schedules.simulate fed the per-stage median costs of the traced steps
-    (communication free), so measured / predicted is the engine's own overhead.
+    (communication free), so measured / predicted is the engine's own overhead. Also, per traced
+    step, its makespan over schedules.replay's (each compute its own measured time): the overhead
+    net of compute that ran slower than its median.
     """
-    from schedules import Costs, Timeline, simulate
+    from schedules import Costs, Timeline, replay, simulate
 
     baseline = peak_rss_mb()
     run = engine.train_step  # type: ignore[attr-defined]
@@ -112,11 +114,12 @@ def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup
     timelines = [t for t in traced if t is not None]
     engine.last_timelines = timelines  # type: ignore[attr-defined]  # for scripts that draw them
     pooled = Timeline(timelines[0].num_ranks, [s for t in timelines for s in t.spans], unit="s", measured=True)
-    predicted = simulate(engine.schedule, Costs.from_timeline(pooled))  # type: ignore[attr-defined]
+    schedule = engine.schedule  # type: ignore[attr-defined]
+    predicted = simulate(schedule, Costs.from_timeline(pooled))
     # activations held for backward: micro-batches in flight (simulated) x bytes per micro-batch of a stage
     stage_bytes = engine.partition.stage_sum(engine.partition.costs.activation_bytes)  # type: ignore[attr-defined]
     held = [
-        n * max(stage_bytes[s] for s in engine.schedule.stages_of(r))  # type: ignore[attr-defined]
+        n * max(stage_bytes[s] for s in schedule.stages_of(r))
         for r, n in enumerate(predicted.peak_inflight)
     ] if stage_bytes else [0.0]  # fmt: skip
     return {
@@ -125,6 +128,7 @@ def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup
         "measured_bubble": median([t.bubble_fraction for t in timelines]),
         "predicted_ms": 1e3 * predicted.makespan,
         "predicted_bubble": predicted.bubble_fraction,
+        "replay_ratio": median([t.makespan / replay(schedule, t).makespan for t in timelines]),
         "peak_rss_mb": peak,
         "rss_growth_mb": growth,
         "predicted_activations_mb": max(held) / 2**20,

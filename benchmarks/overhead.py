@@ -5,7 +5,9 @@
 
 For each schedule, common.measure: warm up, then alternate untraced and traced steps
 (--steps of each); the untraced steps give the measured step time (median), the traced
-ones the per-stage median cost of each kind, fed to schedules.simulate. From the traces, the dispatch cost:
+ones the per-stage median cost of each kind, fed to schedules.simulate. The replay ratio: a traced
+step's makespan over schedules.replay of it (each compute charged its own measured time, not its
+kind's median), so it leaves out compute that ran slow on a busy machine. The dispatch cost:
 host time a rank spends neither computing nor waiting (posting, bookkeeping), per
 instruction. Writes out/bench/overhead.json.
 """
@@ -41,6 +43,7 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     row = {
         "schedule": schedule, "ranks": traced[-1].num_ranks, "step_ms": measured["step_ms"],
         "simulated_ms": measured["predicted_ms"], "ratio": measured["step_ms"] / measured["predicted_ms"],
+        "replay_ratio": measured["replay_ratio"],
         "measured_bubble": measured["measured_bubble"],
         "dispatch_us_per_instruction": 1e6 * median(dispatch),
     }  # fmt: skip
@@ -55,7 +58,7 @@ def main() -> None:
         r = run_point(worker, args.ranks, (schedule, args), args.threads)
         rows.append(r)
         print(f"{schedule:12} step {r['step_ms']:7.1f} ms  simulated {r['simulated_ms']:7.1f} ms  "
-              f"ratio {r['ratio']:.3f}  bubble {r['measured_bubble']:.1%}  "
+              f"ratio {r['ratio']:.3f}  replay ratio {r['replay_ratio']:.3f}  bubble {r['measured_bubble']:.1%}  "
               f"dispatch {r['dispatch_us_per_instruction']:.0f} us/instruction", flush=True)  # fmt: skip
     print(f"wrote {write_json('overhead', rows)}")
 

@@ -8,7 +8,7 @@ from schedules.lowering import lower, receives_first
 from schedules.one_f_one_b import one_f_one_b
 from schedules.registry import SCHEDULES, build_schedule, compile_schedule
 from schedules.schedule import Schedule, ScheduleError
-from schedules.simulation import Costs, simulate
+from schedules.simulation import Costs, replay, simulate
 from schedules.sync import with_gradient_sync
 from schedules.timeline import Span, Timeline
 from schedules.validation import validate
@@ -35,6 +35,7 @@ __all__ = [
     "ops_of",
     "parse",
     "receives_first",
+    "replay",
     "simulate",
     "validate",
     "with_gradient_sync",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from schedules.gcpause import gc_paused
@@ -11,7 +11,7 @@ from schedules.instructions import Action, Batch, Instruction, Kind, message_key
 from schedules.schedule import Schedule
 from schedules.timeline import Span, Timeline
 
-__all__ = ["Costs", "simulate"]
+__all__ = ["Costs", "replay", "simulate"]
 
 PerStage = float | Sequence[float]
 
@@ -100,17 +100,53 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Communication spans run from posting to completion, beside the compute spans.
     Raises ScheduleError if the streams cannot make progress.
     """
-    times = run(schedule, costs or Costs())
+    return _timeline(schedule, run(schedule, costs or Costs()), schedule.name)
+
+
+@gc_paused()
+def replay(schedule: Schedule, measured: Timeline) -> Timeline:
+    """Replay the streams with every compute taking exactly its time in ``measured``, messages free.
+
+    ``simulate(schedule, Costs.from_timeline(measured))`` charges each instruction its kind's
+    median, so a run whose computes vary (a shared machine) looks slower than its model. Here each
+    keeps its own time, and ``measured.makespan / replay(...).makespan`` is the share of the run
+    lost to everything but compute: posting, waiting on messages, bookkeeping.
+    ``measured`` must hold, rank by rank and in order, the compute of ``schedule``'s streams (a
+    gloo run's timeline qualifies: ``receives_first`` moves only recvs).
+    """
+    durations = []
+    for rank, stream in enumerate(schedule.instructions):
+        spans = measured.compute_spans(rank)
+        ran = [span.action for span in spans]
+        wanted = [a for a in stream if isinstance(a, Instruction) and a.kind.is_compute]
+        if ran != wanted:
+            at = next((i for i, (a, b) in enumerate(zip(ran, wanted, strict=False)) if a != b), None)
+            where = f"compute {at} is {ran[at]} where the stream has {wanted[at]}" if at is not None else ""
+            raise ValueError(
+                f"replay needs each rank's measured compute in its stream's order: rank {rank} ran {len(ran)} "
+                f"computes, its stream of {schedule.name!r} has {len(wanted)}{'; ' + where if where else ''}; "
+                "pass the timeline of a run of this same schedule"
+            )
+        durations.append([span.duration for span in spans])
+    return _timeline(schedule, run(schedule, Costs(), durations), f"{schedule.name} replayed", measured.unit)
+
+
+def _timeline(schedule: Schedule, times: list[list[tuple[float, float]]], label: str, unit: str = "") -> Timeline:
     spans = [
         Span(rank, action, start, end)
         for rank, stream in enumerate(schedule.instructions)
         for action, (start, end) in zip(stream, times[rank], strict=True)
     ]
-    return Timeline(schedule.num_ranks, spans, label=schedule.name)
+    return Timeline(schedule.num_ranks, spans, label=label, unit=unit)
 
 
-def run(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float]]]:
-    """(start, end) of every action of every rank, in program order."""
+def run(
+    schedule: Schedule, costs: Costs, durations: Sequence[Sequence[float]] | None = None
+) -> list[list[tuple[float, float]]]:
+    """(start, end) of every action of every rank, in program order.
+
+    ``durations``: per rank, the time of each of its computes in stream order, in place of ``costs``'.
+    """
     p, S, M = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     table = costs.per_stage(S)
     message = table[Kind.SEND_ACTIVATION]
@@ -121,7 +157,10 @@ def run(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float]]]:
     sent: list[float | None] = [None] * (2 * S * M)  # message -> when its send was posted
     received: list[float | None] = [None] * (2 * S * M)  # message -> when its recv was posted
     has_recv = [False] * (2 * S * M)  # lowered schedules wait for their recvs, compute-only ones do not
-    programs = [_compile(stream, table, M, has_recv) for stream in schedule.instructions]
+    programs = [
+        _compile(stream, table, M, has_recv, None if durations is None else iter(durations[rank]))
+        for rank, stream in enumerate(schedule.instructions)
+    ]
 
     def arrival(key: int, produced: float | None, boundary: int) -> float | None:
         if produced is None:
@@ -205,7 +244,13 @@ _F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
 Entry = tuple[Kind | None, int, int, float, tuple[tuple[int, bool], ...]]
 
 
-def _compile(stream: tuple[Action, ...], table: dict[Kind, list[float]], M: int, has_recv: list[bool]) -> list[Entry]:
+def _compile(
+    stream: tuple[Action, ...],
+    table: dict[Kind, list[float]],
+    M: int,
+    has_recv: list[bool],
+    durations: Iterator[float] | None,
+) -> list[Entry]:
     """Flatten a rank's stream into tuples for the hot loop, marking the messages it receives."""
     program: list[Entry] = []
     for action in stream:
@@ -218,5 +263,6 @@ def _compile(stream: tuple[Action, ...], table: dict[Kind, list[float]], M: int,
                     has_recv[key] = True
             program.append((None, 0, 0, 0.0, keys))
         else:
-            program.append((action.kind, action.stage, action.microbatch, table[action.kind][action.stage], ()))
+            cost = table[action.kind][action.stage] if durations is None else next(durations)
+            program.append((action.kind, action.stage, action.microbatch, cost, ()))
     return program

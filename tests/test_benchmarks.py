@@ -44,7 +44,10 @@ def test_schedules_and_overhead(tmp_path: Path) -> None:
           "--schedules", "zb-h1", out=tmp_path)  # fmt: skip
     assert len(json.loads((tmp_path / "schedules.json").read_text())) == 1 and (tmp_path / "schedules_p2.png").exists()
     out = bench("overhead.py", *TINY, "--microbatches", "4", "--steps", "2", "--schedules", "1f1b", out=tmp_path)
-    assert "us/instruction" in out and json.loads((tmp_path / "overhead.json").read_text())[0]["ratio"] > 0
+    row = json.loads((tmp_path / "overhead.json").read_text())[0]
+    assert "us/instruction" in out and row["ratio"] > 0
+    # a replay drops what is not compute, so it is no longer than the step, to the clock alignment's error
+    assert row["replay_ratio"] > 0.95
 
 
 @pytest.mark.timeout(60)

@@ -16,6 +16,7 @@ from schedules import (
     forward_only,
     ops_of,
     receives_first,
+    replay,
     simulate,
 )
 from schedules.plot import plot_timelines
@@ -68,6 +69,18 @@ def test_measured_gpipe_bubble_is_near_the_simulated_one(traced: tuple) -> None:
         train.bubble_fraction,
         predicted.bubble_fraction,
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_replayed_step_keeps_each_measured_compute_and_ends_no_later(traced: tuple) -> None:
+    schedule, train, _ = traced
+    replayed = replay(schedule, train)
+    for rank in range(2):
+        ran, again = train.compute_spans(rank), replayed.compute_spans(rank)
+        assert [s.action for s in again] == [s.action for s in ran]
+        assert [s.duration for s in again] == pytest.approx([s.duration for s in ran])
+    # the replay drops only what is not compute (posting, message time, bookkeeping)
+    assert max(train.busy(r) for r in range(2)) <= replayed.makespan <= train.makespan + 5e-4
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,18 @@ from itertools import pairwise
 
 import pytest
 
-from schedules import Costs, Schedule, ScheduleError, build_schedule, compile_schedule, parse, simulate
+from schedules import (
+    Costs,
+    Schedule,
+    ScheduleError,
+    Span,
+    Timeline,
+    build_schedule,
+    compile_schedule,
+    parse,
+    replay,
+    simulate,
+)
 
 
 def test_gpipe_two_stages_one_microbatch_by_hand() -> None:
@@ -70,3 +81,41 @@ def test_a_stuck_schedule_is_reported_not_looped_on() -> None:
     stuck = Schedule("stuck", 1, 1, 1, (0,), ((parse("0B0"), parse("0F0")),))
     with pytest.raises(ScheduleError, match=r"the simulation is stuck: rank 0 at step 0 \(0B0\)"):
         simulate(stuck)
+
+
+def test_replay_charges_each_compute_its_own_measured_time() -> None:
+    # gpipe p=2, m=2, measured with gaps (host time) that the replay drops:
+    # rank 0: F0 2, F1 1; rank 1: F0 3, F1 1, B0 1, B1 2; rank 0: B0 4, B1 1
+    measured = Timeline(2, [
+        Span(0, parse("0F0"), 0, 2), Span(0, parse("0F1"), 2.5, 3.5),
+        Span(1, parse("1F0"), 2.5, 5.5), Span(1, parse("1F1"), 6, 7), Span(1, parse("1B0"), 7, 8),
+        Span(1, parse("1B1"), 8.5, 10.5), Span(0, parse("0B0"), 9, 13), Span(0, parse("0B1"), 13, 14),
+        Span(1, parse("1RF1"), 5.5, 6, wait=True),
+    ], unit="s", measured=True)  # fmt: skip
+    replayed = replay(build_schedule("gpipe", 2, 2), measured)
+    # rank 1: F0 [2,5] F1 [5,6] B0 [6,7] B1 [7,9]; rank 0: B0 after 1B0 [7,11], B1 after 1B1 [11,12]
+    assert [(s.start, s.end) for s in replayed.compute_spans(1)] == [(2, 5), (5, 6), (6, 7), (7, 9)]
+    assert [(s.start, s.end) for s in replayed.compute_spans(0)] == [(0, 2), (2, 3), (7, 11), (11, 12)]
+    assert replayed.makespan == 12 < measured.makespan and replayed.unit == "s"
+
+
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 3, 5, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                           ("zb-h1", 3, 6, 1), ("zb-v", 2, 4, 2)])  # fmt: skip
+def test_replaying_a_simulated_timeline_gives_it_back(name: str, p: int, m: int, v: int) -> None:
+    schedule = build_schedule(name, p, m, v)
+    simulated = simulate(
+        schedule, Costs(forward=[1 + s for s in range(p * v)], backward_input=2.5, backward_weight=0.5)
+    )
+    replayed = replay(schedule, simulated)
+    for rank in range(p):
+        assert [(s.start, s.end) for s in replayed.compute_spans(rank)] == pytest.approx(
+            [(s.start, s.end) for s in simulated.compute_spans(rank)]
+        )
+
+
+def test_replaying_another_schedules_timeline_is_refused_with_where_they_differ() -> None:
+    timeline = simulate(build_schedule("1f1b", 2, 4))
+    with pytest.raises(ValueError, match="rank 0 ran 8 computes, its stream of 'gpipe' has 8; compute 2 is 0B0 where"):
+        replay(build_schedule("gpipe", 2, 4), timeline)
+    with pytest.raises(ValueError, match="rank 0 ran 8 computes, its stream of '1f1b' has 6"):
+        replay(build_schedule("1f1b", 2, 3), timeline)
