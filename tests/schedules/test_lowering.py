@@ -84,14 +84,14 @@ def test_1f1b_steady_state_pairs_send_activation_with_recv_gradient_and_back(p: 
         first_backward = True
         for before, between, after in compute_neighbours(stream):
             kinds = {op.kind for action in between for op in ops_of(action)}
-            if before.kind is Kind.FORWARD and after.kind is Kind.BACKWARD and rank < p - 1:  # type: ignore[union-attr]
+            if before.kind is Kind.FORWARD and after.kind is Kind.BACKWARD and rank < p - 1:
                 assert len(between) == 1 and {Kind.SEND_ACTIVATION, Kind.RECV_GRADIENT} <= kinds, (rank, between)
                 pairs += 1
-            if before.kind is Kind.BACKWARD and after.kind is Kind.FORWARD and rank > 0:  # type: ignore[union-attr]
+            if before.kind is Kind.BACKWARD and after.kind is Kind.FORWARD and rank > 0:
                 if not first_backward:  # the first one's next input was posted even earlier
                     assert len(between) == 1 and {Kind.SEND_GRADIENT, Kind.RECV_ACTIVATION} <= kinds, (rank, between)
                     pairs += 1
-            first_backward = first_backward and before.kind is not Kind.BACKWARD  # type: ignore[union-attr]
+            first_backward = first_backward and before.kind is not Kind.BACKWARD
     # rank r warms up with w = p-r-1 forwards, then m-w steady F->B steps and m-w-1 B->F steps;
     # counted: F->B on ranks 0..p-2, B->F but the first on ranks 1..p-1
     warmup = [p - r - 1 for r in range(p)]
@@ -105,7 +105,7 @@ def test_sends_follow_their_producer_and_each_gap_is_one_batch(name: str, p: int
             assert len(between) <= 1  # all communication of a gap is posted together
             for op in (op for action in between for op in ops_of(action)):
                 if op.kind.is_send:
-                    assert (op.stage, op.microbatch) == (before.stage, before.microbatch)  # type: ignore[union-attr]
+                    assert (op.stage, op.microbatch) == (before.stage, before.microbatch)
 
 
 @pytest.mark.parametrize("name, p, m, v", CASES)
