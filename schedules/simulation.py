@@ -109,8 +109,8 @@ def replay(schedule: Schedule, measured: Timeline) -> Timeline:
 
     ``simulate(schedule, Costs.from_timeline(measured))`` charges each instruction its kind's
     median, so a run whose computes vary (a shared machine) looks slower than its model. Here each
-    keeps its own time, and ``measured.makespan / replay(...).makespan`` is the share of the run
-    lost to everything but compute: posting, waiting on messages, bookkeeping.
+    keeps its own time, so ``measured.makespan / replay(...).makespan`` measures what the run lost
+    to everything but compute: posting, waiting on messages, bookkeeping.
     ``measured`` must hold, rank by rank and in order, the compute of ``schedule``'s streams (a
     gloo run's timeline qualifies: ``receives_first`` moves only recvs).
     """
@@ -121,10 +121,10 @@ def replay(schedule: Schedule, measured: Timeline) -> Timeline:
         wanted = [a for a in stream if isinstance(a, Instruction) and a.kind.is_compute]
         if ran != wanted:
             at = next((i for i, (a, b) in enumerate(zip(ran, wanted, strict=False)) if a != b), None)
-            where = f"compute {at} is {ran[at]} where the stream has {wanted[at]}" if at is not None else ""
+            where = "" if at is None else f"; compute {at} is {ran[at]} where the stream has {wanted[at]}"
             raise ValueError(
                 f"replay needs each rank's measured compute in its stream's order: rank {rank} ran {len(ran)} "
-                f"computes, its stream of {schedule.name!r} has {len(wanted)}{'; ' + where if where else ''}; "
+                f"computes, its stream of {schedule.name!r} has {len(wanted)}{where}; "
                 "pass the timeline of a run of this same schedule"
             )
         durations.append([span.duration for span in spans])
