@@ -81,10 +81,7 @@ def lower(schedule: Schedule) -> Schedule:
             ops = [sends[rank][gap]] if gap in sends[rank] else []
             if gap in recvs[rank]:
                 ops += [recv for _, recv in sorted(recvs[rank][gap], key=lambda item: item[0])]
-            if len(ops) == 1:
-                lowered.append(ops[0])
-            elif ops:
-                lowered.append(Batch(tuple(ops)))
+            lowered += _posted(ops)
             if gap < len(stream):
                 lowered.append(stream[gap])
         streams.append(lowered)
@@ -113,13 +110,13 @@ def receives_first(schedule: Schedule) -> Schedule:
     streams = []
     for stream in schedule.instructions:
         recvs = [op for action in stream for op in ops_of(action) if op.kind.is_recv]
-        rest: list[Action] = []
-        for action in stream:
-            kept = [op for op in ops_of(action) if not op.kind.is_recv]
-            if isinstance(action, Batch) and len(kept) > 1:
-                rest.append(Batch(tuple(kept)))
-            else:
-                rest += kept
-        first: list[Action] = [Batch(tuple(recvs))] if len(recvs) > 1 else list(recvs)
-        streams.append(first + rest)
+        actions = _posted(recvs)
+        for action in stream:  # the rest, in place
+            actions += _posted([op for op in ops_of(action) if not op.kind.is_recv])
+        streams.append(actions)
     return schedule.with_streams(streams)
+
+
+def _posted(ops: list[Instruction]) -> list[Action]:
+    """Ops posted together, as stream actions: none, the one instruction, or a Batch of them."""
+    return [Batch(tuple(ops))] if len(ops) > 1 else list(ops)
