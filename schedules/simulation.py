@@ -115,10 +115,9 @@ def replay(schedule: Schedule, measured: Timeline) -> Timeline:
     gloo run's timeline qualifies: ``receives_first`` moves only recvs).
     """
     durations = []
-    for rank, stream in enumerate(schedule.instructions):
+    for rank, stream in enumerate(schedule.compute_only().instructions):
         spans = measured.compute_spans(rank)
-        ran = [span.action for span in spans]
-        wanted = [a for a in stream if isinstance(a, Instruction) and a.kind.is_compute]
+        ran, wanted = [span.action for span in spans], list(stream)
         if ran != wanted:
             at = next((i for i, (a, b) in enumerate(zip(ran, wanted, strict=False)) if a != b), None)
             where = "" if at is None else f"; compute {at} is {ran[at]} where the stream has {wanted[at]}"
