@@ -28,6 +28,9 @@ def test_vs_torch_reports_a_ratio_per_schedule(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "vs_torch.json").read_text())
     assert [r["schedule"] for r in rows] == schedules and "-> " in out
     assert all(r["ours_ms"] > 0 and r["torch_ms"] > 0 and r["single_process_ms"] > 0 for r in rows)
+    # a step with nothing but its computes is faster than the step (at this size, mostly messages)
+    assert all(0 < r["no_overhead_ms"] < r["ours_ms"] for r in rows)
+    assert all(r["bound_vs_torch"] == pytest.approx(r["torch_ms"] / r["no_overhead_ms"]) for r in rows)
 
 
 @pytest.mark.timeout(300)
