@@ -21,7 +21,6 @@ from pipeengine.partition import (
 from pipeengine.profile import LayerCosts, measure
 from pipeengine.specs import Tensors, map_tensors, unpack
 from schedules import Schedule, build_schedule, validate
-from schedules.registry import DEFAULT_CHUNKS
 
 __all__: list[str] = []
 
@@ -101,8 +100,6 @@ def resolve_schedule(schedule: str | Schedule, world: int, num_microbatches: int
         return schedule
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(schedule).__name__}")
-    if chunks is None:
-        chunks = DEFAULT_CHUNKS.get(schedule, 1)
     return build_schedule(schedule, world, num_microbatches, chunks)
 
 

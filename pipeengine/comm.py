@@ -1,4 +1,4 @@
-"""All point-to-point communication: one batch_isend_irecv per lowered Batch, in the schedule's order.
+"""All point-to-point communication: one batch_isend_irecv per lowered Post, in the schedule's order.
 
 On gloo, messages to a lower rank travel on a second group over the same ranks, so that
 each connection carries data one way. gloo's connection to a peer is one socket whose

@@ -22,7 +22,7 @@ from pipeengine.errors import PeerError, PipelineError
 from pipeengine.specs import Boundary, Tensors
 from pipeengine.stage import StageWorker
 from pipeengine.trace import Tracer
-from schedules import Batch, Instruction, Kind, Schedule, ops_of
+from schedules import Instruction, Kind, Post, Schedule, ops_of, peer
 
 __all__: list[str] = []
 
@@ -55,9 +55,9 @@ class Executor:
         self.p2p = p2p
         self.device = device
         self.data_group = data_group  # the replicas of this pipeline position (data parallelism)
-        self._owners: dict[tuple[Instruction | Batch, ...], dict[int, list[nn.Parameter]]] = {}
+        self._owners: dict[tuple[Instruction | Post, ...], dict[int, list[nn.Parameter]]] = {}
 
-    def owned(self, stream: tuple[Instruction | Batch, ...]) -> dict[int, list[nn.Parameter]]:
+    def owned(self, stream: tuple[Instruction | Post, ...]) -> dict[int, list[nn.Parameter]]:
         """Per stage, the parameters its all-reduce averages: a weight shared by stages of this rank
         goes with the stage whose all-reduce comes last, when all its gradient is in."""
         owners = self._owners.get(stream)
@@ -81,7 +81,7 @@ class Executor:
             for index, action in enumerate(schedule.instructions[self.rank]):
                 where = f"rank {self.rank}, step {index}: {action}"
                 state.reap_sends()
-                if isinstance(action, Batch) or action.kind.is_send or action.kind.is_recv:
+                if isinstance(action, Post) or action.kind.is_send or action.kind.is_recv:
                     state.post(action)
                     continue
                 where += f" (stage {action.stage}, micro-batch {action.microbatch})"
@@ -120,12 +120,12 @@ class _Run:
         while self.sending and all(w.is_completed() for w in self.sending[0].works):
             self.sending.popleft()  # its tensors may be freed now
 
-    def post(self, action: Instruction | Batch) -> None:
+    def post(self, action: Instruction | Post) -> None:
         start = self.tracer.mark() if self.tracer else 0.0
         placement, outputs, device = self.schedule.placement, self.step.outputs, self.executor.device
         transfers = []
         for op in ops_of(action):
-            peer = placement[op.peer_stage]
+            peer_rank = placement[peer(op).stage]
             if op.kind is _SF:
                 tensors = tuple(t.detach().contiguous() for t in self.handoff.pop((_F, op.stage, op.microbatch)))
             elif op.kind is _SB:
@@ -134,7 +134,7 @@ class _Run:
                 boundary = outputs[op.stage - 1] if op.kind is _RF else outputs[op.stage]
                 specs = boundary.specs if op.kind is _RF else boundary.grad_specs
                 tensors = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs)
-            transfer = Transfer(op, tensors, peer)
+            transfer = Transfer(op, tensors, peer_rank)
             if op.kind.is_send:
                 self.sending.append(transfer)
             else:

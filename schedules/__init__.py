@@ -1,28 +1,34 @@
 """Pipeline schedules in pure Python: compile, lower, validate, simulate. Never imports torch."""
 
+from schedules.dataflow import Dataflow, Message, peer
 from schedules.gpipe import gpipe
 from schedules.inference import forward_only
-from schedules.instructions import Action, Batch, Instruction, Kind, ops_of, parse
+from schedules.instructions import Action, Batch, Instruction, Kind, Post, ops_of, parse
 from schedules.interleaved import interleaved_1f1b
 from schedules.lowering import lower, receives_first
 from schedules.one_f_one_b import one_f_one_b
-from schedules.registry import SCHEDULES, build_schedule, compile_schedule
+from schedules.registry import SCHEDULES, Registration, build_schedule, compile_schedule, register, registration
 from schedules.schedule import Schedule, ScheduleError
 from schedules.simulation import Costs, replay, simulate
 from schedules.sync import with_gradient_sync
 from schedules.timeline import Span, Timeline
-from schedules.validation import validate
+from schedules.validation import Semantics, validate
 from schedules.zero_bubble import zb_h1, zb_v
 
 __all__ = [
     "Action",
     "Batch",
     "Costs",
+    "Dataflow",
     "Instruction",
     "Kind",
+    "Message",
+    "Post",
+    "Registration",
     "SCHEDULES",
     "Schedule",
     "ScheduleError",
+    "Semantics",
     "Span",
     "Timeline",
     "build_schedule",
@@ -34,7 +40,10 @@ __all__ = [
     "one_f_one_b",
     "ops_of",
     "parse",
+    "peer",
     "receives_first",
+    "register",
+    "registration",
     "replay",
     "simulate",
     "validate",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-from schedules.instructions import Batch
-from schedules.timeline import Timeline
+from schedules.instructions import Post
+
+if TYPE_CHECKING:  # typing only: timeline.py imports this module lazily, so no import runs back
+    from schedules.timeline import Timeline
 
 __all__ = ["chrome_trace_events", "write_chrome_trace"]
 
@@ -26,7 +29,7 @@ def chrome_trace_events(timeline: Timeline) -> list[dict[str, object]]:
         compute_thread = span.is_compute or span.wait  # the host is busy (or blocked) in both
         name = f"wait {span.action}" if span.wait else str(span.action)
         category = "wait" if span.wait else ("compute" if span.is_compute else "post")
-        if isinstance(span.action, Batch):
+        if isinstance(span.action, Post):
             category = "post"
         events.append({
             "ph": "X", "name": name, "cat": category, "pid": span.rank, "tid": 0 if compute_thread else 1,

@@ -3,6 +3,8 @@
 python -m schedules show 1f1b --ranks 4 --microbatches 8
 python -m schedules validate interleaved --ranks 4 --microbatches 8 --chunks 2
 python -m schedules simulate gpipe --ranks 4 --microbatches 8 --backward 3
+python -m schedules show 1f1b -p 2 -m 4 --text > mine.txt      # edit it, then:
+python -m schedules validate mine.txt                           # a schedule file (Schedule.to_text's form)
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from schedules.registry import SCHEDULES, build_schedule, compile_schedule
-from schedules.schedule import ScheduleError
+from schedules.schedule import Schedule, ScheduleError
 from schedules.simulation import Costs, simulate
 from schedules.validation import validate
 
@@ -24,12 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m schedules", description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("name", choices=sorted(SCHEDULES), help="schedule name")
-    common.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks")
-    common.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
-    common.add_argument("--chunks", "-v", type=int, default=1, help="stages per rank (interleaved)")
+    common.add_argument("name", help=f"a schedule name ({', '.join(SCHEDULES)}) or a schedule file")
+    common.add_argument("--ranks", "-p", type=int, help="pipeline ranks (with a name)")
+    common.add_argument("--microbatches", "-m", type=int, help="micro-batches per step (with a name)")
+    common.add_argument("--chunks", "-v", type=int, help="stages per rank (default: the schedule's own)")
     show = verbs.add_parser("show", parents=[common], help="print the per-rank instruction grid")
     show.add_argument("--compute-only", action="store_true", help="the compiler's order, before lowering")
+    show.add_argument("--text", action="store_true", help="the whole schedule as text (Schedule.from_text reads it)")
     verbs.add_parser("validate", parents=[common], help="prove the schedule's invariants")
     sim = verbs.add_parser("simulate", parents=[common], help="simulate with a cost model")
     for flag, default, text in [
@@ -46,15 +50,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _schedule(args: argparse.Namespace, lowered: bool = True) -> Schedule:
+    """The schedule the arguments name: a registered schedule compiled (and lowered), or a file."""
+    if args.name not in SCHEDULES and Path(args.name).is_file():
+        return Schedule.from_text(Path(args.name).read_text())
+    if args.ranks is None or args.microbatches is None:
+        raise ValueError(
+            f"{args.name!r} is {'a schedule name' if args.name in SCHEDULES else 'neither a schedule name nor a file'}"
+            f"; a name needs --ranks and --microbatches (names: {', '.join(SCHEDULES)})"
+        )
+    build = build_schedule if lowered else compile_schedule
+    return build(args.name, args.ranks, args.microbatches, args.chunks)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.verb == "show":
-            build = compile_schedule if args.compute_only else build_schedule
-            print(build(args.name, args.ranks, args.microbatches, args.chunks))
+            schedule = _schedule(args, lowered=not args.compute_only)
+            print(schedule.to_text() if args.text else schedule, end="\n" if not args.text else "")
         elif args.verb == "validate":
             start = time.perf_counter()
-            schedule = build_schedule(args.name, args.ranks, args.microbatches, args.chunks)
+            schedule = _schedule(args)
             validate(schedule)
             count = sum(len(stream) for stream in schedule.instructions)
             print(
@@ -62,11 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"(built and validated in {time.perf_counter() - start:.2f} s)"
             )
         elif args.verb == "plot":
-            schedule = build_schedule(args.name, args.ranks, args.microbatches, args.chunks)
+            schedule = _schedule(args)
             simulate(schedule).plot(args.output, title=schedule.describe())
             print(f"wrote {args.output}")
         else:
-            schedule = build_schedule(args.name, args.ranks, args.microbatches, args.chunks)
+            schedule = _schedule(args)
             costs = Costs(args.forward, args.backward, args.backward_input, args.backward_weight, args.latency)
             timeline = simulate(schedule, costs)
             print(schedule.describe())

@@ -6,7 +6,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["Kind", "Instruction", "Batch", "Action", "ops_of", "parse", "message_key"]
+__all__ = ["Kind", "Instruction", "Post", "Batch", "Action", "ops_of", "parse"]
 
 
 class Kind(enum.Enum):
@@ -38,13 +38,6 @@ for _kind in Kind:
     _kind.is_recv = _kind.value in ("RF", "RB")
     _kind.is_collective = _kind.value == "AR"
 _BY_CODE = {kind.value: kind for kind in Kind}
-# The partner of each communication kind, and the stage offset of the partner.
-_PEER = {
-    Kind.SEND_ACTIVATION: (Kind.RECV_ACTIVATION, +1),
-    Kind.RECV_ACTIVATION: (Kind.SEND_ACTIVATION, -1),
-    Kind.SEND_GRADIENT: (Kind.RECV_GRADIENT, -1),
-    Kind.RECV_GRADIENT: (Kind.SEND_GRADIENT, +1),
-}
 _TEXT = re.compile(r"^(\d+)(" + "|".join(sorted(_BY_CODE, key=len, reverse=True)) + r")(\d+)$")
 
 
@@ -53,7 +46,7 @@ class Instruction:
     """One operation of a stage on a micro-batch: ``1F3`` is stage 1, forward, micro-batch 3.
 
     For communication the stage is the local one: ``1SF3`` sends stage 1's output of
-    micro-batch 3 and is matched by ``2RF3`` on the rank of stage 2.
+    micro-batch 3 and is matched by ``2RF3`` on the rank of stage 2 (see schedules.dataflow).
     """
 
     stage: int
@@ -66,62 +59,35 @@ class Instruction:
     def __repr__(self) -> str:
         return f"Instruction({self})"
 
-    @property
-    def peer_stage(self) -> int:
-        """The stage at the other end of a send or recv."""
-        return self.stage + _PEER[self.kind][1]
-
-    def peer(self) -> Instruction:
-        """The instruction that matches this send or recv on the other rank."""
-        kind, offset = _PEER[self.kind]
-        return Instruction(self.stage + offset, kind, self.microbatch)
-
 
 @dataclass(frozen=True, slots=True)
-class Batch:
-    """Communication posted together (one ``batch_isend_irecv``): ``0SF3+0RB1``."""
+class Post:
+    """Sends and recvs posted together (one ``batch_isend_irecv``): ``0SF3+0RB1``."""
 
     ops: tuple[Instruction, ...]
 
     def __post_init__(self) -> None:
         if not self.ops or not all(op.kind.is_send or op.kind.is_recv for op in self.ops):  # point-to-point only
-            raise ValueError(f"a Batch holds one or more send/recv instructions, got {self.ops}")
+            raise ValueError(f"a Post holds one or more send/recv instructions, got {self.ops}")
 
     def __str__(self) -> str:
         return "+".join(str(op) for op in self.ops)
 
     def __repr__(self) -> str:
-        return f"Batch({self})"
+        return f"Post({self})"
 
 
-Action = Instruction | Batch
+Batch = Post  # the name before 0.2; a Post is a group of messages, not a batch of data
+Action = Instruction | Post
 
 
 def ops_of(action: Action) -> tuple[Instruction, ...]:
-    """The instructions of an action: a batch's ops, or the instruction alone."""
-    return action.ops if isinstance(action, Batch) else (action,)
-
-
-# comm kind -> (stage offset of the boundary, gradient bit)
-_BOUNDARY = {
-    Kind.SEND_ACTIVATION: (0, 0),
-    Kind.RECV_ACTIVATION: (-1, 0),
-    Kind.SEND_GRADIENT: (-1, 1),
-    Kind.RECV_GRADIENT: (0, 1),
-}
-
-
-def message_key(op: Instruction, num_microbatches: int) -> int:
-    """One int per message, the same for a send and its recv: boundary s|s+1, micro-batch, direction.
-
-    ``key >> 1`` is ``boundary * num_microbatches + microbatch``; bit 0 is 1 for gradients.
-    """
-    offset, bit = _BOUNDARY[op.kind]
-    return (((op.stage + offset) * num_microbatches + op.microbatch) << 1) | bit
+    """The instructions of an action: a post's ops, or the instruction alone."""
+    return action.ops if isinstance(action, Post) else (action,)
 
 
 def parse(text: str) -> Action:
-    """Parse the short form back: ``parse("1F3")``, ``parse("0SF3+0RB1")``."""
+    """Parse the short form back: ``parse("1F3")``, ``parse("0SF3+0RB1")`` (a Post)."""
     parts = text.strip().split("+")
     ops = []
     for part in parts:
@@ -130,10 +96,10 @@ def parse(text: str) -> Action:
             codes = ", ".join(_BY_CODE)
             raise ValueError(
                 f"cannot parse {part!r} as an instruction: expected <stage><kind><microbatch> "
-                f"such as '1F3', with kind one of {codes}; join a batch with '+'"
+                f"such as '1F3', with kind one of {codes}; join ops posted together with '+'"
             )
         stage, code, microbatch = match.groups()
         ops.append(Instruction(int(stage), _BY_CODE[code], int(microbatch)))
     if len(ops) == 1 and len(parts) == 1:
         return ops[0]
-    return Batch(tuple(ops))
+    return Post(tuple(ops))

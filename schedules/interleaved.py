@@ -5,7 +5,18 @@ from __future__ import annotations
 from schedules.instructions import Instruction, Kind
 from schedules.schedule import Schedule
 
-__all__ = ["interleaved_1f1b"]
+__all__ = ["check_rounds", "interleaved_1f1b"]
+
+
+def check_rounds(num_ranks: int, num_microbatches: int) -> None:
+    """Micro-batches go through the chunks in rounds of p: m must be a multiple of p."""
+    p, m = num_ranks, num_microbatches
+    if m % p != 0:
+        nearest = " or ".join(str(n) for n in (m - m % p, m - m % p + p) if n > 0)
+        raise ValueError(
+            f"interleaved 1F1B sends micro-batches through the chunks in rounds of p={p}, so the number "
+            f"of micro-batches must be a multiple of {p}, got {m}; use {nearest}"
+        )
 
 
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int) -> Schedule:
@@ -19,12 +30,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int) -> Sche
         rank 1: .   1F0 1F1 3F0 3B0 3B0 3F1 3B1 3B1 1B0 1B0 1B1 1B1 .   .
     """
     p, m, v = num_ranks, num_microbatches, chunks
-    if m % p != 0:
-        nearest = " or ".join(str(n) for n in (m - m % p, m - m % p + p) if n > 0)
-        raise ValueError(
-            f"interleaved 1F1B sends micro-batches through the chunks in rounds of p={p}, so the number "
-            f"of micro-batches must be a multiple of {p}, got {m}; use {nearest}"
-        )
+    check_rounds(p, m)
     total = m * v  # (chunk, micro-batch) pairs per rank
 
     def virtual(k: int, kind: Kind, rank: int) -> Instruction:

@@ -7,7 +7,7 @@ Where each op goes (t = time in the unit-cost simulation of the compute order)::
                                                                 and never after the gap j before its consumer
 
 Posting a recv earlier would only wait for a send that has not happened; posting it
-later would delay the transfer. All ops in one gap go out as one Batch, so the steady
+later would delay the transfer. All ops in one gap go out as one Post, so the steady
 state of 1F1B posts send-activation with recv-gradient, and send-gradient with
 recv-activation, together. On every (sender, receiver) channel, recvs are posted in
 the order of the sends, as NCCL matches point-to-point messages in order.
@@ -18,8 +18,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 
+from schedules.dataflow import Dataflow
 from schedules.gcpause import gc_paused
-from schedules.instructions import Action, Batch, Instruction, Kind, ops_of
+from schedules.instructions import Action, Instruction, Post, ops_of
 from schedules.schedule import Schedule
 from schedules.simulation import Costs, run
 from schedules.validation import check_compute
@@ -29,43 +30,36 @@ __all__ = ["lower", "receives_first"]
 
 @gc_paused()
 def lower(schedule: Schedule) -> Schedule:
-    """Insert the communication of a compute-only schedule and group it into batches."""
+    """Insert the communication of a compute-only schedule and group what is posted together."""
     compute = schedule.compute_only()
     check_compute(compute)
+    flow = Dataflow.of(compute)
     orders = [[op for op in stream if isinstance(op, Instruction)] for stream in compute.instructions]
-    placement, p, M = compute.placement, compute.num_ranks, compute.num_microbatches
-    last = compute.num_stages - 1
+    p = compute.num_ranks
     ends: list[list[float]] = [[] for _ in range(p)]  # per rank, end of each compute in program order
     for rank, times in enumerate(run(compute, Costs())):
         ends[rank] = [end for _, end in times]
 
-    # sends: right after their producer; sent[message] = (time, rank) orders each channel
+    # sends: right after their producer; sent[message key] = (time, rank) orders each channel
     sends: list[dict[int, Instruction]] = [{} for _ in range(p)]  # rank -> gap -> send
     sent: dict[int, tuple[float, int]] = {}
     for rank, order in enumerate(orders):
         for index, op in enumerate(order):
-            s, mb = op.stage, op.microbatch
-            if op.kind is _F and s < last and placement[s + 1] != rank:
-                sends[rank][index + 1] = Instruction(s, _SF, mb)
-                sent[(s * M + mb) << 1] = (ends[rank][index], rank)
-            elif op.kind in _GRADIENT and s > 0 and placement[s - 1] != rank:
-                sends[rank][index + 1] = Instruction(s, _SB, mb)
-                sent[((s - 1) * M + mb) << 1 | 1] = (ends[rank][index], rank)
+            made = flow.produces(op)
+            if made is not None and flow.crosses(made):
+                sends[rank][index + 1] = made.send()
+                sent[flow.key(made)] = (ends[rank][index], rank)
 
     # recvs: the first gap reached at or after the send, at the latest the gap before the consumer
     channels: dict[tuple[int, int], list[tuple[float, int, int, Instruction]]] = defaultdict(list)
     for rank, order in enumerate(orders):
         gap_times = [0.0] + ends[rank]  # gap g is reached when compute g-1 ends
         for index, op in enumerate(order):
-            s, mb = op.stage, op.microbatch
-            if op.kind is _F and s > 0 and placement[s - 1] != rank:
-                key, recv = ((s - 1) * M + mb) << 1, Instruction(s, _RF, mb)
-            elif op.kind in _GRADIENT and s < last and placement[s + 1] != rank:
-                key, recv = (s * M + mb) << 1 | 1, Instruction(s, _RB, mb)
-            else:
+            needed = flow.consumes(op)
+            if needed is None or not flow.crosses(needed):
                 continue
-            time, sender = sent[key]
-            channels[(sender, rank)].append((time, min(bisect_left(gap_times, time), index), rank, recv))
+            time, sender = sent[flow.key(needed)]
+            channels[(sender, rank)].append((time, min(bisect_left(gap_times, time), index), rank, needed.recv()))
     recvs: list[dict[int, list[tuple[float, Instruction]]]] = [defaultdict(list) for _ in range(p)]
     for messages in channels.values():
         messages.sort(key=lambda item: item[0])  # the order of the sends on this channel
@@ -88,11 +82,6 @@ def lower(schedule: Schedule) -> Schedule:
     return compute.with_streams(streams)
 
 
-_F, _SF, _SB = Kind.FORWARD, Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT
-_RF, _RB = Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT
-_GRADIENT = (Kind.BACKWARD, Kind.BACKWARD_INPUT)  # computes that produce the gradient of their input
-
-
 def receives_first(schedule: Schedule) -> Schedule:
     """Every rank posts all its recvs of the step at once, before anything else, in stream order.
 
@@ -102,7 +91,7 @@ def receives_first(schedule: Schedule) -> Schedule:
     connection: on 2 CPU ranks posting took 8-15 ms of a 170 ms GPipe step as lowered, and
     2.5-3.5 ms with the recvs first. Not for NCCL, whose point-to-point ops run in order on
     one stream: a recv posted first holds back the sends behind it, which is why ``validate``
-    (rendezvous: a posted recv waits for its send) refuses the result.
+    refuses the result under rendezvous semantics and proves it under buffered ones (gloo's).
 
     Each channel keeps the order of its recvs, so each still meets its send in order; sends
     and computes stay where they were. Every micro-batch's recv buffers exist from the start.
@@ -118,5 +107,5 @@ def receives_first(schedule: Schedule) -> Schedule:
 
 
 def _posted(ops: list[Instruction]) -> list[Action]:
-    """Ops posted together, as stream actions: none, the one instruction, or a Batch of them."""
-    return [Batch(tuple(ops))] if len(ops) > 1 else list(ops)
+    """Ops posted together, as stream actions: none, the one instruction, or a Post of them."""
+    return [Post(tuple(ops))] if len(ops) > 1 else list(ops)

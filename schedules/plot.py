@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from schedules.instructions import Instruction, Kind
-from schedules.timeline import Timeline
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typing only: timeline.py imports this module lazily, so no import runs back
     from matplotlib.axes import Axes
+
+    from schedules.timeline import Timeline
 
 __all__ = ["plot_timelines", "COLOURS"]
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 
-from schedules.instructions import Action, Instruction, ops_of
+from schedules.instructions import Action, Instruction, ops_of, parse
 
 __all__ = ["Schedule", "ScheduleError"]
 
-Cell = tuple[int, int]  # (rank, step)
+Cell = tuple[int, int]  # (rank, index of the instruction in the rank's stream)
 
 
 class ScheduleError(ValueError):
@@ -21,7 +21,9 @@ class Schedule:
     """Plain data: which rank runs each stage, and what each rank runs, in order.
 
     ``instructions[r]`` is rank ``r``'s stream. A compiler emits compute only;
-    :func:`schedules.lower` adds the sends and receives.
+    :func:`schedules.lower` adds the sends and receives. ``no_gradient`` lists the stage
+    boundaries (boundary b lies between stage b and b+1) that carry no gradient, e.g.
+    behind frozen stages: lowering sends no gradient across them (see schedules.dataflow).
     """
 
     name: str
@@ -30,6 +32,7 @@ class Schedule:
     chunks: int
     placement: tuple[int, ...]  # stage -> rank
     instructions: tuple[tuple[Action, ...], ...]  # rank -> stream
+    no_gradient: frozenset[int] = field(default=frozenset())
 
     def __post_init__(self) -> None:
         p, m, v = self.num_ranks, self.num_microbatches, self.chunks
@@ -49,6 +52,12 @@ class Schedule:
                     f"{self.name}: rank {rank} hosts {hosted} stages, every rank must host chunks={v} "
                     f"(placement {list(self.placement)})"
                 )
+        outside = sorted(b for b in self.no_gradient if not 0 <= b < p * v - 1)
+        if outside:
+            raise ScheduleError(
+                f"{self.name}: no_gradient names boundaries {outside}; the boundaries of {p * v} stages are "
+                f"0..{p * v - 2} (boundary b lies between stage b and stage b+1)"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -62,6 +71,10 @@ class Schedule:
         """The same ranks, micro-batches and placement running other streams (a pass's output)."""
         return replace(self, name=name or self.name, instructions=tuple(tuple(stream) for stream in streams))
 
+    def without_gradient(self, boundaries: Collection[int]) -> Schedule:
+        """The compute order with ``boundaries`` gradient-free: lower it to get the streams without those messages."""
+        return replace(self.compute_only(), no_gradient=frozenset(boundaries))
+
     def compute_only(self) -> Schedule:
         """The same schedule without its communication: what a compiler emits."""
         return self.with_streams(
@@ -69,10 +82,10 @@ class Schedule:
         )
 
     def ops(self, rank: int) -> Iterator[tuple[int, Instruction]]:
-        """Each instruction of a rank with its step, batches opened up."""
-        for step, action in enumerate(self.instructions[rank]):
+        """Each instruction of a rank with its index in the stream, posts opened up."""
+        for index, action in enumerate(self.instructions[rank]):
             for op in ops_of(action):
-                yield step, op
+                yield index, op
 
     def describe(self) -> str:
         return (
@@ -81,33 +94,34 @@ class Schedule:
         )
 
     def grid(self, marks: Iterable[Cell] = (), context: int | None = None) -> str:
-        """The step x rank grid. ``marks`` are (rank, step) cells shown as ``>cell<``.
+        """The instruction x rank grid (row ``#`` i: each rank's i-th action). ``marks`` are (rank, index)
+        cells shown as ``>cell<``.
 
-        With ``context``, only the steps within that distance of a mark are shown
+        With ``context``, only the rows within that distance of a mark are shown
         (and, past 8 ranks, only the marked ranks), so errors on large schedules stay readable.
         """
         marked = set(marks)
         ranks = list(range(self.num_ranks))
-        steps = range(max((len(s) for s in self.instructions), default=0))
-        rows: list[int | None] = list(steps)
+        indices = range(max((len(s) for s in self.instructions), default=0))
+        rows: list[int | None] = list(indices)
         if context is not None and marked:
-            keep = {t for _, step in marked for t in range(step - context, step + context + 1)}
+            keep = {t for _, index in marked for t in range(index - context, index + context + 1)}
             rows = []
-            for step in steps:
-                if step in keep:
-                    rows.append(step)
+            for index in indices:
+                if index in keep:
+                    rows.append(index)
                 elif rows and rows[-1] is not None:
-                    rows.append(None)  # elided steps
+                    rows.append(None)  # elided rows
             if self.num_ranks > 8:
                 ranks = sorted({rank for rank, _ in marked})
 
-        def cell(rank: int, step: int) -> str:
+        def cell(rank: int, index: int) -> str:
             stream = self.instructions[rank]
-            text = str(stream[step]) if step < len(stream) else ""
-            return f">{text}<" if (rank, step) in marked else text
+            text = str(stream[index]) if index < len(stream) else ""
+            return f">{text}<" if (rank, index) in marked else text
 
-        header = ["step"] + [f"rank {r}" for r in ranks]
-        table = [[str(step)] + [cell(r, step) for r in ranks] if step is not None else ["..."] for step in rows]
+        header = ["#"] + [f"rank {r}" for r in ranks]
+        table = [[str(index)] + [cell(r, index) for r in ranks] if index is not None else ["..."] for index in rows]
         widths = [max(len(row[i]) for row in [header] + table if i < len(row)) for i in range(len(header))]
         lines = []
         for row in [header] + table:
@@ -119,9 +133,73 @@ class Schedule:
         stages = " ".join(str(r) for r in self.placement)
         return f"{self.describe()}; stage->rank: {stages}\n{self.grid()}"
 
+    def to_text(self) -> str:
+        """The whole schedule as text that :meth:`from_text` reads back: a file a user can write or edit::
+
+            schedule 1f1b
+            ranks 2
+            microbatches 2
+            chunks 1
+            placement 0 1
+            rank 0: 0F0 0SF0 0F1 0SF1+0RB0 0B0 0RB1 0B1
+            rank 1: 1RF0 1F0 1RF1 1B0 1SB0 1F1 1B1 1SB1
+
+        (and ``no-gradient 0 2`` when boundaries carry no gradient). Lines starting with ``#`` are comments.
+        """
+        lines = [f"schedule {self.name}", f"ranks {self.num_ranks}", f"microbatches {self.num_microbatches}",
+                 f"chunks {self.chunks}", "placement " + " ".join(map(str, self.placement))]  # fmt: skip
+        if self.no_gradient:
+            lines.append("no-gradient " + " ".join(map(str, sorted(self.no_gradient))))
+        lines += [f"rank {r}: " + " ".join(map(str, stream)) for r, stream in enumerate(self.instructions)]
+        return "\n".join(line.rstrip() for line in lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        """Read :meth:`to_text`'s form. Raises ScheduleError naming the line that is wrong."""
+        fields: dict[str, str] = {}
+        streams: dict[int, tuple[Action, ...]] = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            word, _, rest = line.partition(" ")
+            try:
+                if word == "rank":
+                    rank, colon, ops = rest.partition(":")
+                    if not colon or not rank.strip().isdigit():
+                        raise ValueError("a stream line reads 'rank <r>: <action> <action> ...'")
+                    streams[int(rank)] = tuple(parse(op) for op in ops.split())
+                elif word in ("schedule", "ranks", "microbatches", "chunks", "placement", "no-gradient"):
+                    fields[word] = rest.strip()
+                else:
+                    raise ValueError(
+                        f"unknown field {word!r}; the fields are schedule, ranks, microbatches, chunks, placement, "
+                        "no-gradient and 'rank <r>:' lines"
+                    )
+            except ValueError as error:
+                raise ScheduleError(f"line {number}: {raw.strip()!r}: {error}") from None
+        missing = [f for f in ("ranks", "microbatches", "placement") if f not in fields]
+        if missing:
+            raise ScheduleError(f"the schedule text has no {', '.join(missing)} line; see Schedule.to_text's form")
+
+        def numbers(name: str) -> list[int]:
+            try:
+                return [int(x) for x in fields.get(name, "").split()]
+            except ValueError:
+                raise ScheduleError(f"{name}: expected integers, got {fields[name]!r}") from None
+
+        (p,), (m,) = numbers("ranks") or [0], numbers("microbatches") or [0]
+        placement = tuple(numbers("placement"))
+        chunks = numbers("chunks") or [len(placement) // max(p, 1)]
+        if sorted(streams) != list(range(p)):
+            raise ScheduleError(f"the schedule has ranks {p}, so it needs lines 'rank 0:' .. 'rank {p - 1}:', "
+                                f"got ranks {sorted(streams)}")  # fmt: skip
+        return cls(fields.get("schedule", "custom"), p, m, chunks[0], placement,
+                   tuple(streams[r] for r in range(p)), frozenset(numbers("no-gradient")))  # fmt: skip
+
     def error(self, rule: str, detail: str, marks: Iterable[Cell] = ()) -> ScheduleError:
         """A ScheduleError naming the rule and the values, with the marked cells shown in the grid."""
         marks = list(marks)
-        small = self.num_ranks <= 8 and max(len(s) for s in self.instructions) <= 64
+        small = self.num_ranks <= 8 and max((len(s) for s in self.instructions), default=0) <= 64
         where = self.grid(marks, context=4) if marks else (self.grid() if small else "")
         return ScheduleError(f"{self.describe()}\nrule broken: {rule}\n{detail}\n\n{where}".rstrip())

@@ -6,8 +6,9 @@ import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from schedules.dataflow import Dataflow
 from schedules.gcpause import gc_paused
-from schedules.instructions import Action, Batch, Instruction, Kind, message_key, ops_of
+from schedules.instructions import Action, Instruction, Kind, Post, ops_of
 from schedules.schedule import Schedule
 from schedules.timeline import Span, Timeline
 
@@ -61,33 +62,36 @@ class Costs:
         )
 
     def per_stage(self, num_stages: int) -> dict[Kind, list[float]]:
-        """Expand to one list per kind (compute kinds, and the message time under SEND_ACTIVATION)."""
-
-        def expand(name: str, value: PerStage) -> list[float]:
-            if isinstance(value, (int, float)):
-                values = [float(value)] * num_stages
-            else:
-                values = [float(x) for x in value]
-                if len(values) != num_stages:
-                    raise ValueError(f"Costs.{name} has {len(values)} values, the schedule has {num_stages} stages")
-            if any(x < 0 for x in values):
-                raise ValueError(f"Costs.{name} must not be negative, got {values}")
-            return values
-
-        weight = expand("backward_weight", self.backward_weight)
-        grad_input = expand("backward_input", self.backward_input)
+        """Expand to one list per compute kind, one value per stage."""
+        weight = _expand("backward_weight", self.backward_weight, num_stages)
+        grad_input = _expand("backward_input", self.backward_input, num_stages)
         if self.backward is None:
             backward = [i + w for i, w in zip(grad_input, weight, strict=True)]
         else:
-            backward = expand("backward", self.backward)
-        size = expand("message_bytes", self.message_bytes)
+            backward = _expand("backward", self.backward, num_stages)
         return {
-            Kind.FORWARD: expand("forward", self.forward),
+            Kind.FORWARD: _expand("forward", self.forward, num_stages),
             Kind.BACKWARD: backward,
             Kind.BACKWARD_INPUT: grad_input,
             Kind.BACKWARD_WEIGHT: weight,
-            Kind.SEND_ACTIVATION: [self.latency + self.per_byte * b for b in size],
         }
+
+    def message_times(self, num_stages: int) -> list[float]:
+        """Per stage s, the time of a message across boundary s|s+1 (the last entry is unused)."""
+        sizes = _expand("message_bytes", self.message_bytes, num_stages)
+        return [self.latency + self.per_byte * size for size in sizes]
+
+
+def _expand(name: str, value: PerStage, num_stages: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        values = [float(value)] * num_stages
+    else:
+        values = [float(x) for x in value]
+        if len(values) != num_stages:
+            raise ValueError(f"Costs.{name} has {len(values)} values, the schedule has {num_stages} stages")
+    if any(x < 0 for x in values):
+        raise ValueError(f"Costs.{name} must not be negative, got {values}")
+    return values
 
 
 @gc_paused()
@@ -145,32 +149,23 @@ def run(
     """(start, end) of every action of every rank, in program order.
 
     ``durations``: per rank, the time of each of its computes in stream order, in place of ``costs``'.
+    A compute starts when its rank is free, its own stage's earlier half is done (B and I after F,
+    W after I) and the message it consumes (schedules.dataflow) is there: at once for a handoff
+    on its rank, else when both the send and the recv are posted, plus the message time.
     """
     p, S, M = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
-    table = costs.per_stage(S)
-    message = table[Kind.SEND_ACTIVATION]
-    placement = schedule.placement
-    # messages are keyed by message_key(): boundary s|s+1, micro-batch, and bit 0 set for gradients
-    forward_end: list[float | None] = [None] * (S * M)  # stage*M + mb -> when its output exists
-    grad_end: list[float | None] = [None] * (S * M)  # stage*M + mb -> when its input's gradient exists
-    sent: list[float | None] = [None] * (2 * S * M)  # message -> when its send was posted
-    received: list[float | None] = [None] * (2 * S * M)  # message -> when its recv was posted
-    has_recv = [False] * (2 * S * M)  # lowered schedules wait for their recvs, compute-only ones do not
+    flow = Dataflow.of(schedule)
+    table, message = costs.per_stage(S), costs.message_times(S)
+    forward_end: list[float | None] = [None] * (S * M)  # stage*M + mb -> when its F ended
+    input_end: list[float | None] = [None] * (S * M)  # stage*M + mb -> when its B or I ended (W waits for it)
+    made: list[float | None] = [None] * flow.num_keys  # message -> when its producer ended
+    sent: list[float | None] = [None] * flow.num_keys  # message -> when its send was posted
+    received: list[float | None] = [None] * flow.num_keys  # message -> when its recv was posted
+    has_recv = [False] * flow.num_keys  # lowered schedules wait for their recvs, compute-only ones do not
     programs = [
-        _compile(stream, table, M, has_recv, None if durations is None else iter(durations[rank]))
+        _compile(stream, table, flow, has_recv, None if durations is None else iter(durations[rank]))
         for rank, stream in enumerate(schedule.instructions)
     ]
-
-    def arrival(key: int, produced: float | None, boundary: int) -> float | None:
-        if produced is None:
-            return None
-        if not has_recv[key]:
-            return produced + message[boundary]
-        posted, wanted = sent[key], received[key]
-        if posted is None or wanted is None:
-            return None
-        return (posted if posted > wanted else wanted) + message[boundary]
-
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     pcs, clocks = [0] * p, [0.0] * p
     remaining = sum(len(program) for program in programs)
@@ -179,7 +174,7 @@ def run(
         for rank in range(p):
             program, pc, clock, out = programs[rank], pcs[rank], clocks[rank], times[rank]
             while pc < len(program):
-                kind, s, mb, cost, keys = program[pc]
+                kind, index, cost, needs, crosses, makes, keys = program[pc]
                 if kind is None:  # communication: post and go on; completion is filled in below
                     for key, is_send in keys:
                         if is_send:
@@ -189,25 +184,20 @@ def run(
                     out.append((clock, clock))
                     pc += 1
                     continue
-                index = s * M + mb
-                if kind is _F:
-                    if s == 0:
-                        start: float | None = 0.0
-                    elif placement[s - 1] == rank:
-                        start = forward_end[index - M]
-                    else:
-                        start = arrival((index - M) << 1, forward_end[index - M], s - 1)
-                elif kind is _W:
-                    start = grad_end[index]
-                else:
-                    start = forward_end[index]
-                    if start is not None and s < S - 1:
-                        produced = grad_end[index + M]
-                        if placement[s + 1] != rank:
-                            produced = arrival(index << 1 | 1, produced, s)
-                        start = None if produced is None else (start if start > produced else produced)
+                start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
                 if start is None:
                     break
+                if needs >= 0:
+                    ready = made[needs]
+                    if ready is not None and crosses:
+                        if has_recv[needs]:
+                            posted, wanted = sent[needs], received[needs]
+                            ready = None if posted is None or wanted is None else max(posted, wanted)
+                        if ready is not None:
+                            ready += message[(needs >> 1) // M]
+                    if ready is None:
+                        break
+                    start = ready if ready > start else start
                 if clock > start:
                     start = clock
                 clock = start + cost
@@ -215,7 +205,9 @@ def run(
                 if kind is _F:
                     forward_end[index] = clock
                 elif kind is not _W:
-                    grad_end[index] = clock
+                    input_end[index] = clock
+                if makes >= 0:
+                    made[makes] = clock
                 pc += 1
             if pc != pcs[rank]:
                 progress = True
@@ -223,45 +215,49 @@ def run(
                 pcs[rank], clocks[rank] = pc, clock
         if not progress:
             stuck = [(r, pcs[r]) for r in range(p) if pcs[r] < len(programs[r])]
-            waits = ", ".join(f"rank {r} at step {pc} ({schedule.instructions[r][pc]})" for r, pc in stuck)
+            waits = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in stuck)
             raise schedule.error("every rank can make progress", f"the simulation is stuck: {waits}", stuck)
 
     for program, out in zip(programs, times, strict=True):
-        for step, (kind, _, _, _, keys) in enumerate(program):
-            if kind is None:
-                end = posted_at = out[step][0]
-                for key, _ in keys:
+        for index, entry in enumerate(program):
+            if entry[0] is None:
+                end = posted_at = out[index][0]
+                for key, _ in entry[6]:
                     posted, wanted = sent[key], received[key]
                     if posted is not None and wanted is not None:
                         end = max(end, max(posted, wanted) + message[(key >> 1) // M])
-                out[step] = (posted_at, end)
+                out[index] = (posted_at, end)
     return times
 
 
 _F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
-# per action: compute (kind, stage, mb, cost, ()) or communication (None, 0, 0, 0.0, ((message, is_send), ...))
-Entry = tuple[Kind | None, int, int, float, tuple[tuple[int, bool], ...]]
+# per action, for the hot loop: a compute (kind, stage*M + mb, cost, message it needs or -1, whether that
+# crosses ranks, message it makes or -1, ()), or communication (None, 0, 0.0, -1, False, -1, ((key, is_send), ...))
+Entry = tuple[Kind | None, int, float, int, bool, int, tuple[tuple[int, bool], ...]]
 
 
 def _compile(
     stream: tuple[Action, ...],
     table: dict[Kind, list[float]],
-    M: int,
+    flow: Dataflow,
     has_recv: list[bool],
     durations: Iterator[float] | None,
 ) -> list[Entry]:
     """Flatten a rank's stream into tuples for the hot loop, marking the messages it receives."""
     program: list[Entry] = []
+    M = flow.num_microbatches
     for action in stream:
         if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous, free here
-            program.append((None, 0, 0, 0.0, ()))
-        elif isinstance(action, Batch) or not action.kind.is_compute:
-            keys = tuple((message_key(op, M), op.kind.is_send) for op in ops_of(action))
+            program.append((None, 0, 0.0, -1, False, -1, ()))
+        elif isinstance(action, Post) or not action.kind.is_compute:
+            keys = tuple((flow.carried_key(op), op.kind.is_send) for op in ops_of(action))
             for key, is_send in keys:
                 if not is_send:
                     has_recv[key] = True
-            program.append((None, 0, 0, 0.0, keys))
+            program.append((None, 0, 0.0, -1, False, -1, keys))
         else:
             cost = table[action.kind][action.stage] if durations is None else next(durations)
-            program.append((action.kind, action.stage, action.microbatch, cost, ()))
+            needs = flow.consumed_key(action)
+            program.append((action.kind, action.stage * M + action.microbatch, cost, needs,
+                            needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), ()))  # fmt: skip
     return program

@@ -6,39 +6,54 @@
 2. every send has exactly one matching recv and vice versa, each recv comes before the
    compute that needs it and each send after the compute that produces it, and on each
    (sender, receiver) channel recvs are posted in the order of the sends;
-3. no deadlock under rendezvous semantics: an op (or a batch) blocks until its partners
-   are posted. In the graph of program order plus matched pairs, each pair contracted
-   to one node, a cycle is a deadlock;
+3. no deadlock under the transport's semantics. RENDEZVOUS (NCCL): an op (or a post)
+   blocks until its partners are posted; in the graph of program order plus matched
+   pairs, each pair contracted to one node, a cycle is a deadlock. BUFFERED (gloo, the
+   in-process loopback): posting never blocks; a compute waits for the send of the
+   message it consumes, and a rank's end for the recvs of its sends;
 4. with data parallelism, each stage's gradient all-reduce comes once, after the stage's
    last gradient compute (all-reduces are asynchronous: waited on at the end of the step).
+
+Which message a compute consumes and produces is schedules.dataflow's.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-import networkx as nx
-
+from schedules.dataflow import Dataflow, Message
 from schedules.gcpause import gc_paused
-from schedules.instructions import Batch, Instruction, Kind, message_key, ops_of
+from schedules.instructions import Instruction, Kind, Post, ops_of
 from schedules.schedule import Schedule, ScheduleError
 
-__all__ = ["validate", "check_compute", "check_communication", "check_deadlock"]
+__all__ = ["Semantics", "validate", "check_compute", "check_communication", "check_deadlock"]
 
-Where = tuple[int, int]  # (rank, step)
+Where = tuple[int, int]  # (rank, index of the action in the rank's stream)
 ABSENT: Where = (-1, -1)  # an instruction that is not in the schedule
 F, B, IN, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
 
 
+class Semantics(enum.Enum):
+    """When a posted send or recv holds its rank up: what a transport guarantees."""
+
+    RENDEZVOUS = "rendezvous"  # NCCL: an op (or a post of several) completes only once its partners are posted
+    BUFFERED = "buffered"  # gloo, loopback: posting never blocks; a rank waits only for data it consumes
+
+
 @gc_paused()
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError naming the first broken invariant; return None if all hold."""
+def validate(schedule: Schedule, semantics: Semantics = Semantics.RENDEZVOUS) -> None:
+    """Raise ScheduleError naming the first broken invariant; return None if all hold.
+
+    ``semantics``: what the transport that will run it guarantees (see Semantics); rendezvous,
+    the strictest, by default.
+    """
     index = _Index.build(schedule)
     _check_order(index)
     _check_messages(index)
     _check_syncs(index)
-    _check_deadlock(index)
+    _check_deadlock(index, semantics)
 
 
 def check_compute(schedule: Schedule) -> None:
@@ -51,9 +66,9 @@ def check_communication(schedule: Schedule) -> None:
     _check_messages(_Index.build(schedule))
 
 
-def check_deadlock(schedule: Schedule) -> None:
+def check_deadlock(schedule: Schedule, semantics: Semantics = Semantics.RENDEZVOUS) -> None:
     """Rule 3 alone."""
-    _check_deadlock(_Index.build(schedule))
+    _check_deadlock(_Index.build(schedule), semantics)
 
 
 @dataclass
@@ -61,6 +76,7 @@ class _Index:
     """Where every instruction is, built in one pass that also checks ranges, hosts and duplicates."""
 
     schedule: Schedule
+    flow: Dataflow
     compute: dict[Kind, list[Where]]  # kind -> stage*M + mb -> where, or ABSENT
     sends: list[Where]  # message key -> where its send is, or ABSENT
     recvs: list[Where]  # message key -> where its recv is, or ABSENT
@@ -70,23 +86,24 @@ class _Index:
     @classmethod
     def build(cls, schedule: Schedule) -> _Index:
         S, M, placement = schedule.num_stages, schedule.num_microbatches, schedule.placement
+        flow = Dataflow.of(schedule)
         compute = {kind: [ABSENT] * (S * M) for kind in (F, B, IN, W)}
-        sends, recvs = [ABSENT] * (2 * S * M), [ABSENT] * (2 * S * M)
+        sends, recvs = [ABSENT] * flow.num_keys, [ABSENT] * flow.num_keys
         channels: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         syncs: dict[int, list[Where]] = {}
         for rank in range(schedule.num_ranks):
-            for step, op in schedule.ops(rank):
-                here = (rank, step)
+            for at, op in schedule.ops(rank):
+                here = (rank, at)
                 if not (0 <= op.stage < S and 0 <= op.microbatch < M):
                     raise schedule.error(
                         "instructions name existing stages and micro-batches",
-                        f"rank {rank} step {step}: {op} is outside stages 0..{S - 1}, micro-batches 0..{M - 1}",
+                        f"rank {rank} instruction {at}: {op} is outside stages 0..{S - 1}, micro-batches 0..{M - 1}",
                         [here],
                     )
                 if placement[op.stage] != rank:
                     raise schedule.error(
                         "a stage's instructions run on the rank that hosts it",
-                        f"rank {rank} step {step}: {op} belongs to stage {op.stage}, "
+                        f"rank {rank} instruction {at}: {op} belongs to stage {op.stage}, "
                         f"hosted on rank {placement[op.stage]}",
                         [here],
                     )
@@ -96,15 +113,17 @@ class _Index:
                 if op.kind.is_compute:
                     slots, key = compute[op.kind], op.stage * M + op.microbatch
                 else:
-                    peer = op.peer_stage
-                    if not 0 <= peer < S or placement[peer] == rank:
+                    key = flow.carried_key(op)
+                    boundary = (key >> 1) // M
+                    peer = boundary + (op.stage == boundary)  # the other stage of the boundary
+                    if not 0 <= boundary < S - 1 or placement[peer] == rank:
                         reason = "does not exist" if not 0 <= peer < S else f"is on the same rank {rank}"
                         raise schedule.error(
                             "communication only crosses ranks",
-                            f"rank {rank} step {step}: {op} talks to stage {peer}, which {reason}",
+                            f"rank {rank} instruction {at}: {op} talks to stage {peer}, which {reason}",
                             [here],
                         )
-                    slots, key = (sends if op.kind.is_send else recvs), message_key(op, M)
+                    slots = sends if op.kind.is_send else recvs
                     if op.kind.is_send:
                         channels[(rank, placement[peer])][0].append(key)
                     else:
@@ -112,26 +131,16 @@ class _Index:
                 if slots[key] is not ABSENT:
                     raise schedule.error(
                         "each instruction appears exactly once",
-                        f"{op} appears at (rank, step) {slots[key]} and {here}",
+                        f"{op} appears at (rank, instruction) {slots[key]} and {here}",
                         [slots[key], here],
                     )
                 slots[key] = here
-        return cls(schedule, compute, sends, recvs, dict(channels), syncs)
+        return cls(schedule, flow, compute, sends, recvs, dict(channels), syncs)
 
     def message(self, key: int, send: bool) -> Instruction:
         """The send (or recv) instruction of a message key."""
-        boundary, mb = divmod(key >> 1, self.schedule.num_microbatches)
-        if key & 1:  # a gradient goes from stage boundary+1 to stage boundary
-            return (
-                Instruction(boundary + 1, Kind.SEND_GRADIENT, mb)
-                if send
-                else Instruction(boundary, Kind.RECV_GRADIENT, mb)
-            )
-        return (
-            Instruction(boundary, Kind.SEND_ACTIVATION, mb)
-            if send
-            else Instruction(boundary + 1, Kind.RECV_ACTIVATION, mb)
-        )
+        message = Message.from_key(key, self.schedule.num_microbatches)
+        return message.send() if send else message.recv()
 
 
 def _check_order(index: _Index) -> None:
@@ -145,9 +154,9 @@ def _check_order(index: _Index) -> None:
 
     def fail(rule: str, first: tuple[Kind, int, Where], then: tuple[Kind, int, Where]) -> ScheduleError:
         a, b = (Instruction(key // M, kind, key % M) for kind, key, _ in (first, then))
-        (rank, step), (_, earlier) = then[2], first[2]
+        (rank, at), (_, earlier) = then[2], first[2]
         return schedule.error(
-            rule, f"rank {rank}: {b} at step {step} runs before {a} at step {earlier}", [first[2], then[2]]
+            rule, f"rank {rank}: {b} at instruction {at} runs before {a} at instruction {earlier}", [first[2], then[2]]
         )
 
     if all(x is ABSENT for slots in (full, grad_in, weight) for x in slots):  # forward-only (inference)
@@ -200,65 +209,75 @@ def _check_order(index: _Index) -> None:
 
 def _check_messages(index: _Index) -> None:
     """Rule 2: sends and recvs matched one to one, after producers and before consumers, FIFO per channel."""
-    schedule = index.schedule
-    M, placement, last = schedule.num_microbatches, schedule.placement, schedule.num_stages - 1
+    schedule, flow = index.schedule, index.flow
+    M, placement = schedule.num_microbatches, schedule.placement
     for key, (send, recv) in enumerate(zip(index.sends, index.recvs, strict=True)):
         if (send is ABSENT) != (recv is ABSENT):
             op = index.message(key, send=send is not ABSENT)
             where = send if send is not ABSENT else recv
+            message = Message.from_key(key, M)
+            other = message.recv() if op.kind.is_send else message.send()
             raise schedule.error(
                 "every send has exactly one matching recv, and every recv one send",
-                f"rank {where[0]} step {where[1]}: {op} has no matching {'recv' if op.kind.is_send else 'send'} "
-                f"{op.peer()} on rank {placement[op.peer_stage]}",
+                f"rank {where[0]} instruction {where[1]}: {op} has no matching "
+                f"{'recv' if op.kind.is_send else 'send'} {other} on rank {placement[other.stage]}",
                 [where],
             )
+    used = bytearray(flow.num_keys)  # the messages some compute produces and consumes
     for kind in (F, B, IN):
         for key, here in enumerate(index.compute[kind]):
             if here is ABSENT:
                 continue
-            stage, mb = divmod(key, M)
-            rank, step = here
-            # the message this compute receives before it runs, and the one it sends after
-            if kind is F:
-                needs = ((key - M) << 1) if stage > 0 and placement[stage - 1] != rank else None
-                gives = (key << 1) if stage < last and placement[stage + 1] != rank else None
-            else:
-                needs = (key << 1 | 1) if stage < last and placement[stage + 1] != rank else None
-                gives = ((key - M) << 1 | 1) if stage > 0 and placement[stage - 1] != rank else None
-            if needs is not None:
-                recv, rule = index.recvs[needs], "a compute's input is received before it runs"
+            rank, at = here
+            op = Instruction(key // M, kind, key % M)
+            needs, makes = flow.consumed_key(op), flow.produced_key(op)
+            needed = Message.from_key(needs, M) if needs >= 0 and flow.crosses_key(needs) else None
+            made = Message.from_key(makes, M) if makes >= 0 and flow.crosses_key(makes) else None
+            if needed is not None:
+                used[flow.key(needed)] = 1
+                recv, rule = index.recvs[flow.key(needed)], "a compute's input is received before it runs"
                 if recv is ABSENT:
                     raise schedule.error(
                         rule,
-                        f"rank {rank} step {step}: {Instruction(stage, kind, mb)} needs "
-                        f"{index.message(needs, send=False)} before it, and there is none "
+                        f"rank {rank} instruction {at}: {op} needs {needed.recv()} before it, and there is none "
                         "(a compute-only schedule must go through schedules.lower first)",
                         [here],
                     )
-                if recv[1] >= step:
+                if recv[1] >= at:
                     raise schedule.error(
-                        rule,
-                        f"rank {rank}: {index.message(needs, send=False)} at step {recv[1]} comes after "
-                        f"{Instruction(stage, kind, mb)} at step {step}",
+                        rule, f"rank {rank}: {needed.recv()} at instruction {recv[1]} comes after {op} at {at}",
                         [recv, here],
-                    )
-            if gives is not None:
-                sent, rule = index.sends[gives], "a compute's output is sent after it runs"
+                    )  # fmt: skip
+            if made is not None:
+                used[flow.key(made)] = 1
+                sent, rule = index.sends[flow.key(made)], "a compute's output is sent after it runs"
                 if sent is ABSENT:
                     raise schedule.error(
                         rule,
-                        f"rank {rank} step {step}: {Instruction(stage, kind, mb)} is never sent "
-                        f"({index.message(gives, send=True)} is missing; a compute-only schedule must go "
-                        "through schedules.lower first)",
+                        f"rank {rank} instruction {at}: {op} is never sent ({made.send()} is missing; a "
+                        "compute-only schedule must go through schedules.lower first)",
                         [here],
                     )
-                if sent[1] <= step:
+                if sent[1] <= at:
                     raise schedule.error(
                         rule,
-                        f"rank {rank}: {index.message(gives, send=True)} at step {sent[1]} is posted before "
-                        f"{Instruction(stage, kind, mb)} at step {step} produces it",
+                        f"rank {rank}: {made.send()} at instruction {sent[1]} is posted before {op} at {at} "
+                        "produces it",
                         [sent, here],
                     )
+    for key, send in enumerate(index.sends):
+        if send is not ABSENT and not used[key]:
+            message = Message.from_key(key, M)
+            why = (
+                f"boundary {message.boundary} carries no gradient (no_gradient)"
+                if message.gradient and message.boundary in flow.no_gradient
+                else "no compute of the schedule produces and consumes it"
+            )
+            raise schedule.error(
+                "every message carries what one compute produces and another consumes",
+                f"{message.send()} (rank {send[0]} instruction {send[1]}) and {message.recv()}: {why}",
+                [send, index.recvs[key]],
+            )
     for (src, dst), (sent_keys, recv_keys) in index.channels.items():
         if sent_keys != recv_keys:  # same messages (matched above), so same length: find the first swap
             n = next(i for i, (a, b) in enumerate(zip(sent_keys, recv_keys, strict=True)) if a != b)
@@ -280,7 +299,7 @@ def _check_syncs(index: _Index) -> None:
         if len(where) != 1:
             raise schedule.error(
                 "with gradient sync, every stage all-reduces its gradients exactly once",
-                f"stage {stage} has {len(where)} all-reduces, at (rank, step) {where}",
+                f"stage {stage} has {len(where)} all-reduces, at (rank, instruction) {where}",
                 where,
             )
         for kind in (B, W):
@@ -288,36 +307,97 @@ def _check_syncs(index: _Index) -> None:
             if last is not ABSENT and last[1] > where[0][1]:
                 raise schedule.error(
                     "a stage's gradients are all-reduced after its last gradient compute",
-                    f"rank {last[0]}: the all-reduce of stage {stage} at step {where[0][1]} comes before a "
-                    f"{kind.value} of that stage at step {last[1]}",
+                    f"rank {last[0]}: the all-reduce of stage {stage} at instruction {where[0][1]} comes before a "
+                    f"{kind.value} of that stage at instruction {last[1]}",
                     [where[0], last],
                 )
 
 
-def _check_deadlock(index: _Index) -> None:
-    """Rule 3: replay the streams under blocking semantics; if it gets stuck, print the cycle.
+def _check_deadlock(index: _Index, semantics: Semantics) -> None:
+    """Rule 3: replay the streams under the transport's blocking rules; if stuck, print the cycle.
 
-    The replay is a topological pass over the rendezvous graph (program order on each
-    rank, each message's send and recv contracted to one node): a communication point
-    (one op or a batch) is posted when the one before it on its rank completes, and
-    completes when the partner of each of its ops is posted. Every point completes
-    iff the graph is acyclic. Otherwise each stuck rank waits on a rank that has not
-    reached the partner op; that wait-for graph (networkx) holds the deadlock cycle.
+    Under RENDEZVOUS the replay is a topological pass over the rendezvous graph (program order
+    on each rank, each message's send and recv contracted to one node): a communication point
+    (one op or a post) is posted when the one before it on its rank completes, and completes
+    when the partner of each of its ops is posted. Every point completes iff the graph is
+    acyclic. Under BUFFERED, posting never blocks: a compute waits until the send of the
+    message it consumes is posted, and a rank's stream ends once the recvs of all its sends
+    are posted. Either way each stuck rank waits on a rank that has not reached the partner
+    op; that wait-for graph holds the deadlock cycle.
     """
-    schedule = index.schedule
+    schedule, flow = index.schedule, index.flow
     M, placement, p = schedule.num_microbatches, schedule.placement, schedule.num_ranks
-    Point = tuple[int, tuple[tuple[int, bool, int], ...]]  # (step, ((message, is_send, peer rank), ...))
+    rendezvous = semantics is Semantics.RENDEZVOUS
+    # per rank, its blocking points: (index, ((message, is_send, peer rank), ...)) where the rank posts and waits
+    Point = tuple[int, tuple[tuple[int, bool, int], ...]]
     points: list[list[Point]] = []
     for rank in range(p):
         mine: list[Point] = []
-        for step, action in enumerate(schedule.instructions[rank]):
-            if isinstance(action, Batch) or not (action.kind.is_compute or action.kind.is_collective):
-                ops = ops_of(action)
-                mine.append(
-                    (step, tuple((message_key(op, M), op.kind.is_send, placement[op.peer_stage]) for op in ops))
-                )
+        sends: list[tuple[int, bool, int]] = []
+        for at, action in enumerate(schedule.instructions[rank]):
+            if isinstance(action, Post) or not (action.kind.is_compute or action.kind.is_collective):
+                # a recv's peer hosts the other stage of the boundary; so does a send's
+                ops = [(flow.carried_key(op), op.kind.is_send, placement[_other(op, flow)]) for op in ops_of(action)]
+                if rendezvous:
+                    mine.append((at, tuple(ops)))
+                else:  # posting never blocks (peer -1 marks a posting point); sends are waited for at the end
+                    mine.append((at, tuple((key, s, -1) for key, s, _ in ops)))
+                    sends += [(key, True, peer) for key, s, peer in ops if s]
+            elif not rendezvous and action.kind.is_compute:
+                needs = flow.consumed_key(action)
+                if needs >= 0 and flow.crosses_key(needs):
+                    mine.append((at, ((needs, False, placement[Message.from_key(needs, M).sender]),)))
+        if not rendezvous and sends:
+            mine.append((len(schedule.instructions[rank]), tuple(sends)))
         points.append(mine)
-    posted = (bytearray(len(index.sends)), bytearray(len(index.sends)))  # [is_send][message]
+    if rendezvous:
+        stuck = _replay_rendezvous(points, p, flow.num_keys)
+    else:
+        stuck = _replay_buffered(points, p, flow.num_keys)
+    if not stuck:
+        return
+    posted, pcs = stuck
+    from networkx import DiGraph, find_cycle  # only when there is a cycle to show: a third of a second to import
+
+    waits = DiGraph()
+    for rank in range(p):
+        if pcs[rank] >= len(points[rank]):
+            continue
+        at, messages = points[rank][pcs[rank]]
+        for key, is_send, peer in messages:
+            if peer >= 0 and not posted[not is_send][key]:
+                waits.add_edge(rank, peer, key=key, is_send=is_send, at=at)
+    lines, cells = [], []
+    for rank, peer in find_cycle(waits):
+        edge = waits.edges[rank, peer]
+        key, is_send, at = edge["key"], edge["is_send"], edge["at"]
+        theirs = index.recvs[key] if is_send else index.sends[key]
+        stream = schedule.instructions[rank]
+        what = str(stream[at]) if at < len(stream) else "the end of its stream"
+        lines.append(
+            f"  rank {rank} at instruction {at} ({what}) waits for rank {peer} "
+            f"to post {index.message(key, send=not is_send)} at instruction {theirs[1]}"
+        )
+        cells += [(rank, at), theirs]
+    rule = (
+        "no deadlock: a send completes only when its recv is posted (rendezvous), and vice versa"
+        if rendezvous
+        else "no deadlock: a compute waits for the send of what it consumes, a rank's end for its sends' recvs"
+    )
+    raise schedule.error(rule, "these ranks wait on each other in a cycle:\n" + "\n".join(lines), cells)
+
+
+def _other(op: Instruction, flow: Dataflow) -> int:
+    """The stage at the other end of a send or recv: the other stage of its boundary."""
+    boundary = (flow.carried_key(op) >> 1) // flow.num_microbatches
+    return boundary + (op.stage == boundary)
+
+
+_Stuck = tuple[tuple[bytearray, bytearray], list[int]] | None  # (posted[is_send][message], pcs) when stuck
+
+
+def _replay_rendezvous(points: list[list[tuple[int, tuple[tuple[int, bool, int], ...]]]], p: int, keys: int) -> _Stuck:
+    posted = (bytearray(keys), bytearray(keys))  # [is_send][message]
     pcs, arrived = [0] * p, [False] * p
     pending = deque(range(p))
     while pending:
@@ -333,28 +413,29 @@ def _check_deadlock(index: _Index) -> None:
             if any(not posted[not is_send][key] for key, is_send, _ in messages):
                 break
             pcs[rank], arrived[rank] = pcs[rank] + 1, False
-    stuck = [rank for rank in range(p) if pcs[rank] < len(points[rank])]
-    if not stuck:
-        return
+    if all(pcs[rank] >= len(points[rank]) for rank in range(p)):
+        return None
+    return posted, pcs
 
-    waits = nx.DiGraph()
-    for rank in stuck:
-        step, messages = points[rank][pcs[rank]]
-        for key, is_send, peer in messages:
-            if not posted[not is_send][key]:
-                waits.add_edge(rank, peer, key=key, is_send=is_send, step=step)
-    lines, cells = [], []
-    for rank, peer in nx.find_cycle(waits):
-        edge = waits.edges[rank, peer]
-        key, is_send, step = edge["key"], edge["is_send"], edge["step"]
-        theirs = index.recvs[key] if is_send else index.sends[key]
-        lines.append(
-            f"  rank {rank} at step {step} ({schedule.instructions[rank][step]}) waits for rank {peer} "
-            f"to post {index.message(key, send=not is_send)} at step {theirs[1]}"
-        )
-        cells += [(rank, step), theirs]
-    raise schedule.error(
-        "no deadlock: a send completes only when its recv is posted (rendezvous), and vice versa",
-        "these ranks wait on each other in a cycle:\n" + "\n".join(lines),
-        cells,
-    )
+
+def _replay_buffered(points: list[list[tuple[int, tuple[tuple[int, bool, int], ...]]]], p: int, keys: int) -> _Stuck:
+    """Points with peer -1 post their ops; the others wait for their partners to have been posted."""
+    posted = (bytearray(keys), bytearray(keys))
+    pcs = [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            mine = points[rank]
+            while pcs[rank] < len(mine):
+                _, messages = mine[pcs[rank]]
+                if messages and messages[0][2] < 0:  # posting: never blocks
+                    for key, is_send, _ in messages:
+                        posted[is_send][key] = 1
+                elif any(not posted[not is_send][key] for key, is_send, _ in messages):
+                    break
+                pcs[rank] += 1
+                progress = True
+    if all(pcs[rank] >= len(points[rank]) for rank in range(p)):
+        return None
+    return posted, pcs

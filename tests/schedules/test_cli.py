@@ -25,4 +25,23 @@ def test_bad_input_exits_2_with_the_reason() -> None:
     result = run("show", "interleaved", "-p", "4", "-m", "6", "-v", "2")
     assert result.returncode == 2 and "multiple of 4, got 6" in result.stderr
     result = run("show", "nope", "-p", "4", "-m", "6")
-    assert result.returncode == 2 and "invalid choice" in result.stderr
+    assert result.returncode == 2 and "unknown schedule 'nope'; valid names: gpipe, 1f1b" in result.stderr
+    result = run("show", "1f1b", "-p", "4")
+    assert result.returncode == 2 and "needs --ranks and --microbatches" in result.stderr
+
+
+def test_each_schedule_runs_its_own_chunks_by_default() -> None:
+    result = run("show", "zb-v", "-p", "2", "-m", "2")  # once refused: the CLI defaulted every schedule to 1 chunk
+    assert result.returncode == 0 and "2 chunk(s) per rank, 4 stages" in result.stdout
+    assert "2 chunk(s) per rank" in run("validate", "interleaved", "-p", "2", "-m", "4").stdout
+
+
+def test_a_schedule_written_as_text_is_read_back_and_validated(tmp_path: Path) -> None:
+    text = run("show", "1f1b", "-p", "2", "-m", "3", "--text").stdout
+    assert text.splitlines()[:5] == ["schedule 1f1b", "ranks 2", "microbatches 3", "chunks 1", "placement 0 1"]
+    path = tmp_path / "mine.txt"
+    path.write_text(text)
+    assert run("validate", str(path)).stdout.startswith("valid: 1f1b: 2 ranks, 3 micro-batches")
+    path.write_text(text.replace("0B2", "0B1", 1))  # a user's slip: a backward twice
+    result = run("validate", str(path))
+    assert result.returncode == 1 and "each instruction appears exactly once" in result.stderr

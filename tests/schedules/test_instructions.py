@@ -1,6 +1,6 @@
 import pytest
 
-from schedules import Batch, Instruction, Kind, parse
+from schedules import Batch, Instruction, Kind, Post, parse, peer
 
 
 @pytest.mark.parametrize("kind", list(Kind))
@@ -10,9 +10,10 @@ def test_every_kind_round_trips_through_its_text(kind: Kind) -> None:
     assert parse(str(op)) == op
 
 
-def test_batch_round_trips_and_keeps_its_order() -> None:
+def test_a_post_round_trips_and_keeps_its_order() -> None:
     batch = parse("1SF3+1RB0")
-    assert batch == Batch((Instruction(1, Kind.SEND_ACTIVATION, 3), Instruction(1, Kind.RECV_GRADIENT, 0)))
+    assert batch == Post((Instruction(1, Kind.SEND_ACTIVATION, 3), Instruction(1, Kind.RECV_GRADIENT, 0)))
+    assert Batch is Post  # the name before 0.2
     assert str(batch) == "1SF3+1RB0"
     assert parse("1RB0+1SF3") != batch
 
@@ -31,19 +32,19 @@ def test_bad_text_names_the_expected_form(text: str) -> None:
         parse(text)
 
 
-def test_a_batch_holds_only_communication() -> None:
+def test_a_post_holds_only_communication() -> None:
     with pytest.raises(ValueError, match="send/recv"):
-        Batch((Instruction(0, Kind.FORWARD, 0),))
+        Post((Instruction(0, Kind.FORWARD, 0),))
     with pytest.raises(ValueError):
-        Batch(())
+        Post(())
 
 
 @pytest.mark.parametrize(
-    "op, peer",
+    "op, partner",
     [("1SF3", "2RF3"), ("2RF3", "1SF3"), ("2SB3", "1RB3"), ("1RB3", "2SB3")],
 )
-def test_peer_is_the_matching_op_of_the_neighbouring_stage(op: str, peer: str) -> None:
+def test_peer_is_the_matching_op_of_the_neighbouring_stage(op: str, partner: str) -> None:
     instruction = parse(op)
     assert isinstance(instruction, Instruction)
-    assert instruction.peer() == parse(peer)
-    assert instruction.peer().peer() == instruction
+    assert peer(instruction) == parse(partner)
+    assert peer(peer(instruction)) == instruction

@@ -6,15 +6,16 @@ from itertools import pairwise
 import pytest
 
 from schedules import (
-    Batch,
     Instruction,
     Kind,
+    Post,
     Schedule,
     ScheduleError,
     build_schedule,
     compile_schedule,
     lower,
     ops_of,
+    peer,
     receives_first,
     simulate,
     validate,
@@ -31,7 +32,7 @@ CASES = [
 
 def producer(recv: Instruction) -> tuple[int, Kind, int]:
     """The compute whose output a recv carries: (stage, kind, micro-batch)."""
-    send = recv.peer()
+    send = peer(recv)
     kind = Kind.FORWARD if send.kind is Kind.SEND_ACTIVATION else Kind.BACKWARD
     return send.stage, kind, send.microbatch
 
@@ -69,7 +70,7 @@ def test_each_recv_goes_to_the_first_gap_reached_after_its_send(name: str, p: in
     assert recvs_seen == (2 * m * (p * v - 1) if p > 1 else 0)
 
 
-def compute_neighbours(stream: tuple[Instruction | Batch, ...]):  # type: ignore[no-untyped-def]
+def compute_neighbours(stream: tuple[Instruction | Post, ...]):  # type: ignore[no-untyped-def]
     """Each pair of consecutive computes on a rank with the communication actions between them."""
     computes = [i for i, a in enumerate(stream) if isinstance(a, Instruction) and a.kind.is_compute]
     for i, j in pairwise(computes):

@@ -79,7 +79,7 @@ def test_bubble_per_rank_and_overall() -> None:
 
 def test_a_stuck_schedule_is_reported_not_looped_on() -> None:
     stuck = Schedule("stuck", 1, 1, 1, (0,), ((parse("0B0"), parse("0F0")),))
-    with pytest.raises(ScheduleError, match=r"the simulation is stuck: rank 0 at step 0 \(0B0\)"):
+    with pytest.raises(ScheduleError, match=r"the simulation is stuck: rank 0 at instruction 0 \(0B0\)"):
         simulate(stuck)
 
 

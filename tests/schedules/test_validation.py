@@ -28,8 +28,8 @@ def test_recv_before_send_on_both_sides_without_batching_is_a_deadlock_with_its_
         validate(stuck)
     text = str(caught.value)
     assert "rule broken: no deadlock" in text
-    assert "rank 0 at step 3 (0RB0) waits for rank 1 to post 1SB0 at step 4" in text
-    assert "rank 1 at step 3 (1RF1) waits for rank 0 to post 0SF1 at step 4" in text
+    assert "rank 0 at instruction 3 (0RB0) waits for rank 1 to post 1SB0 at instruction 4" in text
+    assert "rank 1 at instruction 3 (1RF1) waits for rank 0 to post 0SF1 at instruction 4" in text
     assert ">0RB0<" in text and ">1RF1<" in text  # the cells of the cycle are marked in the grid
 
 
@@ -38,17 +38,19 @@ def test_the_same_ops_batched_together_do_not_deadlock() -> None:
 
 
 def test_missing_recv() -> None:
-    with pytest.raises(ScheduleError, match=r"rank 1 step 4: 1SB0 has no matching recv 0RB0 on rank 0"):
+    with pytest.raises(ScheduleError, match=r"rank 1 instruction 4: 1SB0 has no matching recv 0RB0 on rank 0"):
         validate(make("0F0 0SF0 0F1 0SF1 0B0 0RB1 0B1", GOOD[1]))
 
 
 def test_backward_before_its_forward() -> None:
-    with pytest.raises(ScheduleError, match=r"forward runs before its backward[\s\S]*rank 1: 1B0 at step 1"):
+    with pytest.raises(ScheduleError, match=r"forward runs before its backward[\s\S]*rank 1: 1B0 at instruction 1"):
         validate(make(GOOD[0], "1RF0 1B0 1RF1 1F0 1SB0 1F1 1B1 1SB1"))
 
 
 def test_duplicated_forward() -> None:
-    with pytest.raises(ScheduleError, match=r"exactly once[\s\S]*0F1 appears at \(rank, step\) \(0, 2\) and \(0, 3\)"):
+    with pytest.raises(
+        ScheduleError, match=r"exactly once[\s\S]*0F1 appears at \(rank, instruction\) \(0, 2\) and \(0, 3"
+    ):
         validate(make("0F0 0SF0 0F1 0F1 0SF1+0RB0 0B0 0RB1 0B1", GOOD[1]))
 
 
@@ -58,12 +60,12 @@ def test_missing_backward() -> None:
 
 
 def test_send_before_its_producer() -> None:
-    with pytest.raises(ScheduleError, match=r"0SF1 at step 2 is posted before 0F1 at step 3"):
+    with pytest.raises(ScheduleError, match=r"0SF1 at instruction 2 is posted before 0F1 at 3"):
         validate(make("0F0 0SF0 0SF1 0F1 0RB0 0B0 0RB1 0B1", GOOD[1]))
 
 
 def test_recv_after_its_consumer() -> None:
-    with pytest.raises(ScheduleError, match=r"1RF1 at step 5 comes after 1F1 at step 4"):
+    with pytest.raises(ScheduleError, match=r"1RF1 at instruction 5 comes after 1F1 at 4"):
         validate(make(GOOD[0], "1RF0 1F0 1B0 1SB0 1F1 1RF1 1B1 1SB1"))
 
 
@@ -81,7 +83,7 @@ def test_communication_between_stages_on_the_same_rank() -> None:
 
 
 def test_instruction_on_a_rank_that_does_not_host_its_stage() -> None:
-    with pytest.raises(ScheduleError, match=r"rank 0 step 0: 1F0 belongs to stage 1, hosted on rank 1"):
+    with pytest.raises(ScheduleError, match=r"rank 0 instruction 0: 1F0 belongs to stage 1, hosted on rank 1"):
         validate(make("1F0 " + GOOD[0], GOOD[1]))
 
 
