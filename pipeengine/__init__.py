@@ -1,7 +1,8 @@
 """pipeengine: pipeline-parallel training of an nn.Sequential, executing `schedules` across ranks."""
 
 from pipeengine.checkpoint import consolidate
-from pipeengine.engine import DEFAULT_TIMEOUT, PipelineEngine
+from pipeengine.config import DEFAULT_TIMEOUT, EngineConfig
+from pipeengine.engine import PipelineEngine
 from pipeengine.errors import LaunchError, PeerError, PipelineError
 from pipeengine.launch import launch
 from pipeengine.partition import METHODS, Partition, plan, solve
@@ -9,6 +10,7 @@ from pipeengine.profile import LayerCosts, measure
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "EngineConfig",
     "LaunchError",
     "PeerError",
     "PipelineEngine",

@@ -1,28 +1,106 @@
-"""What PipelineEngine settles at construction: device, schedule, an agreed partition, refusals."""
+"""Construction: from a model, a loss and an EngineConfig, what one rank runs (its Assembly).
+
+assemble(model, loss_fn, config, sample, world)
+    topology    world -> this replica's pipeline, and the replicas of this position
+    schedule    compiled and lowered (or the user's, lowered if it is compute only), validated
+    partition   measured on the first stage's rank, broadcast, solved alike everywhere
+    stages      this rank's layers, under the model's names, with a StageWorker each
+    programs    per step kind and gradient-free boundaries: what the transport runs, proved
+                under its semantics before the first step that needs it
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from pipeengine.config import EngineConfig
+from pipeengine.executor import Executor
 from pipeengine.partition import (
     METHODS,
     Partition,
     bounds_from_counts,
     check_counts,
-    check_method,
     method_costs,
     solve,
     stage_module,
 )
 from pipeengine.profile import LayerCosts, measure
-from pipeengine.specs import Tensors, map_tensors, unpack
-from schedules import Schedule, build_schedule, validate
+from pipeengine.specs import Tensors, map_tensors, meta_copy, unpack
+from pipeengine.stage import LossFn, StageWorker
+from pipeengine.topology import Topology
+from pipeengine.transport import Transport
+from schedules import Schedule, build_schedule, forward_only, lower, validate, with_gradient_sync
 
 __all__: list[str] = []
+
+
+@dataclass
+class Programs:
+    """The streams a rank's transport runs, made and validated once per kind of step."""
+
+    schedule: Schedule  # lowered, without gradient sync
+    transport: Transport
+    sync: bool  # add the data-parallel gradient all-reduces
+    _made: dict[tuple[bool, frozenset[int]], Schedule] = field(default_factory=dict)
+
+    def get(self, train: bool, no_gradient: frozenset[int] = frozenset()) -> Schedule:
+        """The program of a training step whose ``no_gradient`` boundaries need no gradient, or of an eval step."""
+        key = (train, no_gradient if train else frozenset())
+        program = self._made.get(key)
+        if program is None:
+            if not train:
+                base = forward_only(self.schedule)
+            else:
+                base = lower(self.schedule.without_gradient(no_gradient)) if no_gradient else self.schedule
+                base = with_gradient_sync(base) if self.sync else base
+            program = self.transport.program(base)
+            validate(program, self.transport.semantics)  # the streams that will run, under their transport's rules
+            self._made[key] = program
+        return program
+
+
+@dataclass
+class Assembly:
+    """What one rank runs."""
+
+    topology: Topology
+    device: torch.device
+    schedule: Schedule  # lowered, with the gradient sync of data parallelism: engine.schedule
+    partition: Partition
+    stages: dict[int, nn.Sequential]  # this rank's stages
+    workers: dict[int, StageWorker]
+    executor: Executor
+    programs: Programs
+    meta_layers: list[nn.Module]  # every layer on the meta device: every rank infers every boundary
+
+
+def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:
+    """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
+    topology = Topology.build(config.data_parallel, world)
+    lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)
+    schedule = with_gradient_sync(lowered) if config.data_parallel > 1 else lowered
+    # every replica must cut the model alike: the whole world agrees when there are several
+    agreeing = topology.world if config.data_parallel > 1 else topology.pipeline
+    partition = agree_partition(model, schedule, config.partition, sample, agreeing, world.device)
+    check_no_shared_parameters(model, partition.bounds, schedule.placement)
+    num_stages = schedule.num_stages
+    stages = {
+        s: stage_module(model, *partition.bounds[s]).to(world.device) for s in schedule.stages_of(topology.pp_rank)
+    }
+    workers = {
+        s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn,
+                       checkpointed=config.checkpointed(s, num_stages), precision=config.dtype)
+        for s, module in stages.items()
+    }  # fmt: skip
+    topology.pipeline.open_channels()
+    executor = Executor(topology.pp_rank, workers, topology.pipeline, topology.data)
+    programs = Programs(lowered, topology.pipeline, config.data_parallel > 1)
+    meta = [meta_copy(layer) for layer in model]
+    return Assembly(topology, world.device, schedule, partition, stages, workers, executor, programs, meta)
 
 
 def agree_partition(
@@ -30,19 +108,17 @@ def agree_partition(
     schedule: Schedule,
     partition: str | Sequence[int] | None,
     sample: object,
-    group: dist.ProcessGroup | None,
+    transport: Transport,
     device: torch.device,
 ) -> Partition:
     """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike."""
-    if isinstance(partition, str):
-        check_method(partition)
     counts = None if partition is None or isinstance(partition, str) else check_counts(partition, schedule.num_stages)
     m = schedule.num_microbatches
-    source, rank = 0, dist.get_rank(group)  # group rank 0 runs the first stage (of the first replica)
+    source = 0  # group rank 0 runs the first stage (of the first replica)
     header = torch.zeros(2, dtype=torch.int64, device=device)  # [failed, method]
     rows = torch.zeros(5, len(model), dtype=torch.float64, device=device)
     failure: Exception | None = None
-    if rank == source:
+    if transport.rank == source:
         method = partition if isinstance(partition, str) else ("time" if sample is not None else "parameters")
         try:
             micro = None if sample is None else _first_microbatch(sample, m)
@@ -54,14 +130,14 @@ def agree_partition(
         except Exception as error:  # every rank must hear of it, or they would wait for the costs
             failure = error
             header[0] = 1
-    dist.broadcast(header, group_src=source, group=group)
+    transport.broadcast(header, source, f"the partition from rank {source}")
     if failure is not None:
         raise failure
     if header[0]:
         raise ValueError(
             f"the first stage's rank ({source}) could not measure the layers to partition them; see its error"
         )
-    dist.broadcast(rows, group_src=source, group=group)
+    transport.broadcast(rows, source, f"the layer costs from rank {source}")
     costs = LayerCosts.from_rows(rows.tolist())
     if counts is not None:
         return Partition("explicit", bounds_from_counts(counts, len(model)), costs, schedule.placement)
@@ -79,28 +155,19 @@ def _first_microbatch(sample: object, num_microbatches: int) -> torch.Tensor | T
     raise TypeError(f"sample must be a tensor or a tuple of tensors (an input batch), got {type(sample).__name__}")
 
 
-def resolve_device(device: str | torch.device | None, group: dist.ProcessGroup | None) -> torch.device:
-    backend = dist.get_backend(group)
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    resolved = torch.device(device)
-    if backend == "nccl" and resolved.type != "cuda":
-        raise ValueError(f"the process group uses NCCL, which moves CUDA tensors only; got device={resolved}")
-    return resolved
-
-
 def resolve_schedule(schedule: str | Schedule, world: int, num_microbatches: int, chunks: int | None) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if schedule.num_ranks != world or schedule.num_microbatches != num_microbatches:
-            raise ValueError(
-                f"the schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
-                f"but the world has {world} ranks and num_microbatches={num_microbatches}"
-            )
-        validate(schedule)
-        return schedule
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(schedule).__name__}")
-    return build_schedule(schedule, world, num_microbatches, chunks)
+    """The lowered, validated schedule: compiled from its name, or the user's (lowered first if compute only)."""
+    if isinstance(schedule, str):
+        return build_schedule(schedule, world, num_microbatches, chunks)
+    if schedule.num_ranks != world or schedule.num_microbatches != num_microbatches:
+        raise ValueError(
+            f"the schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
+            f"but the world has {world} ranks and num_microbatches={num_microbatches}"
+        )
+    if schedule.compute_only() == schedule and world > 1:  # a compiler's output, or a hand-written compute order
+        schedule = lower(schedule)
+    validate(schedule)
+    return schedule
 
 
 def check_no_shared_parameters(model: nn.Sequential, bounds: list[tuple[int, int]], placement: tuple[int, ...]) -> None:

@@ -74,10 +74,13 @@ def backward_input(
     checkpointing, whose forward each separate W call would recompute.
     """
     wanted = [x for x in inputs if x.requires_grad]
+    trainable = [p for p in params if p.requires_grad]
+    if not outputs:  # nothing needs a gradient downstream (a frozen or detached stage): zeros go upstream
+        return tuple(torch.zeros_like(x) for x in wanted), WeightPass()
     if not wanted:  # nothing flows upstream (the first stage): the whole backward is the weight pass
-        return (), WeightPass(fallback=(outputs, grads, [p for p in params if p.requires_grad]))
+        return (), WeightPass(fallback=(outputs, grads, trainable) if trainable else None)
     input_nodes = {n for n in map(_node, wanted) if n is not None}
-    weight_nodes = {n: p for p in params if p.requires_grad and (n := _node(p)) is not None}
+    weight_nodes = {n: p for p in trainable if (n := _node(p)) is not None}
     roots = [n for n in map(_node, outputs) if n is not None]
     on_path, below, reachable = _analyse(roots, input_nodes, set(weight_nodes))
     owner: dict[Node, int] = {}
@@ -85,12 +88,14 @@ def backward_input(
         for weight in below.get(node, ()):
             owner[weight] = owner.get(weight, 0) + 1
     weight_pass = WeightPass()
-    if one_pass or any(count > 1 for count in owner.values()) or set(owner) != reachable:
+    kept: dict[Node, list[torch.Tensor | None]] = {}
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    if not weight_nodes:  # no trainable weight beneath: nothing for W to do
+        pass
+    elif one_pass or any(count > 1 for count in owner.values()) or set(owner) != reachable:
         # a weight beneath several input-path nodes, or beneath none (off the input path): one plain W call
         weight_pass.fallback = (outputs, grads, list(weight_nodes.values()))
-        handles = []
     else:
-        kept: dict[Node, list[torch.Tensor | None]] = {}
 
         def keeper(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
             def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:

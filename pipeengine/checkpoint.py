@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from pipeengine.transport import Transport
 
 __all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
 
@@ -38,31 +39,31 @@ def save_checkpoint(
     *,
     layers: list[str],
     writer: bool,
-    pipeline: dist.ProcessGroup | None,
+    pipeline: Transport,
+    world: Transport,
 ) -> Path:
     """Write this rank's part of a new checkpoint; every rank of the world must call it."""
     root = Path(directory)
-    rank, parts = dist.get_rank(pipeline), dist.get_world_size(pipeline)
-    number = torch.tensor([_latest_number(root) + 1 if dist.get_rank() == 0 else 0])
-    dist.broadcast(number, src=0)  # every rank writes into the same new checkpoint
+    rank = pipeline.rank
+    number = torch.tensor([_latest_number(root) + 1 if world.rank == 0 else 0], device=world.device)
+    world.broadcast(number, 0, "the number of the new checkpoint")  # every rank writes into the same one
     target = root / f"checkpoint-{int(number.item())}"
     if writer:
         target.mkdir(parents=True, exist_ok=True)
         named = _named_optimizer_state(optimizer, names) if optimizer is not None else None
         payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "optimizer": named}
         _write_atomically(target / f"part-{rank}.pt", lambda path: torch.save(payload, path))
-        listed: list[list[str] | None] = [None] * parts
-        dist.all_gather_object(listed, list(state), group=pipeline)  # in the stages' own order
+        listed = pipeline.all_gather_object(list(state), "the names each rank saves")  # in the stages' order
         if rank == 0:
             meta = {"format": 1, "layers": layers, "parts": {f"part-{r}.pt": keys for r, keys in enumerate(listed)}}
             _write_atomically(target / "meta.json", lambda path: Path(path).write_text(json.dumps(meta, indent=1)))
-    dist.barrier()  # every part is on disk before `latest` moves
-    if dist.get_rank() == 0:
+    world.barrier("the other ranks to finish writing their parts")  # every part is on disk before `latest` moves
+    if world.rank == 0:
         _write_atomically(root / LATEST, lambda path: Path(path).write_text(target.name))
         for old in root.glob("checkpoint-*"):
             if old != target and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    world.barrier("rank 0 to point 'latest' at the new checkpoint")
     return target
 
 

@@ -12,25 +12,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeengine.assembly import agree_partition, check_no_shared_parameters, resolve_device, resolve_schedule
+from pipeengine.assembly import Assembly, assemble
 from pipeengine.checkpoint import load_checkpoint, save_checkpoint
-from pipeengine.comm import P2P, second_group
-from pipeengine.errors import PeerError
-from pipeengine.executor import Executor, Step
-from pipeengine.header import Header, exchange
-from pipeengine.partition import stage_module
-from pipeengine.precision import PRECISIONS, GradScaler
-from pipeengine.specs import Boundary, Tensors, infer_boundaries, meta_copy, unpack
-from pipeengine.stage import LossFn, StageWorker
-from pipeengine.streams import Streams
-from pipeengine.topology import Topology
-from pipeengine.trace import Tracer
-from schedules import Schedule, Timeline, forward_only, receives_first, with_gradient_sync
+from pipeengine.config import DEFAULT_TIMEOUT, EngineConfig
+from pipeengine.executor import StepInputs, StepResult
+from pipeengine.header import Call, Header, agree, exchange
+from pipeengine.precision import GradScaler
+from pipeengine.specs import Boundary, Tensors, infer_boundaries, unpack
+from pipeengine.stage import LossFn
+from pipeengine.trace import NULL_TRACER, Tracer
+from pipeengine.transport import connect
+from schedules import Schedule, Timeline
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
-
-DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on a peer before it gives up
-CHECKPOINTING = ("never", "always", "except_last")  # activation checkpointing, per stage
 
 
 class PipelineEngine:
@@ -66,9 +60,15 @@ class PipelineEngine:
     floating tensors cross stages in that dtype. fp16 also scales the loss: step the optimizer
     through ``engine.scaler`` (see pipeengine.precision). None (default) is full precision.
 
+    ``timeout``: seconds any wait of the engine on another rank may take (transfers, the step
+    header, the loss, all-reduces, checkpoints) before it fails naming what it waited for.
+
     ``trace=True`` (or ``with engine.tracing():``) records every instruction of every step,
     and waits on communication, on every rank; ``engine.timeline()`` on rank 0 returns the
     last traced step as a schedules.Timeline (plot it, export it, simulate from it).
+
+    A stage boundary whose tensors need no gradient (frozen first stages, a detached output)
+    carries none: no gradient is sent across it. Set requires_grad before building the engine.
     """
 
     def __init__(
@@ -96,63 +96,38 @@ class PipelineEngine:
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: start the ranks with pipeengine.launch(fn, nprocs=N) "
-                "or torchrun (and call torch.distributed.init_process_group)"
-            )
-        self.topology = Topology.build(data_parallel, group)
-        self.group = self.topology.pipeline_group  # this replica's pipeline
-        self.rank = self.topology.pp_rank  # the position in it
-        self.dp_rank, self.data_parallel = self.topology.dp_rank, self.topology.data_parallel
-        world = self.topology.pipeline
-        self.device = resolve_device(device, group)
-        self.timeout = timeout
-        self.schedule = resolve_schedule(schedule, world, num_microbatches, chunks)
-        if self.data_parallel > 1:  # average each stage's gradients over the replicas, in the stream
-            self.schedule = with_gradient_sync(self.schedule)
+        self.config = EngineConfig(
+            num_microbatches, schedule, chunks, partition,  # type: ignore[arg-type]  # a sequence becomes a tuple
+            torch.device(device) if device is not None else None, timeout, trace, data_parallel, checkpoint, precision,
+        )  # fmt: skip
+        if group is not None and data_parallel > 1:
+            raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
+        world = connect(group, self.config.device, self.config.timeout)
+        self._parts: Assembly = assemble(model, loss_fn, self.config, sample, world)
+        parts = self._parts
+        self.topology = parts.topology
+        self.group = self.topology.pipeline.group  # this pipeline's torch.distributed group (None: default)
+        self.rank, self.dp_rank = self.topology.pp_rank, self.topology.dp_rank  # position in the pipeline, replica
+        self.data_parallel = self.topology.data_parallel
+        self.device, self.schedule, self.partition = parts.device, parts.schedule, parts.partition
+        self.bounds, self.stages = parts.partition.bounds, parts.stages
         self.num_microbatches = num_microbatches
-        num_stages = self.schedule.num_stages
-        # every replica must cut the model alike: the whole world agrees when there are several
-        agreeing = None if self.data_parallel > 1 else self.group
-        self.partition = agree_partition(model, self.schedule, partition, sample, agreeing, self.device)
-        self.bounds = self.partition.bounds
-        check_no_shared_parameters(model, self.bounds, self.schedule.placement)
-
         placement = self.schedule.placement
         self.first, self.last = placement[0] == self.rank, placement[-1] == self.rank
         self._layer_names = [name for name, _ in model.named_children()]
         self._model_keys = set(model.state_dict())  # to tell a checkpoint of another model
-        self.stages = {
-            s: stage_module(model, *self.bounds[s]).to(self.device) for s in self.schedule.stages_of(self.rank)
-        }
-        self._meta_layers = [meta_copy(layer) for layer in model]  # every rank infers every boundary locally
-        runs = (self.schedule, forward_only(self.schedule))
-        gloo = dist.get_backend(self.group) == "gloo"
-        if gloo:  # posting never blocks there: each step's recvs go out first
-            runs = (receives_first(runs[0]), receives_first(runs[1]))
-        self._train_run, self._forward_run = runs  # what the executor runs
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}, got {precision!r}")
-        self.precision = PRECISIONS[precision]
-        self.scaler = GradScaler(self.parameters, precision == "fp16", self.device)
-        if checkpoint not in CHECKPOINTING:
-            raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTING)}, got {checkpoint!r}")
-        self._workers = {
-            s: StageWorker(
-                s, module, is_last=s == num_stages - 1, loss_fn=loss_fn, num_microbatches=num_microbatches,
-                checkpointed=checkpoint == "always" or (checkpoint == "except_last" and s != num_stages - 1),
-                precision=self.precision,
-            )
-            for s, module in self.stages.items()
-        }  # fmt: skip
-        down = second_group(self.group) if gloo and world > 1 else None  # see pipeengine.comm
-        p2p = P2P(self.group, Streams(self.device, timeout), down)
-        self._executor = Executor(self.rank, self._workers, p2p, self.device, self.topology.data_group)
         self._boundaries: dict[Boundary, list[Boundary]] = {}
+        self._calls = 0  # collective calls made (train, eval, save, load, clip): the header checks all agree
+        self._steps = {True: 0, False: 0}  # training and evaluation steps run, for error messages
         self._trace = trace
         self._tracer = Tracer(self.device)
         self._timeline: Timeline | None = None
+        world_max = self.topology.world
+
+        def agree_max(found: torch.Tensor) -> None:
+            world_max.all_reduce(found, "the loss scaler's overflow check", op="max")
+
+        self.scaler = GradScaler(self.parameters, precision == "fp16", self.device, agree_max)
 
     # ---- what an optimizer and a checkpoint see: this rank's stages, under the model's names
 
@@ -177,14 +152,16 @@ class PipelineEngine:
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Write a checkpoint (every rank calls it): each stage under the model's names, with the optimizer's
         state, atomically; loadable into any number of stages (see pipeengine.checkpoint)."""
+        agree(Call.SAVE, self._call(), self.topology.pipeline)
         names = {id(param): name for name, param in self.named_parameters()}
         writer = self.dp_rank == 0  # the replicas are identical
         return save_checkpoint(directory, self.state_dict(), optimizer, names, layers=self._layer_names,
-                               writer=writer, pipeline=self.group)  # fmt: skip
+                               writer=writer, pipeline=self.topology.pipeline, world=self.topology.world)  # fmt: skip
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Load the latest checkpoint in ``directory`` into this rank's stages (and optimizer), whatever
         partition saved it. A checkpoint of another model is refused, naming the missing and unexpected keys."""
+        agree(Call.LOAD, self._call(), self.topology.pipeline)
         names = {id(param): name for name, param in self.named_parameters()}
         return load_checkpoint(directory, self.stages.values(), optimizer, names, expected=self._model_keys)
 
@@ -197,14 +174,15 @@ class PipelineEngine:
         With data parallelism the replicas hold the same averaged gradients, so it is not
         reduced over them. Call it after train_step, before optimizer.step().
         """
+        agree(Call.CLIP, self._call(), self.topology.pipeline)
         norm_type = float(norm_type)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         if grads:
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in grads])
             local = norms.max() if norm_type == math.inf else (norms**norm_type).sum()
-        reduce = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        dist.all_reduce(local, op=reduce, group=self.group)
+        reduce = "max" if norm_type == math.inf else "sum"
+        self.topology.pipeline.all_reduce(local, "the gradient norms of the other stages", op=reduce)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
@@ -240,62 +218,65 @@ class PipelineEngine:
         """The last traced step on every rank, aligned on one clock (seconds): on rank 0, None elsewhere."""
         return self._timeline
 
-    def _traced(self, schedule: Schedule, step: Step) -> dict[int, Tensors]:
-        tracer = self._tracer if self._trace else None
-        if tracer:
-            tracer.begin()
-        results = self._executor.run(schedule, step, tracer)
-        if tracer:
-            label = f"{schedule.name} measured"
-            self._timeline = tracer.gather(schedule.num_ranks, label, self.group)
-        return results
-
     # ---- steps
 
     def train_step(self, inputs: object = None, targets: object = None) -> float:
         """Forward and backward over all micro-batches; returns the mean loss on every rank."""
-        header = self._agree_on(inputs, targets, train=True)
-        step = Step(
-            train=True,
-            inputs=self._split(inputs) if self.first else None,
-            targets=[mb if isinstance(targets, tuple) else mb[0] for mb in self._split(targets)] if self.last else None,
-            first_input=header.microbatch_inputs,
-            outputs=self._infer(header.microbatch_inputs),
-        )
-        self._traced(self._train_run, step)
+        header = self._agree_on(Call.TRAIN, inputs, targets)
+        boundaries = self._infer(header.microbatch_inputs)
+        no_gradient = frozenset(b for b, boundary in enumerate(boundaries[:-1]) if not boundary.grad_specs)
+        targets_split = None
+        if self.last:
+            targets_split = [mb if isinstance(targets, tuple) else mb[0] for mb in self._split(targets)]
+        step = StepInputs(
+            True, self._steps[True], self._split(inputs) if self.first else None, targets_split,
+            header.microbatch_inputs, boundaries, loss_weight=1.0 / self.num_microbatches,
+            loss_scale=self.scaler.scale,
+        )  # fmt: skip
+        result = self._run(self._parts.programs.get(True, no_gradient), step)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.last:
-            worker = self._workers[self.schedule.num_stages - 1]
-            loss = torch.stack([worker.losses.pop(mb) for mb in range(self.num_microbatches)]).float().mean()
+            loss = torch.stack([result.losses[mb] for mb in range(self.num_microbatches)]).float().mean()
         last = self.schedule.placement[-1]
-        try:
-            dist.broadcast(loss, group_src=last, group=self.group)
-            if self.data_parallel > 1:  # the mean over every replica's batch
-                dist.all_reduce(loss, group=self.topology.data_group)
-                loss /= self.data_parallel
-        except Exception as error:
-            raise PeerError(f"rank {self.rank}: waiting for the loss from rank {last} failed: {error}") from error
+        self.topology.pipeline.broadcast(loss, last, f"the step's loss from rank {last}")
+        if self.topology.data is not None:  # the mean over every replica's batch
+            self.topology.data.all_reduce(loss, "the losses of the other data-parallel replicas")
+            loss /= self.data_parallel
         return loss.item()
 
     @torch.no_grad()
     def eval_step(self, inputs: object = None) -> torch.Tensor | Tensors | None:
         """Forward only; the last stage's rank returns the outputs of the whole batch, others None."""
-        header = self._agree_on(inputs, None, train=False)
+        header = self._agree_on(Call.EVAL, inputs, None)
         outputs = self._infer(header.microbatch_inputs)
-        step = Step(False, self._split(inputs) if self.first else None, None, header.microbatch_inputs, outputs)
-        results = self._traced(self._forward_run, step)
+        split = self._split(inputs) if self.first else None
+        step = StepInputs(False, self._steps[False], split, None, header.microbatch_inputs, outputs)
+        result = self._run(self._parts.programs.get(False), step)
         if not self.last:
             return None
-        parts = [results[mb] for mb in range(self.num_microbatches)]
+        parts = [result.outputs[mb] for mb in range(self.num_microbatches)]
         joined = tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
         return outputs[-1].pack(joined)
 
     # ---- helpers
 
-    def _agree_on(self, inputs: object, targets: object, train: bool) -> Header:
+    def _call(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def _agree_on(self, call: Call, inputs: object, targets: object) -> Header:
         """Every rank of the pipeline learns the batch (or refuses it, together): see pipeengine.header."""
-        return exchange(inputs, targets, first=self.first, last=self.last, train=train,
-                        num_microbatches=self.num_microbatches, group=self.group, device=self.device)  # fmt: skip
+        return exchange(call, self._call(), inputs, targets, first=self.first, last=self.last,
+                        num_microbatches=self.num_microbatches, transport=self.topology.pipeline)  # fmt: skip
+
+    def _run(self, program: Schedule, step: StepInputs) -> StepResult:
+        self._steps[step.train] += 1
+        if not self._trace:
+            return self._parts.executor.run(program, step, NULL_TRACER)
+        self._tracer.begin()
+        result = self._parts.executor.run(program, step, self._tracer)
+        self._timeline = self._tracer.gather(f"{program.name} measured", self.topology.pipeline)
+        return result
 
     def _split(self, value: object) -> list[Tensors]:
         """Per micro-batch tuples of tensors, on this rank's device (the header checked the shapes)."""
@@ -308,11 +289,8 @@ class PipelineEngine:
         """Output boundary of every stage for this micro-batch input, cached per input signature."""
         boundaries = self._boundaries.get(inputs)
         if boundaries is None:
-            boundaries = infer_boundaries(self._meta_layers, self.bounds, inputs)
-            if self.precision is not None:  # floating tensors cross in the autocast dtype (see precision)
-                boundaries = [b.in_dtype(self.precision) for b in boundaries[:-1]] + boundaries[-1:]
+            boundaries = infer_boundaries(self._parts.meta_layers, self.bounds, inputs)
+            if self.config.dtype is not None:  # floating tensors cross in the autocast dtype (see precision)
+                boundaries = [b.in_dtype(self.config.dtype) for b in boundaries[:-1]] + boundaries[-1:]
             self._boundaries[inputs] = boundaries
-        for s, worker in self._workers.items():
-            worker.output = boundaries[s] if s < self.schedule.num_stages - 1 else None
-            worker.loss_scale = self.scaler.scale
         return boundaries

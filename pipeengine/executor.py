@@ -1,63 +1,65 @@
 """The executor: interprets one rank's instruction stream; it never decides order.
 
-Communication is posted when the stream says (recvs early, batched with sends; on
-gloo the engine hands it streams that post every recv first, schedules.receives_first),
-a recv is waited on just before the compute that needs it, and a send's tensors are
-kept alive until the send completes, checked without blocking between instructions.
+Each instruction goes to the handler of its kind (a kind without one is refused). What a
+compute consumes and produces is schedules.dataflow's: a message between two stages of this
+rank is handed over in memory, one from another rank is a recv posted when the stream says
+and waited on just before the compute that needs it. A send's tensors stay alive until the
+send completes, checked without blocking between instructions. Data flows one way: the
+step's inputs in, a StepResult (losses, outputs) back.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from pipeengine.comm import P2P, Transfer
 from pipeengine.errors import PeerError, PipelineError
 from pipeengine.specs import Boundary, Tensors
 from pipeengine.stage import StageWorker
-from pipeengine.trace import Tracer
-from schedules import Instruction, Kind, Post, Schedule, ops_of, peer
+from pipeengine.trace import NULL_TRACER, Tracer
+from pipeengine.transport import Pending, Transfer, Transport
+from schedules import Action, Dataflow, Instruction, Kind, Message, Post, Schedule, ops_of
 
 __all__: list[str] = []
 
-_F, _B, _W, _AR = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT, Kind.ALL_REDUCE
-_SF, _SB, _RF, _RB = Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT, Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT
 
-
-@dataclass
-class Step:
-    """What one step runs on: the micro-batches of this rank's ends, and the boundaries between stages."""
+@dataclass(frozen=True)
+class StepInputs:
+    """What one step runs on: the micro-batches of this rank's ends, the boundaries, how the loss counts."""
 
     train: bool
+    number: int  # which training (or evaluation) step this is, for error messages
     inputs: Sequence[Tensors] | None  # per micro-batch, on the first stage's rank
     targets: Sequence[object] | None  # per micro-batch, on the last stage's rank (training)
     first_input: Boundary  # the first stage's input, one micro-batch
     outputs: Sequence[Boundary]  # per stage, its output for one micro-batch
+    loss_weight: float = 1.0  # each micro-batch's loss counts this much in the step's loss
+    loss_scale: float = 1.0  # fp16: backpropagate the loss times this
+
+
+@dataclass
+class StepResult:
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # micro-batch -> its loss (last stage, training)
+    outputs: dict[int, Tensors] = field(default_factory=dict)  # micro-batch -> the last stage's output (evaluation)
 
 
 class Executor:
     def __init__(
-        self,
-        rank: int,
-        workers: dict[int, StageWorker],
-        p2p: P2P,
-        device: torch.device,
-        data_group: dist.ProcessGroup | None = None,
+        self, rank: int, workers: dict[int, StageWorker], pipeline: Transport, data: Transport | None = None
     ) -> None:
         self.rank = rank
         self.workers = workers
-        self.p2p = p2p
-        self.device = device
-        self.data_group = data_group  # the replicas of this pipeline position (data parallelism)
-        self._owners: dict[tuple[Instruction | Post, ...], dict[int, list[nn.Parameter]]] = {}
+        self.pipeline = pipeline
+        self.data = data  # the replicas of this pipeline position (data parallelism)
+        self._owners: dict[tuple[Action, ...], dict[int, list[nn.Parameter]]] = {}
+        self._flows: dict[int, Dataflow] = {}
 
-    def owned(self, stream: tuple[Instruction | Post, ...]) -> dict[int, list[nn.Parameter]]:
+    def owned(self, stream: tuple[Action, ...]) -> dict[int, list[nn.Parameter]]:
         """Per stage, the parameters its all-reduce averages: a weight shared by stages of this rank
         goes with the stage whose all-reduce comes last, when all its gradient is in."""
         owners = self._owners.get(stream)
@@ -73,33 +75,34 @@ class Executor:
             self._owners[stream] = owners
         return owners
 
-    def run(self, schedule: Schedule, step: Step, tracer: Tracer | None = None) -> dict[int, Tensors]:
-        """Run this rank's stream; return the last stage's outputs per micro-batch (evaluation)."""
-        state = _Run(self, schedule, step, tracer)
-        where = ""
+    def flow(self, program: Schedule) -> Dataflow:
+        flow = self._flows.get(id(program))
+        if flow is None:
+            flow = self._flows[id(program)] = Dataflow.of(program)
+        return flow
+
+    def run(self, program: Schedule, step: StepInputs, tracer: Tracer = NULL_TRACER) -> StepResult:
+        """Run this rank's stream of ``program``; return the losses (training) or outputs (evaluation)."""
+        state = _Run(self, program, self.flow(program), step, tracer)
+        stream = program.instructions[self.rank]
+        index, action = -1, None
         try:
-            for index, action in enumerate(schedule.instructions[self.rank]):
-                where = f"rank {self.rank}, step {index}: {action}"
+            for index, action in enumerate(stream):  # noqa: B007  (read in the except clause)
                 state.reap_sends()
-                if isinstance(action, Post) or action.kind.is_send or action.kind.is_recv:
-                    state.post(action)
-                    continue
-                where += f" (stage {action.stage}, micro-batch {action.microbatch})"
-                if action.kind is _F:
-                    state.forward(action, where)
-                elif action.kind is _AR:
-                    state.all_reduce(action)
-                elif action.kind is _W:
-                    state.weights(action)
-                else:  # B, or I (the input half of a split backward)
-                    state.backward(action, where)
-            where = f"rank {self.rank}, end of step"
-            state.finish(where)
-        except PipelineError:
-            raise
+                handler = _post if isinstance(action, Post) else _HANDLERS.get(action.kind)
+                if handler is None:
+                    raise PipelineError(f"the executor has no handler for {action.kind} ({action})")  # type: ignore[union-attr]
+                handler(state, action)  # type: ignore[arg-type]  # a Post goes to _post
+            index, action = len(stream), None
+            state.finish()
         except Exception as error:
-            raise PipelineError(f"{where}: {type(error).__name__}: {error}") from error
-        return state.results
+            context = state.where(index, action)
+            if isinstance(error, PipelineError):
+                if not str(error).startswith("rank "):  # raised here without context: give it one
+                    raise type(error)(f"{context}: {error}") from error
+                raise
+            raise PipelineError(f"{context}: {type(error).__name__}: {error}") from error
+        return state.result
 
 
 @dataclass
@@ -107,144 +110,172 @@ class _Run:
     """The state of one step on one rank."""
 
     executor: Executor
-    schedule: Schedule
-    step: Step
-    tracer: Tracer | None
-    handoff: dict[tuple[Kind, int, int], Tensors] = field(default_factory=dict)  # (kind, stage, mb) -> produced
-    pending: dict[Instruction, Transfer] = field(default_factory=dict)  # posted recvs
+    program: Schedule
+    flow: Dataflow
+    step: StepInputs
+    tracer: Tracer
+    outbox: dict[int, Tensors] = field(default_factory=dict)  # message key -> produced, until sent or taken here
+    pending: dict[int, Transfer] = field(default_factory=dict)  # message key -> posted recv
     sending: deque[Transfer] = field(default_factory=deque)  # posted sends, oldest first
-    results: dict[int, Tensors] = field(default_factory=dict)  # last stage's outputs (evaluation)
-    reducing: list[tuple[Instruction, dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    result: StepResult = field(default_factory=StepResult)
+    reducing: list[tuple[Instruction, Pending, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+
+    def where(self, index: int, action: Action | None) -> str:
+        """Where a failure happened: built only when one does."""
+        kind = "training" if self.step.train else "evaluation"
+        head = f"rank {self.executor.rank}, "
+        if action is None:
+            return head + f"end of {kind} step {self.step.number}"
+        text = f"instruction {index} of {kind} step {self.step.number}: {action}"
+        if isinstance(action, Instruction) and action.kind.is_compute:
+            text += f" (stage {action.stage}, micro-batch {action.microbatch})"
+        return head + text
 
     def reap_sends(self) -> None:
-        while self.sending and all(w.is_completed() for w in self.sending[0].works):
+        done = self.executor.pipeline.done
+        while self.sending and done(self.sending[0]):
             self.sending.popleft()  # its tensors may be freed now
 
-    def post(self, action: Instruction | Post) -> None:
-        start = self.tracer.mark() if self.tracer else 0.0
-        placement, outputs, device = self.schedule.placement, self.step.outputs, self.executor.device
+    def post(self, action: Action) -> None:
+        outputs, placement = self.step.outputs, self.program.placement
         transfers = []
-        for op in ops_of(action):
-            peer_rank = placement[peer(op).stage]
-            if op.kind is _SF:
-                tensors = tuple(t.detach().contiguous() for t in self.handoff.pop((_F, op.stage, op.microbatch)))
-            elif op.kind is _SB:
-                tensors = tuple(g.contiguous() for g in self.handoff.pop((_B, op.stage, op.microbatch)))
-            else:
-                boundary = outputs[op.stage - 1] if op.kind is _RF else outputs[op.stage]
-                specs = boundary.specs if op.kind is _RF else boundary.grad_specs
-                tensors = tuple(torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs)
-            transfer = Transfer(op, tensors, peer_rank)
-            if op.kind.is_send:
-                self.sending.append(transfer)
-            else:
-                self.pending[op] = transfer
-            transfers.append((op.kind.is_send, transfer))
-        self.executor.p2p.post(transfers)
-        if self.tracer:
-            self.tracer.add(action, start, self.tracer.mark())
+        with self.tracer.span(action):
+            for op in ops_of(action):
+                message = Message.of(op)
+                key = self.flow.key(message)
+                if op.kind.is_send:
+                    produced = self.outbox.pop(key)
+                    tensors = tuple((t if message.gradient else t.detach()).contiguous() for t in produced)
+                    transfer = Transfer(op, tensors, placement[message.receiver])
+                    self.sending.append(transfer)
+                else:
+                    boundary = outputs[message.boundary]
+                    specs = boundary.grad_specs if message.gradient else boundary.specs
+                    buffers = tuple(torch.empty(s.shape, dtype=s.dtype, device=self.executor.pipeline.device)
+                                    for s in specs)  # fmt: skip
+                    transfer = Transfer(op, buffers, placement[message.sender])
+                    self.pending[key] = transfer
+                transfers.append(transfer)
+            self.executor.pipeline.post(transfers)
 
-    def forward(self, op: Instruction, where: str) -> None:
-        s, mb, last, step = op.stage, op.microbatch, self.schedule.num_stages - 1, self.step
-        if s == 0:
+    def forward(self, op: Instruction) -> None:
+        s, mb, step = op.stage, op.microbatch, self.step
+        needs = self.flow.consumed_key(op)
+        if needs < 0:  # the first stage reads the batch
             inputs, packed = step.inputs[mb], step.first_input.is_tuple  # type: ignore[index]  # this rank has them
         else:
             boundary = step.outputs[s - 1]
-            leaves = boundary if step.train else None
-            inputs, packed = self.take(Instruction(s, _RF, mb), (_F, s - 1, mb), leaves, where), boundary.is_tuple
-        target = step.targets[mb] if s == last and step.train else None  # type: ignore[index]
-        start = self.tracer.mark() if self.tracer else 0.0
-        with torch.set_grad_enabled(step.train):
-            out = self.executor.workers[s].forward(mb, inputs, packed, target, step.train)
-        if self.tracer:
-            self.tracer.add(op, start, self.tracer.mark())
-        if s < last:
-            self.handoff[(_F, s, mb)] = out
-        elif not step.train:
-            self.results[mb] = out
-
-    def backward(self, op: Instruction, where: str) -> None:
-        s, mb = op.stage, op.microbatch
-        grads = None
-        if s < self.schedule.num_stages - 1:
-            grads = self.take(Instruction(s, _RB, mb), (_B, s + 1, mb), None, where)
-        start = self.tracer.mark() if self.tracer else 0.0
+            inputs, packed = self.take(needs, boundary if step.train else None), boundary.is_tuple
+        last = s == self.program.num_stages - 1
         worker = self.executor.workers[s]
-        input_grads = worker.backward(mb, grads) if op.kind is _B else worker.backward_input(mb, grads)
-        if self.tracer:
-            self.tracer.add(op, start, self.tracer.mark())
-        if s > 0:
-            self.handoff[(_B, s, mb)] = input_grads
+        with self.tracer.span(op), torch.set_grad_enabled(step.train):
+            out, loss = worker.forward(
+                mb, inputs, packed, train=step.train, target=step.targets[mb] if last and step.train else None,  # type: ignore[index]
+                expected=None if last else step.outputs[s], loss_weight=step.loss_weight, loss_scale=step.loss_scale,
+            )  # fmt: skip
+        if loss is not None:
+            self.result.losses[mb] = loss
+        made = self.flow.produced_key(op)
+        if made >= 0:
+            self.outbox[made] = out
+        elif last and not step.train:
+            self.result.outputs[mb] = out
+
+    def backward(self, op: Instruction) -> None:
+        """B, or I (the input half of a split backward)."""
+        needs = self.flow.consumed_key(op)
+        grads = self.take(needs, None) if needs >= 0 else None
+        worker = self.executor.workers[op.stage]
+        with self.tracer.span(op):
+            if op.kind is Kind.BACKWARD:
+                input_grads = worker.backward(op.microbatch, grads)
+            else:
+                input_grads = worker.backward_input(op.microbatch, grads)
+        made = self.flow.produced_key(op)
+        if made >= 0:
+            self.outbox[made] = input_grads
 
     def weights(self, op: Instruction) -> None:
-        start = self.tracer.mark() if self.tracer else 0.0
-        self.executor.workers[op.stage].backward_weight(op.microbatch)
-        if self.tracer:
-            self.tracer.add(op, start, self.tracer.mark())
+        with self.tracer.span(op):
+            self.executor.workers[op.stage].backward_weight(op.microbatch)
 
-    def take(self, recv: Instruction, local: tuple[Kind, int, int], leaves: Boundary | None, where: str) -> Tensors:
+    def take(self, key: int, leaves: Boundary | None) -> Tensors:
         """The tensors a compute consumes: handed over on this rank, or received (waited on here).
 
         With ``leaves`` (a training forward's input), they become leaf tensors that require
         grad as the boundary says; otherwise (gradients, evaluation) they are plain tensors.
         """
-        if local in self.handoff:  # the neighbouring stage runs on this rank
-            tensors = self.handoff.pop(local)
+        if not self.flow.crosses_key(key):  # the neighbouring stage runs on this rank
+            tensors = self.outbox.pop(key)
         else:
-            transfer = self.pending.pop(recv)
-            what = "activation" if recv.kind is _RF else "gradient"
-            self.wait(transfer, f"{where}: waiting for {recv} (the {what} of micro-batch {recv.microbatch} "
-                                f"from rank {transfer.peer})")  # fmt: skip
+            transfer = self.pending.pop(key)
+            self.wait(transfer)
             tensors = transfer.tensors
         if leaves is None:
             return tuple(t.detach() for t in tensors)
         # a stage's inputs are leaves: autograd stops at the boundary and leaves their gradient in .grad
         return tuple(t.detach().requires_grad_(s.requires_grad) for t, s in zip(tensors, leaves.specs, strict=True))
 
-    def wait(self, transfer: Transfer, what: str) -> None:
+    def wait(self, transfer: Transfer) -> None:
         """Block until a transfer is done; a failure is the peer's (PeerError), with how long we waited."""
-        tracer = self.tracer
-        start = tracer.mark() if tracer else 0.0
         began = time.perf_counter()
         try:
-            self.executor.p2p.wait(transfer)
+            with self.tracer.span(transfer.op, wait=True):
+                self.executor.pipeline.wait(transfer)
         except Exception as error:
-            raise PeerError(f"{what} failed after {time.perf_counter() - began:.1f} s: {error}") from error
-        if tracer:
-            tracer.add(transfer.op, start, tracer.mark(), wait=True)
+            verb = "waiting for" if transfer.op.kind.is_recv else "completing"
+            direction = "from" if transfer.op.kind.is_recv else "to"
+            raise PeerError(
+                f"{verb} {transfer.op} ({Message.of(transfer.op)}, {direction} rank {transfer.peer}) failed after "
+                f"{time.perf_counter() - began:.1f} s: {error}"
+            ) from error
 
     def all_reduce(self, op: Instruction) -> None:
         """Start averaging a stage's gradients over the data-parallel replicas (waited on in finish)."""
-        start = self.tracer.mark() if self.tracer else 0.0
-        params = self.executor.owned(self.schedule.instructions[self.executor.rank])[op.stage]
-        buckets: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in params:
-            if param.grad is not None:  # the same on every replica: the same model, the same graph
-                buckets.setdefault(param.grad.dtype, []).append(param.grad)
-        for grads in buckets.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            work = dist.all_reduce(flat, group=self.executor.data_group, async_op=True)
-            self.reducing.append((op, work, flat, grads))
-        if self.tracer:
-            self.tracer.add(op, start, self.tracer.mark())
-
-    def finish(self, where: str) -> None:
-        """Complete the sends still in flight and the gradient all-reduces: the step is over."""
-        for transfer in self.sending:
-            self.wait(transfer, f"{where}: completing {transfer.op} to rank {transfer.peer}")
-        replicas = dist.get_world_size(self.executor.data_group) if self.reducing else 1
-        for op, work, flat, grads in self.reducing:
-            start, began = (self.tracer.mark() if self.tracer else 0.0), time.perf_counter()
-            try:
-                work.wait()
-            except Exception as error:
-                waited = time.perf_counter() - began
+        data = self.executor.data
+        if data is None:
+            raise PipelineError(f"{op}: a gradient all-reduce needs data parallelism (data_parallel > 1)")
+        with self.tracer.span(op):
+            params = self.executor.owned(self.program.instructions[self.executor.rank])[op.stage]
+            buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+            for param in params:
+                if param.grad is not None:  # the same on every replica: the same model, the same graph
+                    buckets.setdefault(param.grad.dtype, []).append(param.grad)
+            for grads in buckets.values():
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 what = f"the gradient all-reduce of stage {op.stage} over the data-parallel replicas"
-                raise PeerError(f"{where}: {what} failed after {waited:.1f} s: {error}") from error
+                self.reducing.append((op, data.start_all_reduce(flat, what), flat, grads))
+
+    def finish(self) -> None:
+        """Complete the sends still in flight and the gradient all-reduces: the step is over."""
+        if self.sending:
+            began = time.perf_counter()
+            try:
+                self.executor.pipeline.complete(list(self.sending))
+            except Exception as error:
+                peers = sorted({t.peer for t in self.sending})
+                raise PeerError(f"completing the step's sends to ranks {peers} failed after "
+                                f"{time.perf_counter() - began:.1f} s: {error}") from error  # fmt: skip
+        replicas = self.executor.data.size if self.executor.data is not None else 1
+        for op, pending, flat, grads in self.reducing:
+            with self.tracer.span(op, wait=True):
+                pending.wait()
             flat /= replicas
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
-            if self.tracer:
-                self.tracer.add(op, start, self.tracer.mark(), wait=True)
+
+
+_post = _Run.post
+_HANDLERS: dict[Kind, Callable[[_Run, Instruction], None]] = {
+    Kind.FORWARD: _Run.forward,
+    Kind.BACKWARD: _Run.backward,
+    Kind.BACKWARD_INPUT: _Run.backward,
+    Kind.BACKWARD_WEIGHT: _Run.weights,
+    Kind.ALL_REDUCE: _Run.all_reduce,
+    Kind.SEND_ACTIVATION: _Run.post,
+    Kind.SEND_GRADIENT: _Run.post,
+    Kind.RECV_ACTIVATION: _Run.post,
+    Kind.RECV_GRADIENT: _Run.post,
+}

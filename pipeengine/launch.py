@@ -5,7 +5,9 @@
        └──────────────── queue ◄──────────────┘
 A failing rank exits at once, so its peers' pending transfers fail within a second
 (gloo: "connection closed"); ranks that hang are stopped after a grace period. The
-parent then re-raises the first failure, naming its rank and what each other rank saw.
+parent then re-raises the cause (see pipeengine.outcome), naming its rank and what each
+other rank saw. Each rank dies with its launcher (a parent-death signal), however that dies.
+With ``in_process=True`` the ranks are threads of this process instead (pipeengine.loopback).
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipeengine.engine import DEFAULT_TIMEOUT
-from pipeengine.errors import LaunchError, PeerError
+from pipeengine.config import DEFAULT_TIMEOUT
+from pipeengine.errors import PeerError
+from pipeengine.outcome import Outcome, raise_cause
 
 __all__ = ["launch"]
 
@@ -46,6 +48,8 @@ def launch(
     timeout: float = DEFAULT_TIMEOUT,
     threads: int | None = None,
     reuse_memory: bool = True,
+    in_process: bool = False,
+    grace: float = GRACE,
 ) -> None:
     """Run ``fn(*args)`` on ``nprocs`` local ranks, each with the default process group initialised.
 
@@ -54,10 +58,20 @@ def launch(
     default CUDA when there is a GPU for every rank. ``threads``: torch threads per CPU rank
     (default: the cores shared out). ``reuse_memory``: CPU ranks keep freed memory for reuse
     (see keep_freed_memory). Re-raises the failing rank's exception, with a note naming the rank
-    and what every other rank was doing.
+    and what every other rank was doing; the others get ``grace`` seconds to stop by themselves.
+
+    ``in_process=True`` runs the ranks as threads of this process, over an in-memory transport
+    (CPU only; no torch.distributed): for tests and debugging, see pipeengine.loopback.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if in_process:
+        if device not in (None, "cpu"):
+            raise ValueError(f"in-process ranks compute on the CPU, got device={device!r}")
+        from pipeengine.loopback import run
+
+        run(fn, nprocs, args, timeout, grace)
+        return
     device = device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "cpu")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -74,24 +88,25 @@ def launch(
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     context = multiprocessing.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    reports: multiprocessing.Queue[_Report] = context.Queue()
+    reports: multiprocessing.Queue[Outcome] = context.Queue()
     children = [
         context.Process(
             target=_child,
-            args=(rank, nprocs, store.port, fn, tuple(args), device, timeout, threads, reuse_memory, reports),
+            args=(rank, nprocs, store.port, fn, tuple(args), device, timeout, threads, reuse_memory, reports,
+                  os.getpid()),
             name=f"pipeengine-rank-{rank}",
         )
         for rank in range(nprocs)
-    ]
+    ]  # fmt: skip
     started: list[multiprocessing.process.BaseProcess] = []
     try:
         for child in children:
             child.start()  # spawn fails here if the caller's script lacks `if __name__ == "__main__":`
             started.append(child)
-        outcome = _supervise(children, reports)
+        outcomes = _supervise(children, reports, grace)
     finally:
         _stop(started)
-    _raise_failure(outcome, nprocs)
+    raise_cause(outcomes, nprocs)
 
 
 def _join_torchrun(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], device: str, timeout: float) -> None:
@@ -136,15 +151,20 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
-@dataclass
-class _Report:
-    rank: int
-    when: float
-    error: bytes | None = None  # the pickled exception, if it pickles
-    summary: str = ""  # "ValueError: ..."
-    trace: str = ""  # formatted traceback
-    ok: bool = False
-    waiting: bool = False  # it failed waiting on another rank (a PeerError): a consequence, not a cause
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent (the launcher) dies, by any signal (Linux).
+
+    The parent may already be gone between the fork and this call: then exit at once. Elsewhere
+    (no prctl) nothing is set, and the ranks' timeouts stop them once the launcher is gone.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1  # from linux/prctl.h
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _child(
@@ -157,8 +177,10 @@ def _child(
     timeout: float,
     threads: int,
     reuse_memory: bool,
-    reports: multiprocessing.Queue[_Report],
+    reports: multiprocessing.Queue[Outcome],
+    parent: int,
 ) -> None:
+    die_with_parent(parent)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -181,57 +203,69 @@ def _child(
         )
         fn(*args)
         dist.destroy_process_group()
-        reports.put(_Report(rank, time.time(), ok=True))
+        reports.put(Outcome(rank, time.time(), ok=True))
     except BaseException as error:  # noqa: BLE001  (report everything, then exit at once)
         try:
-            payload: bytes | None = pickle.dumps(error)
+            pickle.dumps(error)
+            sent: BaseException | None = error
         except Exception:  # noqa: BLE001  (an exception that does not pickle is reported as text)
-            payload = None
+            sent = None
         summary = f"{type(error).__name__}: {error}"
         waiting = isinstance(error, PeerError)
-        reports.put(_Report(rank, time.time(), payload, summary, traceback.format_exc(), waiting=waiting))
+        reports.put(Outcome(rank, time.time(), error=sent, summary=summary, trace=traceback.format_exc(),
+                            waiting=waiting))  # fmt: skip
         reports.close()
         reports.join_thread()
         os._exit(1)  # at once: the peers' transfers fail fast instead of waiting out their timeout
 
 
 def _supervise(
-    children: Sequence[multiprocessing.process.BaseProcess], reports: multiprocessing.Queue[_Report]
-) -> dict[int, _Report | str]:
-    """Wait for every child; after the first failure give the others GRACE seconds, then stop them."""
-    outcome: dict[int, _Report | str] = {}
+    children: Sequence[multiprocessing.process.BaseProcess], reports: multiprocessing.Queue[Outcome], grace: float
+) -> dict[int, Outcome]:
+    """Wait for every child; after the first failure give the others ``grace`` seconds, then stop them.
+
+    A child that exits without a report, with any code (0 too, e.g. os._exit(0) mid-run) or
+    signal, failed: it died, and it is the cause ahead of every survivor's error.
+    """
+    outcomes: dict[int, Outcome] = {}
     failed_at: float | None = None
     while True:
-        if not _drain(reports, outcome) and failed_at is None:
+        if not _drain(reports, outcomes) and failed_at is None:
             failed_at = time.monotonic()
         alive = [c for c in children if c.is_alive()]
-        for rank, child in enumerate(children):
-            if not child.is_alive() and rank not in outcome and child.exitcode not in (0, None):
-                failed_at = failed_at or time.monotonic()
-        if not alive or (failed_at is not None and time.monotonic() - failed_at > GRACE):
+        if failed_at is None and any(not c.is_alive() and r not in outcomes for r, c in enumerate(children)):
+            time.sleep(0.1)  # a report sent just before exit may still be in the pipe
+            _drain(reports, outcomes)
+            if any(not c.is_alive() and r not in outcomes for r, c in enumerate(children)):
+                failed_at = time.monotonic()
+        if not alive or (failed_at is not None and time.monotonic() - failed_at > grace):
             break
         multiprocessing.connection.wait([c.sentinel for c in alive], timeout=0.2)
     time.sleep(0.1)  # let the queue deliver reports sent just before exit
-    _drain(reports, outcome)
+    _drain(reports, outcomes)
+    now = time.time()
     for rank, child in enumerate(children):
-        if rank in outcome:
+        if rank in outcomes:
             continue
         if child.is_alive():
-            outcome[rank] = f"was still running {GRACE:.0f} s after the first failure and was stopped"
+            outcomes[rank] = Outcome(rank, now, fate=f"was still running {grace:.0f} s after the first failure "
+                                                     "and was stopped")  # fmt: skip
         elif child.exitcode is not None and child.exitcode < 0:
-            outcome[rank] = f"died from signal {signal.Signals(-child.exitcode).name}"
-        elif child.exitcode:
-            outcome[rank] = f"exited with code {child.exitcode} without a report"
-    return outcome
+            name = signal.Signals(-child.exitcode).name
+            outcomes[rank] = Outcome(rank, now, summary=f"died from signal {name}", died=True)
+        else:
+            outcomes[rank] = Outcome(rank, now, summary=f"exited with code {child.exitcode} without a report",
+                                     died=True)  # fmt: skip
+    return outcomes
 
 
-def _drain(reports: multiprocessing.Queue[_Report], outcome: dict[int, _Report | str]) -> bool:
-    """Move the reports that have arrived into ``outcome``; False if one of them is a failure."""
+def _drain(reports: multiprocessing.Queue[Outcome], outcomes: dict[int, Outcome]) -> bool:
+    """Move the reports that have arrived into ``outcomes``; False if one of them is a failure."""
     ok = True
     try:
         while True:
             report = reports.get_nowait()
-            outcome[report.rank] = report
+            outcomes[report.rank] = report
             ok = ok and report.ok
     except queue_module.Empty:
         return ok
@@ -247,35 +281,3 @@ def _stop(children: Sequence[multiprocessing.process.BaseProcess]) -> None:
         if child.is_alive():
             child.kill()
             child.join()
-
-
-def _raise_failure(outcome: dict[int, _Report | str], nprocs: int) -> None:
-    failures = {r: o for r, o in outcome.items() if not (isinstance(o, _Report) and o.ok)}
-    if not failures:
-        return
-
-    def blame(item: tuple[int, _Report | str]) -> tuple[int, float]:
-        """Most likely cause first: a death, then an error of its own, then a hang, then a failed wait."""
-        rank, fate = item
-        if isinstance(fate, str):
-            return (0 if fate.startswith("died") else 2, 0.0)
-        return (3 if fate.waiting else 1, fate.when)
-
-    root, cause = min(failures.items(), key=blame)
-    others = [
-        f"  rank {r}: {o.summary if isinstance(o, _Report) else o}" for r, o in sorted(failures.items()) if r != root
-    ]
-    context = f"pipeengine.launch: rank {root} of {nprocs} is the cause"
-    context += ("; what the other ranks saw:\n" + "\n".join(others)) if others else ""
-    if isinstance(cause, str):
-        raise LaunchError(f"rank {root} {cause}\n{context}")
-    error: BaseException | None = None
-    if cause.error is not None:
-        try:
-            error = pickle.loads(cause.error)
-        except Exception:  # noqa: BLE001
-            error = None
-    if error is None:
-        raise LaunchError(f"rank {root} raised {cause.summary}\n{cause.trace}\n{context}")
-    error.add_note(f"{context}\n\ntraceback on rank {root}:\n{cause.trace}")
-    raise error

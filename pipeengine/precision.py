@@ -18,14 +18,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-__all__ = ["PRECISIONS", "GradScaler"]
-
-PRECISIONS: dict[str | None, torch.dtype | None] = {
-    None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
-}  # fmt: skip
+__all__ = ["GradScaler"]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
@@ -41,6 +36,7 @@ class GradScaler:
         parameters: Callable[[], Iterator[nn.Parameter]],
         enabled: bool,
         device: torch.device,
+        agree: Callable[[torch.Tensor], None],
         *,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
@@ -48,6 +44,7 @@ class GradScaler:
         growth_interval: int = 2000,
     ) -> None:
         self._parameters = parameters
+        self._agree = agree  # in place: the maximum over every rank of the world
         self.enabled = enabled
         self.device = device
         self.scale = init_scale if enabled else 1.0
@@ -65,7 +62,7 @@ class GradScaler:
             if param.grad is not None:
                 param.grad.mul_(inverse)
                 found = torch.maximum(found, (~torch.isfinite(param.grad)).any().float())
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every pipeline, every replica: all skip or none
+        self._agree(found)  # every pipeline, every replica: all skip or none
         self._found_inf = bool(found.item())
         return self._found_inf
 

@@ -32,7 +32,6 @@ class StageWorker:
         *,
         is_last: bool,
         loss_fn: LossFn,
-        num_microbatches: int,
         checkpointed: bool = False,
         precision: torch.dtype | None = None,
     ) -> None:
@@ -40,17 +39,29 @@ class StageWorker:
         self.module = module
         self.is_last = is_last
         self.loss_fn = loss_fn
-        self.num_microbatches = num_microbatches
         self.checkpointed = checkpointed  # keep only the stage input; recompute the rest in backward
         self.precision = precision  # autocast dtype; floating outputs cross the boundary in it
-        self.loss_scale = 1.0  # fp16: the loss is backpropagated times this
-        self.output: Boundary | None = None  # expected output of one micro-batch (None on the last stage)
         self.saved: dict[int, tuple[Tensors, Tensors]] = {}  # micro-batch -> (inputs, outputs) for backward
-        self.losses: dict[int, torch.Tensor] = {}  # micro-batch -> unscaled loss (last stage)
         self.weight_passes: dict[int, WeightPass] = {}  # micro-batch -> its pending W (zero-bubble)
 
-    def forward(self, mb: int, inputs: Tensors, packed: bool, target: object = None, train: bool = True) -> Tensors:
-        """Run the layers; on the last stage of a training step, return the scaled loss instead."""
+    def forward(
+        self,
+        mb: int,
+        inputs: Tensors,
+        packed: bool,
+        *,
+        train: bool,
+        target: object = None,
+        expected: Boundary | None = None,
+        loss_weight: float = 1.0,
+        loss_scale: float = 1.0,
+    ) -> tuple[Tensors, torch.Tensor | None]:
+        """Run the layers: (outputs, None); on the last stage of a training step, ((), the loss).
+
+        ``expected``: the output the receiver sized its buffers for (checked, never a hang or a
+        truncation). The loss is backpropagated times ``loss_weight`` (its share of the step's
+        loss) and ``loss_scale`` (fp16); the loss returned is the loss_fn's value, detached.
+        """
         argument = pack(inputs, packed)
         device = next((t.device for t in inputs), torch.device("cpu"))
         with autocast(device, self.precision):
@@ -65,23 +76,19 @@ class StageWorker:
                 dtype = self.precision
                 value = map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
             outputs = unpack(value)
-            self._check(outputs, value, train)
+            self._check(value, train, expected)
             if train:
                 self.saved[mb] = (inputs, outputs)
-            return outputs
+            return outputs, None
         if not train:
-            return unpack(value)
+            return unpack(value), None
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}"
             )
-        self.losses[mb] = loss.detach().float()
-        # the mean over micro-batches: each one's loss counts 1/m, exactly as in one full-batch mean
-        scaled = loss.float() / self.num_microbatches
-        if self.loss_scale != 1.0:  # fp16: backpropagate the scaled loss, unscaled before the optimizer step
-            scaled = scaled * self.loss_scale
+        scaled = loss.float() * (loss_weight * loss_scale)  # e.g. 1/m each: the mean over micro-batches
         self.saved[mb] = (inputs, (scaled,))
-        return ()
+        return (), loss.detach().float()
 
     def backward(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
         """Backpropagate one micro-batch; return the gradients of the inputs that need one, and free it."""
@@ -104,14 +111,13 @@ class StageWorker:
     def _pop(self, mb: int, grad_outputs: Tensors | None) -> tuple[Tensors, Tensors, Tensors]:
         """A micro-batch's inputs, the outputs to backpropagate from, and their gradients."""
         inputs, outputs = self.saved.pop(mb)
+        needing = tuple(o for o in outputs if o.requires_grad)  # none: nothing upstream needs a gradient
         if self.is_last:
-            return inputs, outputs, (None,)  # type: ignore[return-value]  # the loss: d(loss)/d(loss) = 1
-        needing = tuple(o for o in outputs if o.requires_grad)
+            return inputs, needing, (None,) * len(needing)  # type: ignore[return-value]  # d(loss)/d(loss) = 1
         return inputs, needing, tuple(grad_outputs or ())
 
-    def _check(self, outputs: Tensors, value: object, train: bool) -> None:
+    def _check(self, value: object, train: bool, expected: Boundary | None) -> None:
         """The output must be what the receiver's buffers were sized for: never a hang or a truncation."""
-        expected = self.output
         if expected is None:
             return
         got = Boundary.of(value, f"the output of stage {self.index}")
@@ -121,6 +127,13 @@ class StageWorker:
             for g, e in zip(got.specs, expected.specs, strict=True)
         )
         if not same:
+            hint = ""
+            if [s.requires_grad for s in got.specs] != [s.requires_grad for s in expected.specs]:
+                hint = (
+                    "; whether it needs a gradient differs: set requires_grad before building the PipelineEngine "
+                    "(every rank infers the boundaries from its copy of the model)"
+                )
             raise ValueError(
-                f"stage {self.index} produced {got}, but its receiver expects {expected} (inferred on the meta device)"
+                f"stage {self.index} produced {got}, but its receiver expects {expected} (inferred on the meta "
+                f"device){hint}"
             )

@@ -5,17 +5,15 @@
     comm stream                 └──► isend(out)  irecv(buf) ┘
                                      record_stream(comm) on every tensor that crosses
 
-On CPU (gloo) every method is a plain call, so CPU and CUDA run the same executor code.
+Used by the NCCL transport (pipeengine.transport); on CPU every call is a plain call.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 
 __all__: list[str] = []
 
@@ -23,9 +21,8 @@ T = TypeVar("T")
 
 
 class Streams:
-    def __init__(self, device: torch.device, timeout: float) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.timeout = datetime.timedelta(seconds=timeout)
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
             self.comm = torch.cuda.Stream(device)
@@ -39,14 +36,3 @@ class Streams:
             tensor.record_stream(self.comm)
         with torch.cuda.stream(self.comm):
             return launch()
-
-    def wait(self, work: dist.Work) -> None:
-        """Make the compute stream (CUDA) or the host (CPU) wait for a transfer.
-
-        On CUDA the wait is stream-ordered and never blocks the host; a hung peer is caught by
-        the process group's timeout (its watchdog). On CPU the host waits at most ``timeout``.
-        """
-        if self.cuda:
-            work.wait()
-        else:
-            work.wait(self.timeout)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from pipeengine.transport import Transport
 
 __all__ = ["Topology"]
 
@@ -17,30 +17,25 @@ __all__ = ["Topology"]
 @dataclass(frozen=True)
 class Topology:
     data_parallel: int
-    pipeline: int
+    pipeline_size: int
     dp_rank: int
     pp_rank: int
-    pipeline_group: dist.ProcessGroup | None  # None: the default group (no data parallelism)
-    data_group: dist.ProcessGroup | None  # None: no data parallelism
+    world: Transport  # every rank of the engine (all replicas)
+    pipeline: Transport  # this replica's pipeline
+    data: Transport | None  # the replicas of this pipeline position; None without data parallelism
 
     @classmethod
-    def build(cls, data_parallel: int, group: dist.ProcessGroup | None) -> Topology:
-        """Split the default group into pipelines and data-parallel groups (every rank must call this)."""
-        if not isinstance(data_parallel, int) or data_parallel < 1:
-            raise ValueError(f"data_parallel must be a positive int, got {data_parallel!r}")
+    def build(cls, data_parallel: int, world: Transport) -> Topology:
+        """Split the world into pipelines and data-parallel groups (every rank must call this)."""
         if data_parallel == 1:
-            return cls(1, dist.get_world_size(group), 0, dist.get_rank(group), group, None)
-        if group is not None:
-            raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world % data_parallel:
+            return cls(1, world.size, 0, world.rank, world, world, None)
+        if world.size % data_parallel:
             raise ValueError(
-                f"a world of {world} ranks does not split into data_parallel={data_parallel} equal pipelines: "
-                f"use a data_parallel that divides {world}, or {data_parallel} x (pipeline ranks) processes"
+                f"a world of {world.size} ranks does not split into data_parallel={data_parallel} equal pipelines: "
+                f"use a data_parallel that divides {world.size}, or {data_parallel} x (pipeline ranks) processes"
             )
-        pp = world // data_parallel
-        # every rank creates every group, in the same order, as torch.distributed requires
-        pipelines = [dist.new_group(list(range(d * pp, (d + 1) * pp))) for d in range(data_parallel)]
-        replicas = [dist.new_group(list(range(k, world, pp))) for k in range(pp)]
-        dp_rank, pp_rank = divmod(rank, pp)
-        return cls(data_parallel, pp, dp_rank, pp_rank, pipelines[dp_rank], replicas[pp_rank])
+        pp = world.size // data_parallel
+        pipeline = world.split([list(range(d * pp, (d + 1) * pp)) for d in range(data_parallel)])
+        data = world.split([list(range(k, world.size, pp)) for k in range(pp)])
+        dp_rank, pp_rank = divmod(world.rank, pp)
+        return cls(data_parallel, pp, dp_rank, pp_rank, world, pipeline, data)

@@ -15,11 +15,12 @@ all_gather returns on each rank: aligned to about the collective's skew.
 from __future__ import annotations
 
 import time
+from types import TracebackType
 
 import torch
-import torch.distributed as dist
 
-from schedules import Action, Span, Timeline
+from pipeengine.transport import Transfer, Transport
+from schedules import Action, Instruction, Kind, Span, Timeline
 
 __all__: list[str] = []
 
@@ -27,7 +28,35 @@ Mark = float | torch.cuda.Event
 PINGS = 8  # round trips per rank for the clock offset
 
 
+class _Span:
+    """``with tracer.span(action):`` records the block as a span (when it completes)."""
+
+    __slots__ = ("tracer", "action", "wait", "start")
+
+    def __init__(self, tracer: Tracer, action: Action, wait: bool) -> None:
+        self.tracer, self.action, self.wait = tracer, action, wait
+
+    def __enter__(self) -> None:
+        self.start = self.tracer.mark()
+
+    def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
+        if kind is None:
+            self.tracer.records.append((self.action, self.start, self.tracer.mark(), self.wait))
+
+
+class _Nothing:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
+        return None
+
+
 class Tracer:
+    """Records when each instruction ran on this rank; ``NULL_TRACER`` records nothing, at no cost."""
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
@@ -46,8 +75,8 @@ class Tracer:
         event.record()
         return event
 
-    def add(self, action: Action, start: Mark, end: Mark, wait: bool = False) -> None:
-        self.records.append((action, start, end, wait))
+    def span(self, action: Action, wait: bool = False) -> _Span | _Nothing:
+        return _Span(self, action, wait)
 
     def spans(self, rank: int) -> list[Span]:
         """This rank's spans in seconds since the step began."""
@@ -64,41 +93,59 @@ class Tracer:
 
         return [Span(rank, action, seconds(a), seconds(b), wait) for action, a, b, wait in self.records]
 
-    def gather(self, num_ranks: int, label: str, group: dist.ProcessGroup | None) -> Timeline | None:
+    def gather(self, label: str, transport: Transport) -> Timeline | None:
         """Every rank's spans on rank 0's clock, as one Timeline on group rank 0; None on the others."""
-        rank = dist.get_rank(group)
-        offsets = [0.0] * num_ranks if self.cuda else _clock_offsets(rank, num_ranks, group, self.device)
+        rank, size = transport.rank, transport.size
+        same = self.cuda or transport.shared_clock
+        offsets = [0.0] * size if same else _clock_offsets(transport)
         origin = 0.0 if self.cuda else float(self.origin)  # type: ignore[arg-type]
-        mine = (origin, self.spans(rank))
-        gathered: list[tuple[float, list[Span]]] | None = [(0.0, [])] * num_ranks if rank == 0 else None
-        dist.gather_object(mine, gathered, group_dst=0, group=group)
-        if gathered is None:
+        gathered = transport.all_gather_object((origin, self.spans(rank)), "the traced step's spans")
+        if rank != 0:
             return None
         base = gathered[0][0]
         spans = []
         for r, (their_origin, their_spans) in enumerate(gathered):
             shift = their_origin - offsets[r] - base  # their time zero, on rank 0's clock, since rank 0's zero
             spans += [Span(s.rank, s.action, s.start + shift, s.end + shift, s.wait) for s in their_spans]
-        return Timeline(num_ranks, spans, label=label, unit="s", measured=True)
+        return Timeline(size, spans, label=label, unit="s", measured=True)
 
 
-def _clock_offsets(rank: int, num_ranks: int, group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+class _NullTracer(Tracer):
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self._nothing = _Nothing()
+
+    def span(self, action: Action, wait: bool = False) -> _Span | _Nothing:
+        return self._nothing
+
+
+NULL_TRACER: Tracer = _NullTracer()
+
+
+def _clock_offsets(transport: Transport) -> list[float]:
     """On rank 0: each rank's clock minus rank 0's (seconds); zeros elsewhere."""
-    offsets = [0.0] * num_ranks
-    stamp = torch.zeros(1, dtype=torch.float64, device=device)
-    for peer in range(1, num_ranks):
+    rank, offsets = transport.rank, [0.0] * transport.size
+    send, recv = Instruction(0, Kind.SEND_ACTIVATION, 0), Instruction(0, Kind.RECV_ACTIVATION, 0)  # direction only
+
+    def move(op: Instruction, peer: int, stamp: torch.Tensor) -> None:
+        transfer = Transfer(op, (stamp,), peer)
+        transport.post([transfer])
+        transport.complete([transfer])
+
+    stamp = torch.zeros(1, dtype=torch.float64, device=transport.device)
+    for peer in range(1, transport.size):
         if rank == 0:
             best = (float("inf"), 0.0)
             for _ in range(PINGS):
                 sent = time.perf_counter()
-                dist.send(stamp, group_dst=peer, group=group)
-                dist.recv(stamp, group_src=peer, group=group)
+                move(send, peer, stamp)
+                move(recv, peer, stamp)
                 back = time.perf_counter()
                 best = min(best, (back - sent, float(stamp.item()) - (sent + back) / 2))
             offsets[peer] = best[1]
         elif rank == peer:
             for _ in range(PINGS):
-                dist.recv(stamp, group_src=0, group=group)
+                move(recv, 0, stamp)
                 stamp.fill_(time.perf_counter())
-                dist.send(stamp, group_dst=0, group=group)
+                move(send, 0, stamp)
     return offsets

@@ -1,21 +1,29 @@
-"""Models for the runtime tests, built the same way on every rank (same seed)."""
+"""Models for the runtime tests, built the same way on every rank (same seed).
+
+In-process ranks (threads) share torch's random state: each model is seeded and built under
+one lock, so every rank still gets the same weights.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 VOCAB, WIDTH, HEADS, LENGTH = 32, 16, 2, 6
+SEEDED = threading.Lock()  # torch.manual_seed and the initialisers that follow run as one
 
 
 def mlp(seed: int = 0, layers: int = 5, width: int = 16) -> nn.Sequential:
     """Linear/Tanh pairs and a head: 2 * layers + 1 layers in the Sequential."""
-    torch.manual_seed(seed)
-    body: list[nn.Module] = []
-    for _ in range(layers):
-        body += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*body, nn.Linear(width, 4))
+    with SEEDED:
+        torch.manual_seed(seed)
+        body: list[nn.Module] = []
+        for _ in range(layers):
+            body += [nn.Linear(width, width), nn.Tanh()]
+        return nn.Sequential(*body, nn.Linear(width, 4))
 
 
 class Embed(nn.Module):
@@ -58,8 +66,9 @@ class Head(nn.Module):
 
 
 def transformer(seed: int = 0, blocks: int = 7) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(Embed(), *[Block() for _ in range(blocks)], Head())
+    with SEEDED:
+        torch.manual_seed(seed)
+        return nn.Sequential(Embed(), *[Block() for _ in range(blocks)], Head())
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,8 @@ def test_a_rank_raising_mid_step_stops_every_rank_with_its_error(rank: int) -> N
     started = time.monotonic()
     with pytest.raises(
         PipelineError,
-        match=rf"rank {rank}, step \d+: {rank}F\d \(stage {rank}, micro-batch \d\): RuntimeError: planted failure",
+        match=rf"rank {rank}, instruction \d+ of training step 0: {rank}F\d \(stage {rank}, micro-batch \d\): "
+        r"RuntimeError: planted failure",
     ) as caught:
         launch(failures.train_with_fault, 4, args=(rank, "raise", 60.0), timeout=60)
     notes = "\n".join(caught.value.__notes__)
@@ -72,7 +73,7 @@ def test_a_killed_rank_is_named_and_the_others_stop() -> None:
     started = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 died from signal SIGKILL") as caught:
         launch(failures.train_with_fault, 4, args=(1, "kill", 60.0), timeout=60)
-    assert "PeerError: rank 0, step" in str(caught.value) and "from rank 1" in str(caught.value)
+    assert "PeerError: rank 0, instruction" in str(caught.value) and "from rank 1" in str(caught.value)
     assert time.monotonic() - started < 45
     assert not multiprocessing.active_children()
 
@@ -91,7 +92,8 @@ def test_a_hung_rank_is_found_by_the_timeout_and_stopped() -> None:
 def test_an_output_that_differs_from_the_inferred_shape_is_caught_before_sending() -> None:
     with pytest.raises(
         PipelineError,
-        match=r"rank 0, step \d+: 0F0 \(stage 0, micro-batch 0\): ValueError: stage 0 produced float32\[2, 15\]"
+        match=r"rank 0, instruction \d+ of training step 0: 0F0 \(stage 0, micro-batch 0\): ValueError: "
+        r"stage 0 produced float32\[2, 15\]"
         r".*expects float32\[2, 16\]",
     ) as caught:
         launch(failures.train_with_fault, 4, args=(0, "shape", 60.0), timeout=60)

@@ -15,6 +15,7 @@ from schedules import (
     Timeline,
     forward_only,
     ops_of,
+    peer,
     receives_first,
     replay,
     simulate,
@@ -56,7 +57,7 @@ def test_waits_are_their_own_spans_and_every_recv_ends_after_its_send_was_posted
     waits = [s for s in train.spans if s.wait and s.action.kind.is_recv]  # type: ignore[union-attr]
     assert waits  # rank 1 waits for activations, rank 0 for gradients
     for wait in waits:
-        send = wait.action.peer()  # type: ignore[union-attr]
+        send = peer(wait.action)  # type: ignore[arg-type]
         assert wait.end >= posted[send] - 5e-4, (wait, posted[send])  # one clock: causality, to the offset error
 
 
