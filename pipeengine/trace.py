@@ -97,7 +97,7 @@ class Tracer:
         """Every rank's spans on rank 0's clock, as one Timeline on group rank 0; None on the others."""
         rank, size = transport.rank, transport.size
         same = self.cuda or transport.shared_clock
-        offsets = [0.0] * size if same else _clock_offsets(transport)
+        offsets, error = ([0.0] * size, 0.0) if same else _clock_offsets(transport)
         origin = 0.0 if self.cuda else float(self.origin)  # type: ignore[arg-type]
         gathered = transport.all_gather_object((origin, self.spans(rank)), "the traced step's spans")
         if rank != 0:
@@ -107,7 +107,7 @@ class Tracer:
         for r, (their_origin, their_spans) in enumerate(gathered):
             shift = their_origin - offsets[r] - base  # their time zero, on rank 0's clock, since rank 0's zero
             spans += [Span(s.rank, s.action, s.start + shift, s.end + shift, s.wait) for s in their_spans]
-        return Timeline(size, spans, label=label, unit="s", measured=True)
+        return Timeline(size, spans, label=label, unit="s", measured=True, clock_error=error)
 
 
 class _NullTracer(Tracer):
@@ -122,9 +122,10 @@ class _NullTracer(Tracer):
 NULL_TRACER: Tracer = _NullTracer()
 
 
-def _clock_offsets(transport: Transport) -> list[float]:
-    """On rank 0: each rank's clock minus rank 0's (seconds); zeros elsewhere."""
-    rank, offsets = transport.rank, [0.0] * transport.size
+def _clock_offsets(transport: Transport) -> tuple[list[float], float]:
+    """On rank 0: each rank's clock minus rank 0's (seconds), and the most any may be off (half the
+    fastest round trip of the worst-measured rank); zeros elsewhere."""
+    rank, offsets, error = transport.rank, [0.0] * transport.size, 0.0
     send, recv = Instruction(0, Kind.SEND_ACTIVATION, 0), Instruction(0, Kind.RECV_ACTIVATION, 0)  # direction only
 
     def move(op: Instruction, peer: int, stamp: torch.Tensor) -> None:
@@ -142,10 +143,10 @@ def _clock_offsets(transport: Transport) -> list[float]:
                 move(recv, peer, stamp)
                 back = time.perf_counter()
                 best = min(best, (back - sent, float(stamp.item()) - (sent + back) / 2))
-            offsets[peer] = best[1]
+            offsets[peer], error = best[1], max(error, best[0] / 2)
         elif rank == peer:
             for _ in range(PINGS):
                 move(recv, 0, stamp)
                 stamp.fill_(time.perf_counter())
                 move(send, 0, stamp)
-    return offsets
+    return offsets, error

@@ -42,6 +42,7 @@ class Timeline:
     label: str = ""
     unit: str = ""  # "s" for seconds (measured, or simulated from measured costs); else cost units
     measured: bool = False  # spans are host time on each rank (so posting communication is drawn)
+    clock_error: float = 0.0  # measured: how far another rank's span may be off rank 0's clock (half a ping)
     _compute: list[list[Span]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -7,11 +7,11 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeengine import PipelineEngine
 from schedules import build_schedule
+from tests.pipeengine import ranks
 from tests.pipeengine.models import mlp, mse
 
 
@@ -27,7 +27,7 @@ class Fault(nn.Module):
             return x
         if self.how == "shape":
             return x[:, :-1]  # real output narrower than the meta device said
-        if dist.get_rank() != self.rank:
+        if ranks.rank() != self.rank:
             return x
         self.calls += 1
         if self.calls == self.at_call:
@@ -52,7 +52,7 @@ def train_with_fault(rank: int, how: str, timeout: float) -> None:
 
 def construct(case: str) -> None:
     """Engines that must be refused, identically, on every rank."""
-    world = dist.get_world_size()
+    world = ranks.size()
     if case == "not_sequential":
         PipelineEngine(nn.ModuleList([nn.Linear(2, 2)]), mse, num_microbatches=4)  # type: ignore[arg-type]
     elif case == "more_stages_than_layers":
@@ -81,7 +81,7 @@ def refused_everywhere(cases: dict[str, tuple[str, str]], check: str) -> None:
             assert type(raised).__name__ == error and re.search(message, str(raised)), (case, raised)
         else:
             raise AssertionError(f"{case} was accepted")
-        dist.barrier()  # every rank refused it, and none is left waiting
+        ranks.barrier()  # every rank refused it, and none is left waiting
 
 
 def bad_batch(case: str) -> None:

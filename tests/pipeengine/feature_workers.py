@@ -5,16 +5,17 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 from pipeengine import PipelineEngine
+from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
-from tests.pipeengine.workers import parity
+from tests.pipeengine.workers import check_grads, close, parity
 
 
 def parity_checkpointed(model_name: str, schedule: str, checkpoint: str) -> None:
-    ranks = dist.get_world_size()
-    parity(model_name, schedule, [ranks, 2 * ranks], [4 * ranks, 2 * ranks], checkpoint=checkpoint)
+    p = ranks.size()
+    parity(model_name, schedule, [p, 2 * p], [4 * p, 2 * p], checkpoint=checkpoint)
 
 
 class SavedBytes:
@@ -58,42 +59,79 @@ def checkpoint_memory(schedule: str) -> None:
             engine.train_step(x if engine.first else None, y if engine.last else None)
         peaks[mode] = meter.peak
     last = engine.last
-    assert peaks["always"] < 0.7 * peaks["never"], (dist.get_rank(), peaks)  # 1F1B here: 304 -> 168 KB
+    assert peaks["always"] < 0.7 * peaks["never"], (ranks.rank(), peaks)  # 1F1B here: 304 -> 168 KB
     if last:  # "except_last" spares the last stage
         assert peaks["except_last"] == peaks["never"], peaks
     else:
-        assert peaks["except_last"] == peaks["always"], (dist.get_rank(), peaks)
+        assert peaks["except_last"] == peaks["always"], (ranks.rank(), peaks)
 
 
-def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+def staged_reference(
+    model: nn.Sequential,
+    bounds: list[tuple[int, int]],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
+    dtype: torch.dtype,
+    loss_fn: object,
+    scale: float,
+) -> float:
+    """What the pipeline computes under autocast, in one process: the same operations in the same order.
+
+    Micro-batch by micro-batch, stage by stage under autocast; floating tensors cross each stage
+    boundary cast to the autocast dtype (the gradient flows back through the cast); each loss
+    counts 1/m and is backpropagated times ``scale`` (fp16), the gradients then divided by it.
+    Gradients accumulate over the micro-batches in the order every schedule runs them (0, 1, ...).
+    Returns the mean loss.
+    """
+    losses = []
+    for xb, yb in zip(x.chunk(m), y.chunk(m), strict=True):
+        value: object = xb
+        for stage, (start, end) in enumerate(bounds):
+            with torch.autocast("cpu", dtype=dtype):
+                for layer in model[start:end]:
+                    value = layer(value)
+            if stage < len(bounds) - 1:
+                cast = [
+                    t.to(dtype) if t.is_floating_point() else t
+                    for t in (value if isinstance(value, tuple) else (value,))
+                ]
+                value = tuple(cast) if isinstance(value, tuple) else cast[0]
+        with torch.autocast("cpu", dtype=dtype):
+            loss = loss_fn(value, yb)  # type: ignore[operator]
+        (loss.float() * (1.0 / m * scale)).backward()
+        losses.append(loss.detach().float())
+    if scale != 1.0:
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(1.0 / scale)
+    return float(torch.stack(losses).mean())
 
 
 def mixed_precision(schedule: str, precision: str) -> None:
-    """Training under autocast tracks one process under the same autocast (to reduced-precision tolerance)."""
+    """Training under autocast equals one process that rounds the same way (float32 tolerance).
+
+    The reference does the engine's operations in its order (staged_reference), so the two differ
+    only by float32 summation order: the rtol 1e-5 / atol 4e-5 of every other parity test holds.
+    A reference under plain autocast over the whole batch would not round the boundaries, nor
+    split the batch: its gradients differ by bf16's 2**-8 per operation, several percent in all.
+    """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     build, loss_fn = MODELS["transformer"]
     model = build()
     reference = copy.deepcopy(model)
-    engine = PipelineEngine(model, loss_fn, num_microbatches=4, schedule=schedule, precision=precision)
+    m = 4
+    engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule, precision=precision)
     x, y = batch("transformer", 8, seed=0)
+    scale = engine.scaler.scale
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-    with torch.autocast("cpu", dtype=dtype):
-        expected = loss_fn(reference(x), y)
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    scaler.scale(expected).backward()
-    scaler.unscale_(reference_optimizer)
+    expected = staged_reference(reference, engine.bounds, x, y, m, dtype, loss_fn, scale)
     engine.scaler.unscale_()
     out = engine.eval_step(x if engine.first else None)
     assert out is None or out.dtype == dtype, (precision, out.dtype)  # the stages really ran in autocast
-    assert abs(loss - expected.item()) < 2e-2 * abs(expected.item()), (loss, expected.item())
-    weights = dict(reference.named_parameters())
-    for name, param in engine.named_parameters():
-        assert param.grad is not None and param.grad.dtype == torch.float32
-        if float(weights[name].grad.norm()) > 1e-6:  # type: ignore[union-attr]
-            error = relative(param.grad, weights[name].grad)  # type: ignore[arg-type]
-            assert error < 3e-2, f"{precision} {schedule}: {name} gradient off by {error:.3%}"
+    close(loss, expected, f"{precision} {schedule}: loss")
+    assert all(param.grad is not None and param.grad.dtype == torch.float32 for _, param in engine.named_parameters())
+    check_grads(engine, reference, f"{precision} {schedule}")
 
 
 def scaler_skips_together() -> None:
@@ -107,9 +145,8 @@ def scaler_skips_together() -> None:
     engine.train_step(x if engine.first else None, y if engine.last else None)
     stepped = engine.scaler.step(optimizer)
     engine.scaler.update()
-    everyone: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, stepped)
-    assert everyone == [False] * dist.get_world_size(), everyone
+    everyone = ranks.all_gather_object(stepped)
+    assert everyone == [False] * ranks.size(), everyone
     assert all(torch.equal(param, before[name]) for name, param in engine.named_parameters())
     assert engine.scaler.scale == 2.0**59
     optimizer.zero_grad()

@@ -11,21 +11,25 @@ from tests.pipeengine import feature_workers
     "schedule, checkpoint", [("1f1b", "always"), ("zb-h1", "always"), ("interleaved", "except_last")]
 )
 def test_checkpointed_training_equals_single_process(schedule: str, checkpoint: str) -> None:
-    launch(feature_workers.parity_checkpointed, 2, args=("transformer", schedule, checkpoint), timeout=60)
+    launch(
+        feature_workers.parity_checkpointed, 2, args=("transformer", schedule, checkpoint), timeout=60, in_process=True
+    )
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_checkpointing_cuts_the_activations_held_for_backward(schedule: str) -> None:
-    launch(feature_workers.checkpoint_memory, 2, args=(schedule,), timeout=60)
+    launch(feature_workers.checkpoint_memory, 2, args=(schedule,), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("schedule, precision", [("1f1b", "bf16"), ("zb-v", "bf16"), ("1f1b", "fp16")])
-def test_mixed_precision_tracks_one_process_under_the_same_autocast(schedule: str, precision: str) -> None:
-    launch(feature_workers.mixed_precision, 2, args=(schedule, precision), timeout=60)
+@pytest.mark.parametrize(
+    "schedule, precision", [("1f1b", "bf16"), ("zb-v", "bf16"), ("1f1b", "fp16"), ("interleaved", "fp16")]
+)
+def test_mixed_precision_equals_one_process_that_rounds_the_same_way(schedule: str, precision: str) -> None:
+    launch(feature_workers.mixed_precision, 2, args=(schedule, precision), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(120)
 def test_fp16_overflow_skips_the_step_on_every_rank() -> None:
-    launch(feature_workers.scaler_skips_together, 2, timeout=60)
+    launch(feature_workers.scaler_skips_together, 2, timeout=60, in_process=True)

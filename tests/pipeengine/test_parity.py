@@ -1,9 +1,15 @@
-"""A pipelined model trains exactly like one process running the whole batch (gloo, real ranks)."""
+"""A pipelined model trains exactly like one process running the whole batch.
+
+In-process (loopback threads) for every schedule and size; on real gloo ranks for the
+schedules that exercise gloo's program (receives first), its second group, and several chunks.
+"""
 
 import pytest
 
 from pipeengine import launch
 from tests.pipeengine import workers
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 
 
 def microbatch_counts(schedule: str, ranks: int) -> list[int]:
@@ -11,30 +17,37 @@ def microbatch_counts(schedule: str, ranks: int) -> list[int]:
     return [ranks, 2 * ranks] if schedule == "interleaved" else [1, ranks, 2 * ranks]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_loss_gradients_and_weights_equal_single_process(schedule: str, ranks: int) -> None:
     ms = microbatch_counts(schedule, ranks)
     unit = 2 * ranks  # every batch size splits evenly for every m above
-    # both models, an MLP and a transformer stack with tuple boundaries, in one set of ranks
+    # both models, an MLP and a transformer stack with tuple boundaries
     launch(workers.parity_models, ranks, args=(["mlp", "transformer"], schedule, ms, [2 * unit, 3 * unit, unit]),
+           timeout=60, in_process=True)  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_on_real_gloo_ranks_the_transport_trains_like_one_process() -> None:
+    # 4 processes: receives-first streams, the second group for downward messages, one and two chunks per rank
+    launch(workers.parity_schedules, 4, args=("transformer", ["1f1b", "interleaved", "zb-v"], [4, 8], [8, 16]),
            timeout=90)  # fmt: skip
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-v"])
 def test_gradients_accumulate_and_eval_train_eval_leaves_no_state(schedule: str) -> None:
-    launch(workers.accumulate_and_eval, 2, args=("transformer", schedule, 4), timeout=60)
+    launch(workers.accumulate_and_eval, 2, args=("transformer", schedule, 4), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(120)
 def test_parameter_names_are_the_sequentials_on_every_rank() -> None:
-    launch(workers.names_are_the_models, 4, args=("interleaved",), timeout=60)
+    launch(workers.names_are_the_models, 4, args=("interleaved",), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_one_rank_with_several_chunks_hands_tensors_over_locally(model: str) -> None:
     # interleaved on 1 rank: stages 0..2 all here, every boundary a local handoff
-    launch(workers.parity_chunks, 1, args=(model, 3, [1, 3], [6, 3]), timeout=60)
+    launch(workers.parity_chunks, 1, args=(model, 3, [1, 3], [6, 3]), timeout=60, in_process=True)

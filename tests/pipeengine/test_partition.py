@@ -1,5 +1,6 @@
 """Partitioning: the exact solver, the cost methods, the report, and agreement across ranks."""
 
+import dataclasses
 import itertools
 import random
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from pipeengine import Partition, launch, measure, plan, solve
-from pipeengine.partition import bounds_from_counts, check_bounds, stage_module
+from pipeengine.partition import bounds_from_counts, check_bounds, method_costs, stage_module
 from schedules import Costs, build_schedule, simulate
 from tests.pipeengine import workers
 
@@ -127,17 +128,34 @@ def simulated_makespan(partition: Partition, forward: tuple[float, ...], backwar
     return simulate(build_schedule("1f1b", len(per_stage), 8), costs).makespan
 
 
+def injected_times(model: nn.Sequential, rows: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Forward and backward 'seconds' of each layer from its multiply-adds (a Linear's), 1 ns each: no clock."""
+    forward = []
+    for layer in model:
+        macs = rows * layer.in_features * layer.out_features if isinstance(layer, nn.Linear) else 0
+        forward.append(1e-9 * (macs + rows * 64))  # and a little per row for the element-wise layers
+    return tuple(forward), tuple(2 * f for f in forward)  # backward: two matmuls per forward one
+
+
 def test_time_balances_a_model_of_uneven_widths_better_than_uniform() -> None:
-    model, sample = ten_x_widths(), torch.randn(32, 64)
-    timed = plan(model, 4, "time", sample, repeats=5)
-    uniform = plan(model, 4, "uniform", sample)
-    forward, backward = timed.costs.forward, timed.costs.backward
-    assert forward is not None and backward is not None
+    model = ten_x_widths()
+    forward, backward = injected_times(model, 32)
+    costs = dataclasses.replace(measure(model, torch.randn(32, 64)), forward=forward, backward=backward)
+    timed = Partition("time", solve(method_costs("time", costs), 4), costs)
+    uniform = Partition("uniform", solve(method_costs("uniform", costs), 4), costs)
     by_time, by_count = simulated_makespan(timed, forward, backward), simulated_makespan(uniform, forward, backward)
     assert by_time < 0.8 * by_count, (timed.bounds, uniform.bounds, by_time, by_count)
-    slowest_by_time = max(timed.stage_sum(timed.costs.time) or [0.0])
-    slowest_by_count = max(Partition("uniform", uniform.bounds, timed.costs).stage_sum(timed.costs.time) or [0.0])
+    slowest_by_time = max(timed.stage_sum(costs.time) or [0.0])
+    slowest_by_count = max(uniform.stage_sum(costs.time) or [0.0])
     assert 0 < slowest_by_time < slowest_by_count
+
+
+def test_plan_by_time_solves_on_the_times_it_measured() -> None:
+    model, sample = ten_x_widths(), torch.randn(32, 64)
+    timed = plan(model, 4, "time", sample, repeats=2)
+    assert timed.costs.forward is not None and timed.costs.backward is not None
+    assert len(timed.costs.forward) == len(model) and all(t > 0 for t in timed.costs.forward)
+    assert timed.bounds == solve(list(timed.costs.time or ()), 4)  # whatever this machine measured
 
 
 def test_the_report_lists_every_stage() -> None:
@@ -166,4 +184,4 @@ def test_time_without_a_sample_says_so() -> None:
 
 @pytest.mark.timeout(120)
 def test_every_rank_builds_the_same_partition_from_the_first_ranks_measurements() -> None:
-    launch(workers.partition_agreement, 4, timeout=60)
+    launch(workers.partition_agreement, 4, timeout=60, in_process=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeengine import PipelineEngine
+from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
 
 RTOL, ATOL = 1e-5, 4e-5
@@ -24,7 +24,7 @@ def check_grads(engine: PipelineEngine, reference: nn.Module, what: str) -> int:
     expected = dict(reference.named_parameters())
     count = 0
     for name, param in engine.named_parameters():
-        assert param.grad is not None, f"{what}: {name} has no gradient on rank {dist.get_rank()}"
+        assert param.grad is not None, f"{what}: {name} has no gradient on rank {ranks.rank()}"
         close(param.grad, expected[name].grad, f"{what}: grad of {name}")
         count += 1
     return count
@@ -74,6 +74,11 @@ def parity(
 def parity_models(models: list[str], schedule: str, microbatches: list[int], sizes: list[int]) -> None:
     for model_name in models:
         parity(model_name, schedule, microbatches, sizes)
+
+
+def parity_schedules(model_name: str, schedules: list[str], microbatches: list[int], sizes: list[int]) -> None:
+    for schedule in schedules:
+        parity(model_name, schedule, microbatches, sizes, steps=2)
 
 
 def step_both(optimizer: torch.optim.Optimizer | None, reference: torch.optim.Optimizer) -> None:
@@ -132,35 +137,34 @@ def names_are_the_models(schedule: str) -> None:
     model = build()
     full = set(dict(model.named_parameters()))
     state_keys = set(model.state_dict())
-    engine = PipelineEngine(model, loss_fn, num_microbatches=dist.get_world_size() * 2, schedule=schedule)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=ranks.size() * 2, schedule=schedule)
     local = [name for name, _ in engine.named_parameters()]
     assert set(local) <= full and set(engine.state_dict()) <= state_keys
-    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, list(engine.state_dict()))
+    gathered = ranks.all_gather_object(list(engine.state_dict()))
     assert sorted(k for keys in gathered for k in keys) == sorted(state_keys), "the ranks' state_dicts tile the model"
 
 
 def report_world(path: str) -> None:
     """Write this rank's view of the world to a file per rank."""
+    import torch.distributed as dist
+
     with open(f"{path}.{dist.get_rank()}", "w") as out:
         out.write(f"{dist.get_rank()} {dist.get_world_size()} {dist.get_backend()} {torch.get_num_threads()}")
 
 
 def raise_on(rank: int) -> None:
-    if dist.get_rank() == rank:
+    if ranks.rank() == rank:
         raise KeyError(f"raised on purpose by rank {rank}")
-    dist.barrier()
+    ranks.barrier()
 
 
 def partition_agreement() -> None:
     """Rank 0 alone has the sample: it measures, all agree; default 'time' with it, 'parameters' without."""
     build, loss_fn = MODELS["transformer"]
     x, y = batch("transformer", 8, seed=0)
-    world = dist.get_world_size()
-    engine = PipelineEngine(build(), loss_fn, num_microbatches=4, sample=x if dist.get_rank() == 0 else None)
+    engine = PipelineEngine(build(), loss_fn, num_microbatches=4, sample=x if ranks.rank() == 0 else None)
     assert engine.partition.method == "time" and engine.partition.costs.time is not None
-    everyone: list[object] = [None] * world
-    dist.all_gather_object(everyone, (engine.partition.bounds, engine.partition.costs.time))
+    everyone = ranks.all_gather_object((engine.partition.bounds, engine.partition.costs.time))
     assert all(view == everyone[0] for view in everyone), everyone
     engine.train_step(x if engine.first else None, y if engine.last else None)  # and it trains
     assert PipelineEngine(build(), loss_fn, num_microbatches=4).partition.method == "parameters"
@@ -192,7 +196,7 @@ def traced_steps(path: str, schedule: str, microbatches: int) -> None:
         evaluation = engine.timeline()
     engine.train_step(x, y)
     assert engine.timeline() is evaluation  # tracing is off again: the last traced step stays
-    if dist.get_rank() == 0:
+    if ranks.rank() == 0:
         with open(path, "wb") as out:
             pickle.dump((engine.schedule, train, evaluation), out)
     else:
@@ -205,7 +209,7 @@ def data_parallel_parity(model_name: str, schedule: str, data_parallel: int, m: 
     model = build()
     reference = copy.deepcopy(model)
     engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule, data_parallel=data_parallel)
-    assert (engine.dp_rank, engine.rank) == divmod(dist.get_rank(), dist.get_world_size() // data_parallel)
+    assert (engine.dp_rank, engine.rank) == divmod(ranks.rank(), ranks.size() // data_parallel)
     local = list(engine.parameters())
     optimizer = torch.optim.AdamW(local, lr=1e-3, eps=1e-6) if local else None
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
@@ -257,7 +261,7 @@ def train_and_save(directory: str, schedule: str, steps: int, data_parallel: int
             opt.step()
             opt.zero_grad()
     engine.save(directory, optimizer)
-    if dist.get_rank() == 0:
+    if ranks.rank() == 0:
         torch.save({"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict()},
                    Path(directory) / "reference.pt")  # fmt: skip
 
@@ -296,7 +300,7 @@ def save_that_crashes(directory: str) -> None:
     """Rank 1 fails while writing its part of a second checkpoint."""
     build, loss_fn = MODELS["transformer"]
     engine = PipelineEngine(build(seed=7), loss_fn, num_microbatches=2, schedule="1f1b")
-    if dist.get_rank() == 1:
+    if ranks.rank() == 1:
         original = torch.save
 
         def broken(obj: object, path: object) -> None:

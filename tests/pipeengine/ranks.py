@@ -1,0 +1,31 @@
+"""What a test worker needs of its world, in-process (loopback threads) or in real processes (torch.distributed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeengine.loopback import current
+from pipeengine.transport import Transport, connect
+
+
+def world() -> Transport:
+    """This rank's world: the thread's loopback world, else the default process group."""
+    return current() or connect(None, torch.device("cpu"), 60.0)
+
+
+def rank() -> int:
+    return world().rank
+
+
+def size() -> int:
+    return world().size
+
+
+def all_gather_object(value: object) -> list[Any]:
+    return world().all_gather_object(value, "a test's all_gather_object")
+
+
+def barrier() -> None:
+    world().barrier("a test's barrier")
