@@ -89,7 +89,7 @@ class Executor:
         try:
             for index, action in enumerate(stream):  # noqa: B007  (read in the except clause)
                 state.reap_sends()
-                handler = _post if isinstance(action, Post) else _HANDLERS.get(action.kind)
+                handler = _post if isinstance(action, Post) else HANDLERS.get(action.kind)
                 if handler is None:
                     raise PipelineError(f"the executor has no handler for {action.kind} ({action})")  # type: ignore[union-attr]
                 handler(state, action)  # type: ignore[arg-type]  # a Post goes to _post
@@ -268,7 +268,7 @@ class _Run:
 
 
 _post = _Run.post
-_HANDLERS: dict[Kind, Callable[[_Run, Instruction], None]] = {
+HANDLERS: dict[Kind, Callable[[_Run, Instruction], None]] = {  # every kind, or the executor refuses it
     Kind.FORWARD: _Run.forward,
     Kind.BACKWARD: _Run.backward,
     Kind.BACKWARD_INPUT: _Run.backward,

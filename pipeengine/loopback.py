@@ -124,9 +124,13 @@ class LoopbackTransport(Transport):
         if message is None:
             raise RuntimeError(f"{transfer.op}: message {index} from rank {transfer.peer} was taken twice")
         if [(t.shape, t.dtype) for t in message] != [(t.shape, t.dtype) for t in transfer.tensors]:
-            got = [f"{t.dtype}{list(t.shape)}" for t in message]
-            want = [f"{t.dtype}{list(t.shape)}" for t in transfer.tensors]
-            raise ValueError(f"{transfer.op} received {got} where its buffers are {want}")
+
+            def specs(tensors: tuple[torch.Tensor, ...]) -> str:
+                return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+
+            raise ValueError(
+                f"{transfer.op} received ({specs(message)}) where its buffers are ({specs(transfer.tensors)})"
+            )
         for buffer, value in zip(transfer.tensors, message, strict=True):
             buffer.copy_(value)
         transfer.handles = []
