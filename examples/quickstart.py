@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipeengine import PipelineEngine, launch
+from schedules import SCHEDULES
 
 RANKS, SCHEDULE, MICROBATCHES, STEPS, BATCH, WIDTH = 2, "1f1b", 4, 10, 64, 64
 
@@ -51,7 +52,7 @@ def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=RANKS)
-    parser.add_argument("--schedule", default=SCHEDULE, choices=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--schedule", default=SCHEDULE, choices=list(SCHEDULES))
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--timeline", help="write the last step's measured timeline to PATH.png and PATH.json")

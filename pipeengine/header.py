@@ -128,10 +128,11 @@ def _gather(call: Call, number: int, row: list[int], detail: str, transport: Tra
             f"the ranks of the pipeline are not making the same call: {calls}; every rank must call train_step, "
             "eval_step, save, load and clip_grad_norm_ together, in the same order"
         )
-    for rank, r in enumerate(table):
-        if r[2] != Status.OK:
-            reason = _WHY[Status(r[2])] + (f": {detail}" if rank == transport.rank and detail else "")
-            raise ValueError(f"step refused by rank {rank}: {reason}")
+    if any(r[2] != Status.OK for r in table):  # every rank learns why, and raises the same error
+        details = transport.all_gather_object(detail, "the reason the step was refused")
+        rank, row = next((rank, r) for rank, r in enumerate(table) if r[2] != Status.OK)
+        reason = _WHY[Status(row[2])] + (f": {details[rank]}" if details[rank] else "")
+        raise ValueError(f"step refused by rank {rank}: {reason}")
     return table
 
 

@@ -31,10 +31,15 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class Boundary:
-    """The value passed between two layers: one tensor, or a tuple of tensors (nn.Sequential passes it whole)."""
+    """The value passed between two layers: one tensor, or a tuple of tensors (nn.Sequential passes it whole).
+
+    ``needs_gradient``: whether any gradient comes back across it (see infer_boundaries); when
+    not, none is sent even for tensors that require grad.
+    """
 
     specs: tuple[TensorSpec, ...]
     is_tuple: bool
+    needs_gradient: bool = True
 
     def __str__(self) -> str:
         inner = ", ".join(str(s) for s in self.specs)
@@ -43,7 +48,7 @@ class Boundary:
     @property
     def grad_specs(self) -> tuple[TensorSpec, ...]:
         """The tensors whose gradient travels back across this boundary."""
-        return tuple(s for s in self.specs if s.requires_grad)
+        return tuple(s for s in self.specs if s.requires_grad) if self.needs_gradient else ()
 
     @classmethod
     def of(cls, value: object, what: str) -> Boundary:
@@ -59,7 +64,7 @@ class Boundary:
         specs = tuple(
             TensorSpec(s.shape, dtype, s.requires_grad) if s.dtype.is_floating_point else s for s in self.specs
         )
-        return Boundary(specs, self.is_tuple)
+        return Boundary(specs, self.is_tuple, self.needs_gradient)
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | Tensors:
         """The value a layer receives: the tensor itself, or the tuple."""
@@ -102,12 +107,17 @@ def infer_boundaries(
     """The output boundary of every stage for one micro-batch whose input is ``inputs``.
 
     Runs the layers on meta tensors (shapes only, no compute), with autograd on, so each
-    spec also says whether a gradient flows back through it.
+    spec also says whether it requires grad, and each boundary whether a gradient comes back
+    across it: its tensors require grad, the next stage's outputs depend on them through
+    autograd, and a gradient comes back to that stage (it computes the loss, or its own output
+    boundary needs one). Behind a frozen stage or a detached output, none does.
     """
-    outputs = []
+    outputs: list[Boundary] = []
+    reaches: list[bool] = []  # per stage: whether its outputs depend on its inputs through autograd
     value = inputs.meta_leaves()
     with torch.enable_grad():
         for stage, (start, end) in enumerate(bounds):
+            leaves = unpack(value)
             for index in range(start, end):
                 try:
                     value = meta_layers[index](value)
@@ -118,6 +128,35 @@ def infer_boundaries(
                         "from its input shape (no data-dependent shapes, no .item())"
                     ) from error
             boundary = Boundary.of(value, f"the output of stage {stage} (layers {start}..{end - 1})")
+            reaches.append(_depends(unpack(value), leaves))
             outputs.append(boundary)
             value = boundary.meta_leaves()  # the next stage receives leaves
+    needed = True  # behind the last stage: the loss, whose gradient is 1
+    for b in range(len(outputs) - 2, -1, -1):
+        needed = bool(outputs[b].grad_specs) and reaches[b + 1] and needed
+        outputs[b] = Boundary(outputs[b].specs, outputs[b].is_tuple, needed)
     return outputs
+
+
+def _depends(outputs: Tensors, inputs: Tensors) -> bool:
+    """Whether autograd leads from any of ``outputs`` back to any of the leaf ``inputs``."""
+    targets = {id(t) for t in inputs if t.requires_grad}
+    if not targets:
+        return False
+    stack = []
+    for output in outputs:
+        if id(output) in targets:
+            return True
+        if output.grad_fn is not None:
+            stack.append(output.grad_fn)
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it feeds
+        if variable is not None and id(variable) in targets:
+            return True
+        stack += [child for child, _ in node.next_functions if child is not None]
+    return False

@@ -111,10 +111,12 @@ class StageWorker:
     def _pop(self, mb: int, grad_outputs: Tensors | None) -> tuple[Tensors, Tensors, Tensors]:
         """A micro-batch's inputs, the outputs to backpropagate from, and their gradients."""
         inputs, outputs = self.saved.pop(mb)
-        needing = tuple(o for o in outputs if o.requires_grad)  # none: nothing upstream needs a gradient
+        needing = tuple(o for o in outputs if o.requires_grad)
         if self.is_last:
             return inputs, needing, (None,) * len(needing)  # type: ignore[return-value]  # d(loss)/d(loss) = 1
-        return inputs, needing, tuple(grad_outputs or ())
+        if grad_outputs is None:  # no gradient comes back across the output boundary: nothing to do
+            return inputs, (), ()
+        return inputs, needing, tuple(grad_outputs)
 
     def _check(self, value: object, train: bool, expected: Boundary | None) -> None:
         """The output must be what the receiver's buffers were sized for: never a hang or a truncation."""

@@ -96,5 +96,9 @@ def bad_batch(case: str) -> None:
         engine.train_step(x if engine.first else None, y[:6] if engine.last else None)
     elif case == "inputs_not_tensors":
         engine.train_step([1, 2, 3] if engine.first else None, y if engine.last else None)
+    elif case == "smaller_than_m":
+        engine.train_step(torch.randn(2, 16) if engine.first else None, torch.randn(2, 4) if engine.last else None)
+    elif case == "scalar_input":
+        engine.train_step(torch.tensor(1.0) if engine.first else None, y if engine.last else None)
     else:
         raise AssertionError(case)

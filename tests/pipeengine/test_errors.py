@@ -44,6 +44,8 @@ def test_a_bad_batch_is_refused_by_every_rank_before_any_transfer() -> None:
         "uneven": ("ValueError", "a batch of 10 does not split into 4 equal micro-batches: .* multiple of 4 .*8 or 12"),
         "rows_disagree": ("ValueError", "the targets have 6 rows but the inputs 8"),
         "inputs_not_tensors": ("ValueError", "step refused by rank 0: the inputs on the first stage's rank are not"),
+        "smaller_than_m": ("ValueError", r"a batch of 2 does not split into 4 equal micro-batches: .*\(e\.g\. 4\), or"),
+        "scalar_input": ("ValueError", "the inputs need a batch dimension: inputs tensor 0 is 0-d"),
     }
     launch(failures.refused_everywhere, 2, args=(cases, "bad_batch"), timeout=10, in_process=True)  # no hang
 
