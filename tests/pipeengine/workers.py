@@ -72,8 +72,9 @@ def parity(
 
 
 def parity_models(models: list[str], schedule: str, microbatches: list[int], sizes: list[int]) -> None:
+    """parity() for each model, with one optimizer step per batch size."""
     for model_name in models:
-        parity(model_name, schedule, microbatches, sizes)
+        parity(model_name, schedule, microbatches, sizes, steps=len(sizes))
 
 
 def parity_schedules(model_name: str, schedules: list[str], microbatches: list[int], sizes: list[int]) -> None:
