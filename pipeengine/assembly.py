@@ -4,6 +4,7 @@ assemble(model, loss_fn, config, sample, world)
     topology    world -> this replica's pipeline, and the replicas of this position
     schedule    compiled and lowered (or the user's, lowered if it is compute only), validated
     partition   measured on the first stage's rank, broadcast, solved alike everywhere
+    ties        weights shared by stages on several ranks: a group of their holders each (ties.py)
     stages      this rank's layers, under the model's names, with a StageWorker each
     programs    per step kind and gradient-free boundaries: what the transport runs, proved
                 under its semantics before the first step that needs it
@@ -11,6 +12,7 @@ assemble(model, loss_fn, config, sample, world)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from pipeengine.config import EngineConfig
-from pipeengine.executor import Executor
+from pipeengine.executor import Executor, TieSum
 from pipeengine.partition import (
     METHODS,
     Partition,
@@ -31,9 +33,19 @@ from pipeengine.partition import (
 from pipeengine.profile import LayerCosts, measure
 from pipeengine.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.stage import LossFn, StageWorker
+from pipeengine.ties import Ties, find_ties
 from pipeengine.topology import Topology
 from pipeengine.transport import Transport
-from schedules import Schedule, build_schedule, forward_only, lower, validate, with_gradient_sync
+from schedules import (
+    Schedule,
+    build_schedule,
+    forward_only,
+    lower,
+    tie_ranks,
+    validate,
+    with_gradient_sync,
+    with_tie_sync,
+)
 
 __all__: list[str] = []
 
@@ -56,7 +68,7 @@ class Programs:
                 base = forward_only(self.schedule)
             else:
                 base = lower(self.schedule.without_gradient(no_gradient)) if no_gradient else self.schedule
-                base = with_gradient_sync(base) if self.sync else base
+                base = with_tie_sync(with_gradient_sync(base) if self.sync else base)
             program = self.transport.program(base)
             validate(program, self.transport.semantics)  # the streams that will run, under their transport's rules
             self._made[key] = program
@@ -69,8 +81,9 @@ class Assembly:
 
     topology: Topology
     device: torch.device
-    schedule: Schedule  # lowered, with the gradient sync of data parallelism: engine.schedule
+    schedule: Schedule  # lowered, with the gradient syncs (data parallelism, tied weights): engine.schedule
     partition: Partition
+    ties: Ties
     stages: dict[int, nn.Sequential]  # this rank's stages
     workers: dict[int, StageWorker]
     executor: Executor
@@ -82,11 +95,12 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
     topology = Topology.build(config.data_parallel, world)
     lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)
-    schedule = with_gradient_sync(lowered) if config.data_parallel > 1 else lowered
     # every replica must cut the model alike: the whole world agrees when there are several
     agreeing = topology.world if config.data_parallel > 1 else topology.pipeline
-    partition = agree_partition(model, schedule, config.partition, sample, agreeing, world.device)
-    check_no_shared_parameters(model, partition.bounds, schedule.placement)
+    partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device)
+    ties = find_ties(model, partition.bounds, lowered.placement)
+    lowered = dataclasses.replace(lowered, tied=ties.groups)
+    schedule = with_tie_sync(with_gradient_sync(lowered) if config.data_parallel > 1 else lowered)
     num_stages = schedule.num_stages
     stages = {
         s: stage_module(model, *partition.bounds[s]).to(world.device) for s in schedule.stages_of(topology.pp_rank)
@@ -97,10 +111,24 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
         for s, module in stages.items()
     }  # fmt: skip
     topology.pipeline.open_channels()
-    executor = Executor(topology.pp_rank, workers, topology.pipeline, topology.data)
+    executor = Executor(
+        topology.pp_rank, workers, topology.pipeline, topology.data, tie_sums(ties, lowered, topology, stages)
+    )
     programs = Programs(lowered, topology.pipeline, config.data_parallel > 1)
     meta = [meta_copy(layer) for layer in model]
-    return Assembly(topology, world.device, schedule, partition, stages, workers, executor, programs, meta)
+    return Assembly(topology, world.device, schedule, partition, ties, stages, workers, executor, programs, meta)
+
+
+def tie_sums(ties: Ties, schedule: Schedule, topology: Topology, stages: dict[int, nn.Sequential]) -> dict[int, TieSum]:
+    """Per tie group that spans ranks and that this rank holds: a group of its holders in every replica, made once."""
+    mine = {ties.names[id(p)]: p for module in stages.values() for p in module.parameters()}
+    pp, sums = topology.pipeline_size, {}
+    for group in ties.spanning(schedule.placement):  # every rank makes every group, in order
+        holders = [d * pp + r for d in range(topology.data_parallel) for r in tie_ranks(schedule, group)]
+        transport = topology.world.subgroup(holders)
+        if transport is not None:
+            sums[group] = TieSum(transport, [mine[name] for name in ties.members[group]], topology.data_parallel)
+    return sums
 
 
 def agree_partition(
@@ -168,16 +196,3 @@ def resolve_schedule(schedule: str | Schedule, world: int, num_microbatches: int
         schedule = lower(schedule)
     validate(schedule)
     return schedule
-
-
-def check_no_shared_parameters(model: nn.Sequential, bounds: list[tuple[int, int]], placement: tuple[int, ...]) -> None:
-    """A parameter used by stages on two ranks would get two diverging copies: refuse it."""
-    owner: dict[int, tuple[int, str]] = {}
-    for stage, (start, end) in enumerate(bounds):
-        for name, param in stage_module(model, start, end).named_parameters():
-            seen = owner.setdefault(id(param), (stage, name))
-            if placement[seen[0]] != placement[stage]:
-                raise ValueError(
-                    f"parameter {name!r} (stage {stage}) is the same tensor as {seen[1]!r} (stage {seen[0]}), "
-                    "which runs on another rank; tied weights across ranks are not supported: untie them"
-                )

@@ -2,7 +2,8 @@
 
     directory/
       latest                    "checkpoint-3": replaced atomically once every file is written
-      checkpoint-3/meta.json    the layers, and which file holds which names
+      checkpoint-3/meta.json    the layers, the model's keys, which file holds which names, and the
+                                other names of tied weights (each stored once, under its first name)
       checkpoint-3/part-0.pt    {"model": state_dict, "optimizer": state by parameter name}, per pipeline rank
 
 A save writes a new checkpoint-N (each file to a temporary name, then renamed), waits for
@@ -38,6 +39,8 @@ def save_checkpoint(
     names: Mapping[int, str],
     *,
     layers: list[str],
+    keys: list[str],
+    aliases: Mapping[str, str],
     writer: bool,
     pipeline: Transport,
     world: Transport,
@@ -55,7 +58,8 @@ def save_checkpoint(
         _write_atomically(target / f"part-{rank}.pt", lambda path: torch.save(payload, path))
         listed = pipeline.all_gather_object(list(state), "the names each rank saves")  # in the stages' order
         if rank == 0:
-            meta = {"format": 1, "layers": layers, "parts": {f"part-{r}.pt": keys for r, keys in enumerate(listed)}}
+            parts = {f"part-{r}.pt": held for r, held in enumerate(listed)}
+            meta = {"format": 1, "layers": layers, "keys": keys, "tied": dict(aliases), "parts": parts}
             _write_atomically(target / "meta.json", lambda path: Path(path).write_text(json.dumps(meta, indent=1)))
     world.barrier("the other ranks to finish writing their parts")  # every part is on disk before `latest` moves
     if world.rank == 0:
@@ -78,7 +82,8 @@ def load_checkpoint(
     """Load the names this rank's modules hold (and its optimizer's state) from the latest checkpoint."""
     target = _resolve(Path(directory))
     meta = json.loads((target / "meta.json").read_text())
-    present = {key for keys in meta["parts"].values() for key in keys}
+    tied: dict[str, str] = meta.get("tied", {})  # another name of a tied weight -> the name it is stored under
+    present = {key for keys in meta["parts"].values() for key in keys} | set(tied)
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
         raise ValueError(
@@ -86,10 +91,10 @@ def load_checkpoint(
             "load a checkpoint saved from the same nn.Sequential"
         )
     modules = list(modules)
-    wanted = {key for module in modules for key in module.state_dict()}
+    wanted = {tied.get(key, key) for module in modules for key in module.state_dict()}
     model_state, optimizer_state, groups = _read(target, meta, wanted)
-    for module in modules:
-        module.load_state_dict({key: model_state[key] for key in module.state_dict()})
+    for module in modules:  # a tied weight's every name reads the one stored copy
+        module.load_state_dict({key: model_state[tied.get(key, key)] for key in module.state_dict()})
     if optimizer is not None:
         _load_named_optimizer_state(optimizer, names, optimizer_state, groups, target)
     return target
@@ -99,11 +104,14 @@ def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The whole model's state_dict from the latest checkpoint, under the nn.Sequential's names (no ranks needed)."""
     target = _resolve(Path(directory))
     meta = json.loads((target / "meta.json").read_text())
-    keys = [key for part in meta["parts"].values() for key in part]
-    state, _, _ = _read(target, meta, set(keys))
+    stored = [key for part in meta["parts"].values() for key in part]
+    tied: dict[str, str] = meta.get("tied", {})
+    state, _, _ = _read(target, meta, set(stored))
+    if "keys" in meta:  # the model's own order, tied weights under each of their names
+        return {key: state[tied.get(key, key)] for key in meta["keys"]}
     layer = {name: i for i, name in enumerate(meta["layers"])}
-    keys.sort(key=lambda key: layer.get(key.split(".")[0], len(layer)))  # stable: each layer keeps its order
-    return {key: state[key] for key in keys}
+    stored.sort(key=lambda key: layer.get(key.split(".")[0], len(layer)))  # stable: each layer keeps its order
+    return {key: state[key] for key in stored}
 
 
 def _read(
@@ -127,12 +135,16 @@ def _read(
 
 
 def _named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
-    """An optimizer's state_dict with parameter names in place of indices."""
+    """An optimizer's state_dict with parameter names in place of indices; parameters without a name here (a tied
+    weight that another rank writes) are left out."""
     state = optimizer.state_dict()
-    by_index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_index = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     return {
-        "state": {by_index[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in state["param_groups"]],
+        "state": {by_index[i]: value for i, value in state["state"].items() if by_index[i] is not None},
+        "param_groups": [
+            {**g, "params": [by_index[i] for i in g["params"] if by_index[i] is not None]}
+            for g in state["param_groups"]
+        ],
     }
 
 

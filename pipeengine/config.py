@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,7 @@ class EngineConfig:
     data_parallel: int = 1
     checkpoint: str = "never"
     precision: str | None = None
+    loss_count: Callable[[object], object] | None = None  # units (tokens) in a micro-batch's target: a summed loss
 
     def __post_init__(self) -> None:
         _positive_int("num_microbatches", self.num_microbatches)
@@ -64,6 +65,11 @@ class EngineConfig:
             raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTING)}, got {self.checkpoint!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}, got {self.precision!r}")
+        if self.loss_count is not None and not callable(self.loss_count):
+            raise TypeError(
+                "loss_count must be callable as loss_count(target) -> the number of units (e.g. tokens) the "
+                f"micro-batch's target holds, got {type(self.loss_count).__name__}"
+            )
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -39,6 +39,16 @@ class PipelineEngine:
 
     Gradients equal those of one process running the whole batch with a mean-reduced loss,
     and accumulate across steps until zeroed. Parameter names are the model's own.
+
+    ``loss_count=fn``: ``fn(target)`` is how many units (tokens) a micro-batch's target holds,
+    and ``loss_fn`` returns the SUM of the loss over them. Each micro-batch's sum is divided by
+    the step's total over all micro-batches and replicas before its backward, so gradients and
+    the loss returned equal one process's token-mean over the whole global batch, padding and
+    variable lengths included. Without it, each micro-batch's (mean) loss counts 1/m.
+
+    A weight shared by layers of stages on different ranks (a GPT's tied embedding and output
+    projection) is kept on every rank that holds one of them, its gradients summed over exactly
+    those ranks after their last backward touching it: see pipeengine.ties.
 
     ``partition``: "uniform" (layer count), "parameters", "time" (each layer's forward and
     backward measured on one micro-batch of ``sample``, an example input batch), "memory",
@@ -88,6 +98,7 @@ class PipelineEngine:
         data_parallel: int = 1,
         checkpoint: str = "never",
         precision: str | None = None,
+        loss_count: Callable[[object], object] | None = None,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -99,6 +110,7 @@ class PipelineEngine:
         self.config = EngineConfig(
             num_microbatches, schedule, chunks, partition,  # type: ignore[arg-type]  # a sequence becomes a tuple
             torch.device(device) if device is not None else None, timeout, trace, data_parallel, checkpoint, precision,
+            loss_count,
         )  # fmt: skip
         if group is not None and data_parallel > 1:
             raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
@@ -115,7 +127,7 @@ class PipelineEngine:
         placement = self.schedule.placement
         self.first, self.last = placement[0] == self.rank, placement[-1] == self.rank
         self._layer_names = [name for name, _ in model.named_children()]
-        self._model_keys = set(model.state_dict())  # to tell a checkpoint of another model
+        self._model_keys = list(model.state_dict())  # to tell a checkpoint of another model, and its key order
         self._boundaries: dict[Boundary, list[Boundary]] = {}
         self._calls = 0  # collective calls made (train, eval, save, load, clip): the header checks all agree
         self._steps = {True: 0, False: 0}  # training and evaluation steps run, for error messages
@@ -132,38 +144,47 @@ class PipelineEngine:
     # ---- what an optimizer and a checkpoint see: this rank's stages, under the model's names
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        seen: set[int] = set()  # a weight tied between two stages of this rank is listed once, as nn.Module does
+        """This rank's parameters under the model's names; a tied weight once, under the model's first name."""
+        seen: set[int] = set()
+        names = self._parts.ties.names
         for module in self.stages.values():
-            for name, param in module.named_parameters():
+            for param in module.parameters():
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield name, param
+                    yield names[id(param)], param
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, param in self.named_parameters():
             yield param
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state under the model's names; a tied weight once, under its first name."""
         state: dict[str, torch.Tensor] = {}
+        names = self._parts.ties.names
         for module in self.stages.values():
-            state.update(module.state_dict())
+            for key, value in module.state_dict(keep_vars=True).items():
+                name = names.get(id(value), key) if isinstance(value, nn.Parameter) else key
+                state.setdefault(name, value.detach())
         return state
 
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Write a checkpoint (every rank calls it): each stage under the model's names, with the optimizer's
         state, atomically; loadable into any number of stages (see pipeengine.checkpoint)."""
         agree(Call.SAVE, self._call(), self.topology.pipeline)
-        names = {id(param): name for name, param in self.named_parameters()}
+        elsewhere = self._parts.ties.shared_elsewhere(self.schedule.placement, self.rank)  # another rank writes those
+        names = {id(param): name for name, param in self.named_parameters() if name not in elsewhere}
+        state = {key: value for key, value in self.state_dict().items() if key not in elsewhere}
         writer = self.dp_rank == 0  # the replicas are identical
-        return save_checkpoint(directory, self.state_dict(), optimizer, names, layers=self._layer_names,
-                               writer=writer, pipeline=self.topology.pipeline, world=self.topology.world)  # fmt: skip
+        return save_checkpoint(directory, state, optimizer, names, layers=self._layer_names, keys=self._model_keys,
+                               aliases=self._parts.ties.aliases, writer=writer, pipeline=self.topology.pipeline,
+                               world=self.topology.world)  # fmt: skip
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Load the latest checkpoint in ``directory`` into this rank's stages (and optimizer), whatever
         partition saved it. A checkpoint of another model is refused, naming the missing and unexpected keys."""
         agree(Call.LOAD, self._call(), self.topology.pipeline)
         names = {id(param): name for name, param in self.named_parameters()}
-        return load_checkpoint(directory, self.stages.values(), optimizer, names, expected=self._model_keys)
+        return load_checkpoint(directory, self.stages.values(), optimizer, names, expected=set(self._model_keys))
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -176,10 +197,13 @@ class PipelineEngine:
         """
         agree(Call.CLIP, self._call(), self.topology.pipeline)
         norm_type = float(norm_type)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        elsewhere = self._parts.ties.shared_elsewhere(self.schedule.placement, self.rank)  # counted by their owner
+        named = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        grads = [grad for _, grad in named]
+        counted = [grad for name, grad in named if name not in elsewhere]
         local = torch.zeros((), dtype=torch.float32, device=self.device)
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in grads])
+        if counted:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in counted])
             local = norms.max() if norm_type == math.inf else (norms**norm_type).sum()
         reduce = "max" if norm_type == math.inf else "sum"
         self.topology.pipeline.all_reduce(local, "the gradient norms of the other stages", op=reduce)
@@ -228,21 +252,54 @@ class PipelineEngine:
         targets_split = None
         if self.last:
             targets_split = [mb if isinstance(targets, tuple) else mb[0] for mb in self._split(targets)]
+        total = self._count_units(targets_split) if self.config.loss_count is not None else None
         step = StepInputs(
             True, self._steps[True], self._split(inputs) if self.first else None, targets_split,
-            header.microbatch_inputs, boundaries, loss_weight=1.0 / self.num_microbatches,
-            loss_scale=self.scaler.scale,
+            header.microbatch_inputs, boundaries, loss_weight=1.0 / (total or self.num_microbatches),
+            loss_scale=self.scaler.scale, average_replicas=total is None,  # a global count: replicas' shares add up
         )  # fmt: skip
         result = self._run(self._parts.programs.get(True, no_gradient), step)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.last:
-            loss = torch.stack([result.losses[mb] for mb in range(self.num_microbatches)]).float().mean()
+            losses = torch.stack([result.losses[mb] for mb in range(self.num_microbatches)]).double()
+            loss = (losses.sum() / total if total is not None else losses.mean()).float()
         last = self.schedule.placement[-1]
         self.topology.pipeline.broadcast(loss, last, f"the step's loss from rank {last}")
-        if self.topology.data is not None:  # the mean over every replica's batch
+        if self.topology.data is not None:  # every replica's share: over the global count, or the mean of the means
             self.topology.data.all_reduce(loss, "the losses of the other data-parallel replicas")
-            loss /= self.data_parallel
+            if total is None:
+                loss /= self.data_parallel
         return loss.item()
+
+    def _count_units(self, targets: Sequence[object] | None) -> float:
+        """The step's units (tokens) over every micro-batch and replica, on every rank, or the same error on all."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        failure: Exception | None = None
+        if self.last:
+            try:
+                counts = [float(self.config.loss_count(target)) for target in targets or ()]  # type: ignore[misc, arg-type]
+                if any(not math.isfinite(c) or c < 0 for c in counts):
+                    raise ValueError(f"loss_count must give a finite count >= 0 per micro-batch, got {counts}")
+                total.fill_(sum(counts))
+            except Exception as error:  # every rank must hear of it: NaN travels to all
+                failure = error
+                total.fill_(math.nan)
+            if self.topology.data is not None:
+                self.topology.data.all_reduce(total, "the units counted by the other data-parallel replicas")
+        last = self.schedule.placement[-1]
+        self.topology.pipeline.broadcast(total, last, f"the step's count of units from rank {last}")
+        value = float(total)
+        if failure is not None:
+            raise failure
+        if math.isnan(value):
+            raise ValueError(f"loss_count failed on rank {last} of a pipeline (the last stage's): see its error")
+        if value == 0:
+            where = "every micro-batch of every replica" if self.data_parallel > 1 else "every micro-batch"
+            raise ValueError(
+                f"loss_count counted 0 units in {where}: a loss averaged over no tokens (every target ignored) is "
+                "undefined; skip this batch, or check the padding of the targets"
+            )
+        return value
 
     @torch.no_grad()
     def eval_step(self, inputs: object = None) -> torch.Tensor | Tensors | None:

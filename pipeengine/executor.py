@@ -40,6 +40,16 @@ class StepInputs:
     outputs: Sequence[Boundary]  # per stage, its output for one micro-batch
     loss_weight: float = 1.0  # each micro-batch's loss counts this much in the step's loss
     loss_scale: float = 1.0  # fp16: backpropagate the loss times this
+    average_replicas: bool = True  # average gradients over data-parallel replicas (sum them: a global token mean)
+
+
+@dataclass(frozen=True)
+class TieSum:
+    """A tie group this rank holds: the group of ranks that hold it, and this rank's copies of its weights."""
+
+    transport: Transport  # the holding ranks of every replica: the sum spans them all
+    params: list[nn.Parameter]
+    replicas: int  # data-parallel replicas in the group: averaged over them, unless the step sums them
 
 
 @dataclass
@@ -50,12 +60,19 @@ class StepResult:
 
 class Executor:
     def __init__(
-        self, rank: int, workers: dict[int, StageWorker], pipeline: Transport, data: Transport | None = None
+        self,
+        rank: int,
+        workers: dict[int, StageWorker],
+        pipeline: Transport,
+        data: Transport | None = None,
+        ties: dict[int, TieSum] | None = None,
     ) -> None:
         self.rank = rank
         self.workers = workers
         self.pipeline = pipeline
         self.data = data  # the replicas of this pipeline position (data parallelism)
+        self.ties = ties or {}  # tie group -> what this rank sums for it (pipeengine.ties)
+        self._tied = {id(p) for tie in self.ties.values() for p in tie.params}  # summed by TR, not by AR
         self._owners: dict[tuple[Action, ...], dict[int, list[nn.Parameter]]] = {}
         self._flows: dict[int, Dataflow] = {}
 
@@ -68,7 +85,8 @@ class Executor:
             last_stage = {}
             for stage in order:
                 for param in self.workers[stage].module.parameters():
-                    last_stage[id(param)] = (stage, param)
+                    if id(param) not in self._tied:
+                        last_stage[id(param)] = (stage, param)
             owners = {stage: [] for stage in order}
             for stage, param in last_stage.values():
                 owners[stage].append(param)
@@ -118,7 +136,7 @@ class _Run:
     pending: dict[int, Transfer] = field(default_factory=dict)  # message key -> posted recv
     sending: deque[Transfer] = field(default_factory=deque)  # posted sends, oldest first
     result: StepResult = field(default_factory=StepResult)
-    reducing: list[tuple[Instruction, Pending, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+    reducing: list[tuple[Instruction, Pending, torch.Tensor, list[torch.Tensor], int]] = field(default_factory=list)
 
     def where(self, index: int, action: Action | None) -> str:
         """Where a failure happened: built only when one does."""
@@ -244,7 +262,24 @@ class _Run:
             for grads in buckets.values():
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 what = f"the gradient all-reduce of stage {op.stage} over the data-parallel replicas"
-                self.reducing.append((op, data.start_all_reduce(flat, what), flat, grads))
+                divisor = data.size if self.step.average_replicas else 1
+                self.reducing.append((op, data.start_all_reduce(flat, what), flat, grads, divisor))
+
+    def tie_reduce(self, op: Instruction) -> None:
+        """Start summing this rank's copies of a tie group's weights with the other holders' (waited on in finish)."""
+        tie = self.executor.ties.get(op.microbatch)
+        if tie is None:
+            raise PipelineError(f"{op}: this rank holds no weights of tie group {op.microbatch}")
+        with self.tracer.span(op):
+            grads = []
+            for param in tie.params:
+                if param.grad is None:  # unused here this step: its share of the sum is zero
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            what = f"the sum of tie group {op.microbatch}'s gradients over the ranks that hold it"
+            divisor = tie.replicas if self.step.average_replicas else 1
+            self.reducing.append((op, tie.transport.start_all_reduce(flat, what), flat, grads, divisor))
 
     def finish(self) -> None:
         """Complete the sends still in flight and the gradient all-reduces: the step is over."""
@@ -256,11 +291,11 @@ class _Run:
                 peers = sorted({t.peer for t in self.sending})
                 raise PeerError(f"completing the step's sends to ranks {peers} failed after "
                                 f"{time.perf_counter() - began:.1f} s: {error}") from error  # fmt: skip
-        replicas = self.executor.data.size if self.executor.data is not None else 1
-        for op, pending, flat, grads in self.reducing:
+        for op, pending, flat, grads, replicas in self.reducing:
             with self.tracer.span(op, wait=True):
                 pending.wait()
-            flat /= replicas
+            if replicas > 1:
+                flat /= replicas
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
@@ -274,6 +309,7 @@ HANDLERS: dict[Kind, Callable[[_Run, Instruction], None]] = {  # every kind, or 
     Kind.BACKWARD_INPUT: _Run.backward,
     Kind.BACKWARD_WEIGHT: _Run.weights,
     Kind.ALL_REDUCE: _Run.all_reduce,
+    Kind.TIE_REDUCE: _Run.tie_reduce,
     Kind.SEND_ACTIVATION: _Run.post,
     Kind.SEND_GRADIENT: _Run.post,
     Kind.RECV_ACTIVATION: _Run.post,

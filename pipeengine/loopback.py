@@ -182,14 +182,14 @@ class LoopbackTransport(Transport):
     def all_gather_object(self, value: object, what: str) -> list[Any]:
         return copy.deepcopy(self._collect(pickle.loads(pickle.dumps(value)), list, what))
 
-    def split(self, groups: Sequence[Sequence[int]]) -> Transport:
-        self._splits += 1
-        for index, ranks in enumerate(groups):
-            if self.rank in ranks:
-                world = tuple(self.ranks[r] for r in ranks)
-                gid = f"{self.gid}.{self._splits}.{index}"
-                return LoopbackTransport(self.hub, gid, world, list(ranks).index(self.rank), self.timeout)
-        raise ValueError(f"rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
+    def subgroup(self, ranks: Sequence[int]) -> Transport | None:
+        self._splits += 1  # every rank counts its subgroups alike: the n-th is one group on every rank
+        if self.rank not in ranks:
+            return None
+        world = tuple(self.ranks[r] for r in ranks)
+        return LoopbackTransport(
+            self.hub, f"{self.gid}.{self._splits}", world, list(ranks).index(self.rank), self.timeout
+        )
 
 
 def _stack_sum(values: list[torch.Tensor]) -> torch.Tensor:

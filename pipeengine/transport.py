@@ -117,8 +117,18 @@ class Transport(abc.ABC):
         self.all_reduce(torch.zeros(1, device=self.device), what)
 
     @abc.abstractmethod
+    def subgroup(self, ranks: Sequence[int]) -> Transport | None:
+        """A group of some of this group's ranks; every rank calls it (in the same order): None outside it."""
+
     def split(self, groups: Sequence[Sequence[int]]) -> Transport:
         """Every rank calls it with the same groups (ranks of this group): the transport of the one it is in."""
+        mine = None
+        for ranks in groups:  # every rank makes every group, in the same order, as torch.distributed requires
+            made = self.subgroup(ranks)
+            mine = made if made is not None else mine
+        if mine is None:
+            raise ValueError(f"rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
+        return mine
 
     def failed(self, what: str, began: float, error: BaseException) -> PeerError:
         return PeerError(
@@ -212,16 +222,9 @@ class _Distributed(Transport):
         gathered = self.all_gather(padded, what)
         return [pickle.loads(g[: int(n.item())].cpu().numpy().tobytes()) for g, n in zip(gathered, sizes, strict=True)]
 
-    def split(self, groups: Sequence[Sequence[int]]) -> Transport:
-        mine = None
-        for ranks in groups:  # every rank makes every group, in the same order, as torch.distributed requires
-            world = [self.ranks[r] for r in ranks]
-            made = dist.new_group(world)
-            if self.rank in ranks:
-                mine = made
-        if mine is None:
-            raise ValueError(f"rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
-        return type(self)(mine, self.device, self.timeout)
+    def subgroup(self, ranks: Sequence[int]) -> Transport | None:
+        made = dist.new_group([self.ranks[r] for r in ranks])
+        return type(self)(made, self.device, self.timeout) if self.rank in ranks else None
 
 
 @dataclass

@@ -10,7 +10,7 @@ from schedules.one_f_one_b import one_f_one_b
 from schedules.registry import SCHEDULES, Registration, build_schedule, compile_schedule, register, registration
 from schedules.schedule import Schedule, ScheduleError
 from schedules.simulation import Costs, replay, simulate
-from schedules.sync import with_gradient_sync
+from schedules.sync import tie_ranks, with_gradient_sync, with_tie_sync
 from schedules.timeline import Span, Timeline
 from schedules.validation import Semantics, validate
 from schedules.zero_bubble import zb_h1, zb_v
@@ -46,8 +46,10 @@ __all__ = [
     "registration",
     "replay",
     "simulate",
+    "tie_ranks",
     "validate",
     "with_gradient_sync",
+    "with_tie_sync",
     "zb_h1",
     "zb_v",
 ]

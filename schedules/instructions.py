@@ -21,6 +21,7 @@ class Kind(enum.Enum):
     SEND_GRADIENT = "SB"  # stage s sends the gradient of its input to stage s-1
     RECV_GRADIENT = "RB"  # stage s receives the gradient of its output from stage s+1
     ALL_REDUCE = "AR"  # stage s starts averaging its gradients over data-parallel replicas (after micro-batch k)
+    TIE_REDUCE = "TR"  # sTRk: after stage s, this rank starts summing the weights of tie group k over its holders
 
     # members are singletons: hashing by identity is C-speed (Enum's own __hash__ is Python)
     __hash__ = object.__hash__
@@ -36,7 +37,7 @@ for _kind in Kind:
     _kind.is_compute = _kind.value in ("F", "B", "I", "W")
     _kind.is_send = _kind.value in ("SF", "SB")
     _kind.is_recv = _kind.value in ("RF", "RB")
-    _kind.is_collective = _kind.value == "AR"
+    _kind.is_collective = _kind.value in ("AR", "TR")
 _BY_CODE = {kind.value: kind for kind in Kind}
 _TEXT = re.compile(r"^(\d+)(" + "|".join(sorted(_BY_CODE, key=len, reverse=True)) + r")(\d+)$")
 

@@ -33,6 +33,7 @@ class Schedule:
     placement: tuple[int, ...]  # stage -> rank
     instructions: tuple[tuple[Action, ...], ...]  # rank -> stream
     no_gradient: frozenset[int] = field(default=frozenset())
+    tied: tuple[tuple[int, ...], ...] = ()  # per tie group: the stages that hold its weights (schedules.sync)
 
     def __post_init__(self) -> None:
         p, m, v = self.num_ranks, self.num_microbatches, self.chunks
@@ -51,6 +52,12 @@ class Schedule:
                 raise ScheduleError(
                     f"{self.name}: rank {rank} hosts {hosted} stages, every rank must host chunks={v} "
                     f"(placement {list(self.placement)})"
+                )
+        for group, stages in enumerate(self.tied):
+            if len(stages) < 2 or list(stages) != sorted(set(stages)) or not all(0 <= s < p * v for s in stages):
+                raise ScheduleError(
+                    f"{self.name}: tie group {group} lists stages {list(stages)}; a tie group is two or more "
+                    f"stages, in order, among 0..{p * v - 1}"
                 )
         outside = sorted(b for b in self.no_gradient if not 0 <= b < p * v - 1)
         if outside:
@@ -144,12 +151,14 @@ class Schedule:
             rank 0: 0F0 0SF0 0F1 0SF1+0RB0 0B0 0RB1 0B1
             rank 1: 1RF0 1F0 1RF1 1B0 1SB0 1F1 1B1 1SB1
 
-        (and ``no-gradient 0 2`` when boundaries carry no gradient). Lines starting with ``#`` are comments.
+        (and ``no-gradient 0 2`` when boundaries carry no gradient, ``tied 0 7`` per group of stages that
+        share a weight). Lines starting with ``#`` are comments.
         """
         lines = [f"schedule {self.name}", f"ranks {self.num_ranks}", f"microbatches {self.num_microbatches}",
                  f"chunks {self.chunks}", "placement " + " ".join(map(str, self.placement))]  # fmt: skip
         if self.no_gradient:
             lines.append("no-gradient " + " ".join(map(str, sorted(self.no_gradient))))
+        lines += ["tied " + " ".join(map(str, stages)) for stages in self.tied]
         lines += [f"rank {r}: " + " ".join(map(str, stream)) for r, stream in enumerate(self.instructions)]
         return "\n".join(line.rstrip() for line in lines) + "\n"
 
@@ -157,6 +166,7 @@ class Schedule:
     def from_text(cls, text: str) -> Schedule:
         """Read :meth:`to_text`'s form. Raises ScheduleError naming the line that is wrong."""
         fields: dict[str, str] = {}
+        tied: list[tuple[int, ...]] = []
         streams: dict[int, tuple[Action, ...]] = {}
         for number, raw in enumerate(text.splitlines(), 1):
             line = raw.split("#", 1)[0].strip()
@@ -171,10 +181,12 @@ class Schedule:
                     streams[int(rank)] = tuple(parse(op) for op in ops.split())
                 elif word in ("schedule", "ranks", "microbatches", "chunks", "placement", "no-gradient"):
                     fields[word] = rest.strip()
+                elif word == "tied":
+                    tied.append(tuple(int(stage) for stage in rest.split()))
                 else:
                     raise ValueError(
                         f"unknown field {word!r}; the fields are schedule, ranks, microbatches, chunks, placement, "
-                        "no-gradient and 'rank <r>:' lines"
+                        "no-gradient, tied and 'rank <r>:' lines"
                     )
             except ValueError as error:
                 raise ScheduleError(f"line {number}: {raw.strip()!r}: {error}") from None
@@ -195,7 +207,7 @@ class Schedule:
             raise ScheduleError(f"the schedule has ranks {p}, so it needs lines 'rank 0:' .. 'rank {p - 1}:', "
                                 f"got ranks {sorted(streams)}")  # fmt: skip
         return cls(fields.get("schedule", "custom"), p, m, chunks[0], placement,
-                   tuple(streams[r] for r in range(p)), frozenset(numbers("no-gradient")))  # fmt: skip
+                   tuple(streams[r] for r in range(p)), frozenset(numbers("no-gradient")), tuple(tied))  # fmt: skip
 
     def error(self, rule: str, detail: str, marks: Iterable[Cell] = ()) -> ScheduleError:
         """A ScheduleError naming the rule and the values, with the marked cells shown in the grid."""

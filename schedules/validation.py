@@ -12,7 +12,9 @@
    in-process loopback): posting never blocks; a compute waits for the send of the
    message it consumes, and a rank's end for the recvs of its sends;
 4. with data parallelism, each stage's gradient all-reduce comes once, after the stage's
-   last gradient compute (all-reduces are asynchronous: waited on at the end of the step).
+   last gradient compute (all-reduces are asynchronous: waited on at the end of the step);
+   a group of tied weights that spans ranks is summed once on each of its ranks, after the
+   last gradient compute there of any stage of the group.
 
 Which message a compute consumes and produces is schedules.dataflow's.
 """
@@ -53,6 +55,7 @@ def validate(schedule: Schedule, semantics: Semantics = Semantics.RENDEZVOUS) ->
     _check_order(index)
     _check_messages(index)
     _check_syncs(index)
+    _check_ties(index)
     _check_deadlock(index, semantics)
 
 
@@ -82,6 +85,7 @@ class _Index:
     recvs: list[Where]  # message key -> where its recv is, or ABSENT
     channels: dict[tuple[int, int], tuple[list[int], list[int]]]  # (sender, receiver) -> (sends, recvs) in order
     syncs: dict[int, list[Where]]  # stage -> where its gradient all-reduces are
+    ties: dict[int, list[tuple[Where, int]]]  # tie group -> (where, stage) of each of its sums
 
     @classmethod
     def build(cls, schedule: Schedule) -> _Index:
@@ -91,10 +95,11 @@ class _Index:
         sends, recvs = [ABSENT] * flow.num_keys, [ABSENT] * flow.num_keys
         channels: dict[tuple[int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         syncs: dict[int, list[Where]] = {}
+        ties: dict[int, list[tuple[Where, int]]] = {}
         for rank in range(schedule.num_ranks):
             for at, op in schedule.ops(rank):
                 here = (rank, at)
-                if not (0 <= op.stage < S and 0 <= op.microbatch < M):
+                if not (0 <= op.stage < S and (op.kind is Kind.TIE_REDUCE or 0 <= op.microbatch < M)):
                     raise schedule.error(
                         "instructions name existing stages and micro-batches",
                         f"rank {rank} instruction {at}: {op} is outside stages 0..{S - 1}, micro-batches 0..{M - 1}",
@@ -107,6 +112,9 @@ class _Index:
                         f"hosted on rank {placement[op.stage]}",
                         [here],
                     )
+                if op.kind is Kind.TIE_REDUCE:
+                    ties.setdefault(op.microbatch, []).append((here, op.stage))
+                    continue
                 if op.kind.is_collective:
                     syncs.setdefault(op.stage, []).append(here)
                     continue
@@ -135,7 +143,7 @@ class _Index:
                         [slots[key], here],
                     )
                 slots[key] = here
-        return cls(schedule, flow, compute, sends, recvs, dict(channels), syncs)
+        return cls(schedule, flow, compute, sends, recvs, dict(channels), syncs, ties)
 
     def message(self, key: int, send: bool) -> Instruction:
         """The send (or recv) instruction of a message key."""
@@ -311,6 +319,47 @@ def _check_syncs(index: _Index) -> None:
                     f"{kind.value} of that stage at instruction {last[1]}",
                     [where[0], last],
                 )
+
+
+def _check_ties(index: _Index) -> None:
+    """Each tie group that spans ranks: one sum per rank of it, after that rank's last gradient of the group."""
+    schedule, M = index.schedule, index.schedule.num_microbatches
+    if all(x is ABSENT for kind in (B, IN, W) for x in index.compute[kind]):
+        return  # forward only: no gradient to sum
+    for group, where in index.ties.items():
+        if not 0 <= group < len(schedule.tied):
+            raise schedule.error(
+                "a tied-weight sum names a tie group of the schedule",
+                f"{schedule.instructions[where[0][0][0]][where[0][0][1]]} names tie group {group}; the schedule has "
+                f"{len(schedule.tied)} (schedule.tied)",
+                [w for w, _ in where],
+            )
+    for group, stages in enumerate(schedule.tied):
+        ranks = sorted({schedule.placement[s] for s in stages})
+        sums = index.ties.get(group, [])
+        if len(ranks) == 1:
+            continue  # a local tie: one rank holds the weight for all its stages
+        by_rank = {rank: [(w, s) for w, s in sums if w[0] == rank] for rank in ranks}
+        for rank, mine in by_rank.items():
+            if len(mine) != 1 or mine[0][1] not in stages:
+                raise schedule.error(
+                    "a group of tied weights is summed exactly once on each rank that holds it, at one of its stages",
+                    f"tie group {group} (stages {list(stages)}) has {len(mine)} sum(s) on rank {rank}",
+                    [w for w, _ in mine],
+                )
+            ((here, _),) = mine
+            for stage in stages:
+                if schedule.placement[stage] != rank:
+                    continue
+                for kind in (B, W):
+                    last = max(index.compute[kind][stage * M : (stage + 1) * M])
+                    if last is not ABSENT and last[1] > here[1]:
+                        raise schedule.error(
+                            "tied weights are summed after the last gradient compute that touches them",
+                            f"rank {rank}: the sum of tie group {group} at instruction {here[1]} comes before a "
+                            f"{kind.value} of stage {stage} at instruction {last[1]}",
+                            [here, last],
+                        )
 
 
 def _check_deadlock(index: _Index, semantics: Semantics) -> None:

@@ -75,12 +75,14 @@ def staged_reference(
     dtype: torch.dtype,
     loss_fn: object,
     scale: float,
+    weight: float | None = None,
 ) -> float:
     """What the pipeline computes under autocast, in one process: the same operations in the same order.
 
     Micro-batch by micro-batch, stage by stage under autocast; floating tensors cross each stage
     boundary cast to the autocast dtype (the gradient flows back through the cast); each loss
-    counts 1/m and is backpropagated times ``scale`` (fp16), the gradients then divided by it.
+    counts ``weight`` (default 1/m) and is backpropagated times ``scale`` (fp16), the gradients
+    then divided by it.
     Gradients accumulate over the micro-batches in the order every schedule runs them (0, 1, ...).
     Returns the mean loss.
     """
@@ -99,7 +101,7 @@ def staged_reference(
                 value = tuple(cast) if isinstance(value, tuple) else cast[0]
         with torch.autocast("cpu", dtype=dtype):
             loss = loss_fn(value, yb)  # type: ignore[operator]
-        (loss.float() * (1.0 / m * scale)).backward()
+        (loss.float() * ((1.0 / m if weight is None else weight) * scale)).backward()
         losses.append(loss.detach().float())
     if scale != 1.0:
         for param in model.parameters():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,8 @@ def test_the_frozen_first_stage_of_the_issue_trains_on_real_ranks() -> None:
 def test_train_step_under_inference_mode_is_refused_by_every_rank() -> None:
     with pytest.raises(ValueError, match=r"train_step ran under torch.inference_mode\(\).*use eval_step") as caught:
         launch(workers.under_inference_mode, 2, timeout=30, in_process=True)
-    assert "rank 1: ValueError: step refused by rank 0" in "\n".join(caught.value.__notes__)
+    notes = "\n".join(caught.value.__notes__)  # both refused it; either may be reported first
+    assert re.search(r"rank [01]: ValueError: step refused by rank 0: train_step ran under", notes), notes
 
 
 LAUNCHER = """
@@ -114,7 +116,7 @@ def test_a_save_on_one_rank_only_is_refused_at_once_on_real_ranks() -> None:
     started = time.monotonic()
     with pytest.raises(CallMismatch, match=r"rank 0 called save \(call 1\), rank 1 called train_step \(call 1\)") as e:
         launch(workers.mismatched, 2, args=("save on rank 0 only",), timeout=600)
-    assert "rank 1: CallMismatch" in "\n".join(e.value.__notes__)  # both refused it, neither waited it out
+    assert re.search(r"rank [01]: CallMismatch", "\n".join(e.value.__notes__))  # both refused it, neither waited
     assert time.monotonic() - started < 90
 
 

@@ -1,8 +1,21 @@
-"""The gradient-sync pass: one all-reduce per stage, right after its last gradient compute."""
+"""The sync passes: one all-reduce per stage, and one sum per rank of a tied-weight group, after the last gradient."""
+
+import dataclasses
 
 import pytest
 
-from schedules import Instruction, Kind, Schedule, ScheduleError, build_schedule, simulate, validate, with_gradient_sync
+from schedules import (
+    Instruction,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    simulate,
+    tie_ranks,
+    validate,
+    with_gradient_sync,
+    with_tie_sync,
+)
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
 
@@ -42,3 +55,52 @@ def test_the_short_form_round_trips() -> None:
     from schedules import parse
 
     assert parse("3AR7") == Instruction(3, Kind.ALL_REDUCE, 7) and str(parse("3AR7")) == "3AR7"
+
+
+TIE_CASES = [(name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v") for p in (2, 3, 4)
+             for m in (p, 2 * p)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, p, m", TIE_CASES)
+def test_tied_first_and_last_stages_are_summed_once_per_rank_after_their_last_gradient(
+    name: str, p: int, m: int
+) -> None:
+    built = build_schedule(name, p, m)
+    tied = dataclasses.replace(built, tied=((0, built.num_stages - 1),))
+    for synced in (with_tie_sync(tied), with_gradient_sync(with_tie_sync(tied))):
+        validate(synced)
+        sums = [(rank, i, a) for rank, s in enumerate(synced.instructions) for i, a in enumerate(s)
+                if isinstance(a, Instruction) and a.kind is Kind.TIE_REDUCE]  # fmt: skip
+        if name == "zb-v":  # the V puts the first and last stage on rank 0: the tie is local
+            assert sums == [] and tie_ranks(tied, 0) == (0,)
+            continue
+        assert sorted(rank for rank, _, _ in sums) == [0, p - 1]
+        for rank, i, action in sums:
+            later = [
+                a
+                for a in synced.instructions[rank][i:]
+                if isinstance(a, Instruction)
+                and a.stage in (0, built.num_stages - 1)
+                and a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
+            ]
+            assert not later and action.microbatch == 0  # fmt: skip
+
+
+def test_a_missing_or_early_tie_sum_is_refused() -> None:
+    tied = dataclasses.replace(build_schedule("1f1b", 2, 2), tied=((0, 1),))
+    with pytest.raises(ScheduleError, match="summed exactly once on each rank that holds it"):
+        validate(tied)
+    synced = with_tie_sync(tied)
+    stream = list(synced.instructions[1])
+    at = next(i for i, a in enumerate(stream) if isinstance(a, Instruction) and a.kind is Kind.TIE_REDUCE)
+    stream.insert(0, stream.pop(at))  # the sum moved before the backwards it must follow
+    early = synced.with_streams([synced.instructions[0], stream])
+    with pytest.raises(ScheduleError, match="summed after the last gradient compute that touches them"):
+        validate(early)
+
+
+def test_tie_groups_travel_in_the_schedule_text() -> None:
+    tied = with_tie_sync(dataclasses.replace(build_schedule("interleaved", 2, 4), tied=((0, 3),)))
+    assert "tied 0 3" in tied.to_text() and Schedule.from_text(tied.to_text()) == tied
+    with pytest.raises(ScheduleError, match="a tie group is two or more stages"):
+        dataclasses.replace(tied, tied=((3, 0),))
