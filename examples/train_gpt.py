@@ -10,9 +10,12 @@ Two machines, two replicas of a 2-rank pipeline (run on each, with its --node-ra
         --rdzv-endpoint HOST:29500 examples/train_gpt.py --ranks 2 --data-parallel 2
 
 The model is an nn.Sequential of blocks (embedding, transformer blocks, head), split into
-stages by measured time. Every rank reads the same batches; the first stage's rank feeds
-the inputs, the last stage's rank the targets. At the end it samples a few lines and
-writes the last step's measured timeline (PNG and Chrome trace).
+stages by measured time, its output projection tied to the token embedding (as GPT-2's): the
+first and the last stage share that weight across ranks. A document is a paragraph of the
+source (up to a blank line); each row of a batch is one document, padded to the context, and
+the loss is the mean over the real tokens of the whole batch (padding ignored), as one process
+would compute it. The first stage's rank feeds the inputs, the last stage's rank the targets.
+At the end it samples a few lines and writes the last step's measured timeline (PNG and trace).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeengine import PipelineEngine, launch
+from schedules import SCHEDULES
 
 RANKS, SCHEDULE, STEPS, LAYERS, WIDTH, HEADS, CONTEXT, BATCH, MICROBATCHES = 4, "1f1b", 300, 6, 128, 4, 64, 32, 8
-LEARNING_RATE, TRACE_EVERY, CORPUS_BYTES, OUT = 3e-3, 50, 2_000_000, "out/gpt"
+LEARNING_RATE, TRACE_EVERY, CORPUS_BYTES, OUT, IGNORE = 3e-3, 50, 2_000_000, "out/gpt", -100
 VOCAB = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII; anything else reads as a space
 INDEX = {c: i for i, c in enumerate(VOCAB)}
 
@@ -75,11 +79,20 @@ class Head(nn.Module):
 
 
 def gpt(layers: int, width: int, heads: int, context: int) -> nn.Sequential:
-    return nn.Sequential(Embed(width, context), *[Block(width, heads) for _ in range(layers)], Head(width))
+    embed, head = Embed(width, context), Head(width)
+    head.out.weight = embed.tokens.weight  # tied: (vocab, width) both; on the first and the last stage's ranks
+    for table in (embed.tokens, embed.positions):  # GPT-2's: N(0, 1) would make the tied head's logits huge
+        nn.init.normal_(table.weight, std=0.02)
+    return nn.Sequential(embed, *[Block(width, heads) for _ in range(layers)], head)
 
 
-def next_char_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The next-character loss summed over the real tokens; the engine divides by their count (loss_count)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def real_tokens(targets: torch.Tensor) -> torch.Tensor:
+    return (targets != IGNORE).sum()
 
 
 def corpus(device: torch.device) -> torch.Tensor:
@@ -101,25 +114,41 @@ def corpus(device: torch.device) -> torch.Tensor:
     return ids.long().cpu()
 
 
+def documents(data: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each paragraph: the text between blank lines, at least a few characters long."""
+    newline = INDEX["\n"]
+    breaks = ((data[:-1] == newline) & (data[1:] == newline)).nonzero().flatten().tolist()
+    edges = [0] + [b + 2 for b in breaks] + [data.numel()]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b - a > 8]
+
+
 def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     data = corpus(device)
+    docs = documents(data)
     batches = torch.Generator().manual_seed(0)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, data.numel() - args.context - 1, (args.batch,), generator=batches)
-        window = torch.stack([data[s : s + args.context + 1] for s in starts.tolist()])
-        return window[:, :-1], window[:, 1:]
+        """One document per row, cut to the context and padded after it: its padded targets are ignored."""
+        rows = torch.zeros(args.batch, args.context + 1, dtype=torch.int64)
+        targets = torch.full((args.batch, args.context), IGNORE, dtype=torch.int64)
+        for row, index in enumerate(torch.randint(0, len(docs), (args.batch,), generator=batches).tolist()):
+            start, end = docs[index]
+            text = data[start : min(end, start + args.context + 1)]
+            rows[row, : len(text)] = text
+            targets[row, : len(text) - 1] = text[1:]
+        return rows[:, :-1], targets  # causal attention: the real tokens never see the padding after them
 
     torch.manual_seed(0)  # the same model on every rank; each keeps its stages
     model = gpt(args.layers, args.width, args.heads, args.context)
     sample, _ = batch()
-    engine = PipelineEngine(model, next_char_loss, num_microbatches=args.microbatches, schedule=args.schedule,
-                            sample=sample, data_parallel=args.data_parallel)  # fmt: skip
+    engine = PipelineEngine(model, summed_loss, num_microbatches=args.microbatches, schedule=args.schedule,
+                            sample=sample, data_parallel=args.data_parallel, loss_count=real_tokens)  # fmt: skip
     batches.manual_seed(1 + engine.dp_rank)  # the same batches along a pipeline, others on each replica
     talk = dist.get_rank() == 0  # the first stage of the first replica
     if talk:
-        print(f"{sum(p.numel() for p in model.parameters()):,} parameters, {data.numel():,} characters of stdlib, "
+        print(f"{sum(p.numel() for p in model.parameters()):,} parameters (embedding and head tied), "
+              f"{len(docs):,} documents in {data.numel():,} characters of stdlib, "
               f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline")  # fmt: skip
         print(engine.partition, flush=True)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE) if list(engine.parameters()) else None
@@ -132,7 +161,7 @@ def main(args: argparse.Namespace) -> None:
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
-        tokens += x.numel()
+        tokens += int(real_tokens(y))
         timeline = engine.timeline()
         if traced and timeline is not None:
             bubble = timeline.bubble_fraction
@@ -173,7 +202,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=RANKS, help="processes on this machine")
     parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline")
-    parser.add_argument("--schedule", default=SCHEDULE, choices=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--schedule", default=SCHEDULE, choices=list(SCHEDULES))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--layers", type=int, default=LAYERS, help="transformer blocks")
     parser.add_argument("--width", type=int, default=WIDTH)
