@@ -6,6 +6,7 @@ from schedules.inference import forward_only
 from schedules.instructions import Action, Batch, Instruction, Kind, Post, ops_of, parse
 from schedules.interleaved import interleaved_1f1b
 from schedules.lowering import lower, receives_first
+from schedules.memory import Memory, state_bytes
 from schedules.one_f_one_b import one_f_one_b
 from schedules.registry import SCHEDULES, Registration, build_schedule, compile_schedule, register, registration
 from schedules.schedule import Schedule, ScheduleError
@@ -22,6 +23,7 @@ __all__ = [
     "Dataflow",
     "Instruction",
     "Kind",
+    "Memory",
     "Message",
     "Post",
     "Registration",
@@ -46,6 +48,7 @@ __all__ = [
     "registration",
     "replay",
     "simulate",
+    "state_bytes",
     "tie_ranks",
     "validate",
     "with_gradient_sync",

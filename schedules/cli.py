@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from schedules.memory import Memory
 from schedules.registry import SCHEDULES, build_schedule, compile_schedule
 from schedules.schedule import Schedule, ScheduleError
 from schedules.simulation import Costs, simulate
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     ]:
         sim.add_argument(flag, type=float, default=default, help=f"{text} (default {default})")
     sim.add_argument("--diagram", action="store_true", help="print the text Gantt chart (needs integral costs)")
+    sim.add_argument("--memory", action="store_true",
+                     help="print each rank's peak memory (a micro-batch's activation on a stage counts 1)")  # fmt: skip
     plot = verbs.add_parser("plot", parents=[common], help="draw the simulated timeline (unit costs) as a PNG")
     plot.add_argument("-o", "--output", required=True, help="PNG file to write")
     return parser
@@ -84,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {args.output}")
         else:
             schedule = _schedule(args)
-            costs = Costs(args.forward, args.backward, args.backward_input, args.backward_weight, args.latency)
+            costs = Costs(args.forward, args.backward, args.backward_input, args.backward_weight, args.latency,
+                          memory=Memory() if args.memory else None)  # fmt: skip
             timeline = simulate(schedule, costs)
             print(schedule.describe())
             print(timeline.summary())

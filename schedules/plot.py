@@ -21,10 +21,11 @@ COLOURS = {
     Kind.BACKWARD_WEIGHT: "#8172B2",
     "post": "#7F7F7F",
     "wait": "#C8C8C8",
+    "memory": "#2CA02C",
 }
 LABELS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward (input)",
           Kind.BACKWARD_WEIGHT: "backward (weight)", "post": "posting sends/recvs",
-          "wait": "waiting on a transfer"}  # fmt: skip
+          "wait": "waiting on a transfer", "memory": "memory held (under each rank; its peak labelled)"}  # fmt: skip
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[str] | None = None) -> None:
@@ -50,6 +51,8 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[st
             loc="left",
         )
         used |= _draw(axis, timeline, scale, end)
+        if timeline.memory is not None:
+            used |= _draw_memory(axis, timeline, scale)
         axis.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
         axis.set_ylim(timeline.num_ranks - 0.5, -0.5)
         axis.set_xlim(0, end)
@@ -90,12 +93,29 @@ def _draw(axis: Axes, timeline: Timeline, scale: float, end: float) -> set[Kind 
         left, width = (span.start - origin) * scale, max(span.duration * scale, end * 1e-4)
         chunk = chunk_of.get((span.rank, op.stage), 0) if isinstance(op, Instruction) else 0
         alpha = 1.0 if chunk == 0 or not span.is_compute else 0.6
-        axis.barh(span.rank, width, left=left, height=0.8, color=COLOURS[key], alpha=alpha, edgecolor="white",
-                  linewidth=0.4)  # fmt: skip
+        height = 0.5 if timeline.memory is not None else 0.8  # room for the memory track under the row
+        axis.barh(span.rank - (0.15 if timeline.memory is not None else 0.0), width, left=left, height=height,
+                  color=COLOURS[key], alpha=alpha, edgecolor="white", linewidth=0.4)  # fmt: skip
         if span.is_compute and isinstance(op, Instruction) and width > end / 90:
-            axis.text(left + width / 2, span.rank, str(op.microbatch), ha="center", va="center", fontsize=7,
-                      color="white")  # fmt: skip
+            axis.text(left + width / 2, span.rank - (0.15 if timeline.memory is not None else 0.0),
+                      str(op.microbatch), ha="center", va="center", fontsize=7, color="white")  # fmt: skip
     return used
+
+
+def _draw_memory(axis: Axes, timeline: Timeline, scale: float) -> set[Kind | str]:
+    """A track under each rank's row: its bytes over the step, scaled to the largest peak of all ranks."""
+    top = max(timeline.peak_memory, default=0.0) or 1.0
+    origin = timeline.start
+    for rank, samples in enumerate(timeline.memory or []):
+        if not samples:
+            continue
+        xs = [(t - origin) * scale for t, _, _ in samples]
+        ys = [rank + 0.48 - 0.36 * b / top for _, b, _ in samples]  # the row's lower part, growing upwards
+        axis.step(xs, ys, where="post", color=COLOURS["memory"], linewidth=1.0)
+        peak = timeline.peak_memory[rank]
+        label = f"{peak / 2**20:.1f} MB" if timeline.unit == "s" else f"{peak:g}"
+        axis.text(xs[-1], rank + 0.46, f"peak {label}", ha="right", va="bottom", fontsize=6, color=COLOURS["memory"])
+    return {"memory"}
 
 
 def _chunks(timeline: Timeline) -> dict[tuple[int, int], int]:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from schedules.dataflow import Dataflow
 from schedules.gcpause import gc_paused
 from schedules.instructions import Action, Instruction, Kind, Post, ops_of
+from schedules.memory import Memory, track
+from schedules.perstage import PerStage, expand
 from schedules.schedule import Schedule
 from schedules.timeline import Span, Timeline
 
 __all__ = ["Costs", "replay", "simulate"]
-
-PerStage = float | Sequence[float]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class Costs:
     ``backward`` (the full backward) defaults to ``backward_input + backward_weight``.
     A message between stages s and s+1 takes ``latency + per_byte * message_bytes[s]``,
     where ``message_bytes[s]`` is the size of stage s's output (and of its gradient).
+    ``memory``: the bytes each stage holds (schedules.memory); with them the simulated
+    timeline carries each rank's memory over time and its peak.
     """
 
     forward: PerStage = 1.0
@@ -33,10 +35,12 @@ class Costs:
     latency: float = 0.0
     per_byte: float = 0.0
     message_bytes: PerStage = 0.0
+    memory: Memory | None = None
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Costs:
-        """A cost model from a (measured) timeline: the median time of each compute kind on each stage.
+        """A cost model from a (measured) timeline: the median time of each compute kind on each stage,
+        and the bytes each stage held, where the timeline measured them (``timeline.sizes``).
 
         Communication is taken as free; kinds a stage never ran cost 0.
         """
@@ -59,18 +63,19 @@ class Costs:
             backward=None if split else medians(Kind.BACKWARD),
             backward_input=medians(Kind.BACKWARD_INPUT),
             backward_weight=medians(Kind.BACKWARD_WEIGHT),
+            memory=timeline.sizes,
         )
 
     def per_stage(self, num_stages: int) -> dict[Kind, list[float]]:
         """Expand to one list per compute kind, one value per stage."""
-        weight = _expand("backward_weight", self.backward_weight, num_stages)
-        grad_input = _expand("backward_input", self.backward_input, num_stages)
+        weight = expand("Costs.backward_weight", self.backward_weight, num_stages)
+        grad_input = expand("Costs.backward_input", self.backward_input, num_stages)
         if self.backward is None:
             backward = [i + w for i, w in zip(grad_input, weight, strict=True)]
         else:
-            backward = _expand("backward", self.backward, num_stages)
+            backward = expand("Costs.backward", self.backward, num_stages)
         return {
-            Kind.FORWARD: _expand("forward", self.forward, num_stages),
+            Kind.FORWARD: expand("Costs.forward", self.forward, num_stages),
             Kind.BACKWARD: backward,
             Kind.BACKWARD_INPUT: grad_input,
             Kind.BACKWARD_WEIGHT: weight,
@@ -78,20 +83,8 @@ class Costs:
 
     def message_times(self, num_stages: int) -> list[float]:
         """Per stage s, the time of a message across boundary s|s+1 (the last entry is unused)."""
-        sizes = _expand("message_bytes", self.message_bytes, num_stages)
+        sizes = expand("Costs.message_bytes", self.message_bytes, num_stages)
         return [self.latency + self.per_byte * size for size in sizes]
-
-
-def _expand(name: str, value: PerStage, num_stages: int) -> list[float]:
-    if isinstance(value, (int, float)):
-        values = [float(value)] * num_stages
-    else:
-        values = [float(x) for x in value]
-        if len(values) != num_stages:
-            raise ValueError(f"Costs.{name} has {len(values)} values, the schedule has {num_stages} stages")
-    if any(x < 0 for x in values):
-        raise ValueError(f"Costs.{name} must not be negative, got {values}")
-    return values
 
 
 @gc_paused()
@@ -101,10 +94,18 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Posting communication takes no time on the rank; a compute waits until its input
     has arrived: max(send posted, recv posted) + message time. A compute-only schedule
     (not lowered) is simulated too, with each message leaving when its producer ends.
-    Communication spans run from posting to completion, beside the compute spans.
-    Raises ScheduleError if the streams cannot make progress.
+    Communication spans run from posting to completion, beside the compute spans. With
+    ``costs.memory`` the timeline also carries each rank's bytes over time (``memory``) and
+    its peak (``peak_memory``, reached by ``peak_actions``). Raises ScheduleError if the
+    streams cannot make progress.
     """
-    return _timeline(schedule, run(schedule, costs or Costs()), schedule.name)
+    costs = costs or Costs()
+    times = run(schedule, costs)
+    timeline = _timeline(schedule, times, schedule.name)
+    if costs.memory is not None:
+        timeline.memory = track(schedule, times, costs.memory)
+        timeline.sizes = costs.memory
+    return timeline
 
 
 @gc_paused()

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from schedules.instructions import Action, Instruction, Kind
 
+if TYPE_CHECKING:
+    from schedules.memory import Memory
+
 __all__ = ["Span", "Timeline"]
+
+MemorySample = tuple[float, float, Action | None]  # (time, bytes held from then on, the action that changed it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,9 @@ class Timeline:
     unit: str = ""  # "s" for seconds (measured, or simulated from measured costs); else cost units
     measured: bool = False  # spans are host time on each rank (so posting communication is drawn)
     clock_error: float = 0.0  # measured: how far another rank's span may be off rank 0's clock (half a ping)
+    memory: list[list[MemorySample]] | None = None  # per rank, its bytes over the step (simulated or measured)
+    sizes: Memory | None = None  # the per-stage bytes behind it (simulated: given; measured: on the step's data)
+    allocated_peak: list[float] | None = None  # measured on CUDA: torch.cuda.max_memory_allocated in the step
     _compute: list[list[Span]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +118,20 @@ class Timeline:
             peaks.append(peak)
         return peaks
 
+    @property
+    def peak_memory(self) -> list[float]:
+        """Per rank, the most bytes held at once in the step (an empty list without a memory track)."""
+        return [max((b for _, b, _ in samples), default=0.0) for samples in self.memory or []]
+
+    @property
+    def peak_actions(self) -> list[Action | None]:
+        """Per rank, the action after which it held its peak (the first to reach it)."""
+        peaks = []
+        for samples in self.memory or []:
+            top = max((b for _, b, _ in samples), default=0.0)
+            peaks.append(next((a for _, b, a in samples if b == top), None))
+        return peaks
+
     def diagram(self, unit: float = 1.0) -> str:
         """Text Gantt chart, one row per rank, one column per ``unit`` of time; ``.`` is idle.
 
@@ -149,8 +172,13 @@ class Timeline:
     def summary(self) -> str:
         per_rank = " ".join(f"{b:.3f}" for b in self.bubble_fractions)
         peaks = " ".join(str(n) for n in self.peak_inflight)
-        return (
+        text = (
             f"makespan {self.makespan:g}\n"
             f"bubble fraction {self.bubble_fraction:.4f} (per rank: {per_rank})\n"
             f"peak in-flight micro-batches per rank: {peaks}"
         )
+        if self.memory is not None:
+            held = ", ".join(f"rank {r}: {b:g} after {a}" for r, (b, a) in enumerate(
+                zip(self.peak_memory, self.peak_actions, strict=True)))  # fmt: skip
+            text += f"\npeak memory per rank: {held}"
+        return text
