@@ -17,12 +17,13 @@ from pipeengine.checkpoint import load_checkpoint, save_checkpoint
 from pipeengine.config import DEFAULT_TIMEOUT, EngineConfig
 from pipeengine.executor import StepInputs, StepResult
 from pipeengine.header import Call, Header, agree, exchange
+from pipeengine.memory import Ledger, StageSizes, measure_stage, optimizer_copies
 from pipeengine.precision import GradScaler
 from pipeengine.specs import Boundary, Tensors, infer_boundaries, unpack
 from pipeengine.stage import LossFn
 from pipeengine.trace import NULL_TRACER, Tracer
 from pipeengine.transport import connect
-from schedules import Schedule, Timeline
+from schedules import Kind, Schedule, Timeline
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
 
@@ -75,7 +76,11 @@ class PipelineEngine:
 
     ``trace=True`` (or ``with engine.tracing():``) records every instruction of every step,
     and waits on communication, on every rank; ``engine.timeline()`` on rank 0 returns the
-    last traced step as a schedules.Timeline (plot it, export it, simulate from it).
+    last traced step as a schedules.Timeline (plot it, export it, simulate from it). A traced
+    training step also measures memory: each stage's sizes on the step's first micro-batch
+    (``timeline.sizes``, what ``Costs.from_timeline`` gives the simulator) and the bytes each
+    rank held after every instruction (``timeline.memory``, ``timeline.peak_memory``), both as
+    schedules.memory counts them; ``engine.last_program`` is the program that ran.
 
     A stage boundary whose tensors need no gradient (frozen first stages, a detached output)
     carries none: no gradient is sent across it. Set requires_grad before building the engine.
@@ -134,6 +139,9 @@ class PipelineEngine:
         self._trace = trace
         self._tracer = Tracer(self.device)
         self._timeline: Timeline | None = None
+        self._optimizer: torch.optim.Optimizer | None = None  # while tracing: whose state counts
+        self._sizes: dict[tuple[object, ...], dict[int, StageSizes]] = {}  # measured per batch shape and program
+        self.last_program: Schedule | None = None  # the streams the transport ran for the last step
         world_max = self.topology.world
 
         def agree_max(found: torch.Tensor) -> None:
@@ -230,13 +238,14 @@ class PipelineEngine:
     # ---- tracing
 
     @contextlib.contextmanager
-    def tracing(self) -> Iterator[PipelineEngine]:
-        """Trace the steps run inside the block (every rank must enter it)."""
-        previous, self._trace = self._trace, True
+    def tracing(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[PipelineEngine]:
+        """Trace the steps run inside the block (every rank must enter it). ``optimizer``: its state counts in
+        the memory held all step (without it, AdamW's two copies of every parameter)."""
+        previous, self._trace, self._optimizer = self._trace, True, optimizer
         try:
             yield self
         finally:
-            self._trace = previous
+            self._trace, self._optimizer = previous, None
 
     def timeline(self) -> Timeline | None:
         """The last traced step on every rank, aligned on one clock (seconds): on rank 0, None elsewhere."""
@@ -328,12 +337,54 @@ class PipelineEngine:
 
     def _run(self, program: Schedule, step: StepInputs) -> StepResult:
         self._steps[step.train] += 1
+        self.last_program = program
         if not self._trace:
             return self._parts.executor.run(program, step, NULL_TRACER)
-        self._tracer.begin()
-        result = self._parts.executor.run(program, step, self._tracer)
-        self._timeline = self._tracer.gather(f"{program.name} measured", self.topology.pipeline)
+        if not step.train:
+            self._tracer.begin()
+            result = self._parts.executor.run(program, step, self._tracer)
+        else:  # memory too: the sizes of this rank's stages, then what it holds after every instruction
+            sizes = self._measure(program, step)
+            batch = [t for mb in (step.inputs or ()) for t in mb]
+            batch += [t for target in (step.targets or ()) for t in unpack(target) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
+            ledger = Ledger(ignore=[*self.parameters(), *batch])  # the user's batch is theirs, not the engine's
+            self._tracer.begin(ledger, sum(s.state for s in sizes.values()), sizes)
+            with ledger.watching():
+                result = self._parts.executor.run(program, step, self._tracer)
+        self._timeline = self._tracer.gather(f"{program.name} measured", self.topology.pipeline,
+                                             self.schedule.num_stages)  # fmt: skip
         return result
+
+    def _measure(self, program: Schedule, step: StepInputs) -> dict[int, StageSizes]:
+        """This rank's stages measured on the step's first micro-batch (once per batch shape and program)."""
+        copies = optimizer_copies(self._optimizer, self.parameters())
+        key = (step.first_input, tuple(step.outputs), id(program), copies)
+        sizes = self._sizes.get(key)
+        if sizes is not None:
+            return sizes
+        sizes, seen = {}, set()
+        last = self.schedule.num_stages - 1
+        split = {op.stage for rank in range(program.num_ranks) for _, op in program.ops(rank)
+                 if op.kind is Kind.BACKWARD_INPUT}  # fmt: skip
+        for s, worker in sorted(self._parts.workers.items()):
+            params = [p for p in dict.fromkeys(worker.module.parameters()) if id(p) not in seen]
+            seen |= {id(p) for p in params}  # a weight shared by two stages of this rank is held once
+            if s == 0:
+                inputs, packed = step.inputs[0], step.first_input.is_tuple  # type: ignore[index]
+            else:
+                boundary = step.outputs[s - 1]
+                inputs = tuple(
+                    torch.zeros(spec.shape, dtype=spec.dtype, device=self.device).requires_grad_(spec.requires_grad)
+                    for spec in boundary.specs
+                )  # fmt: skip  (leaves, as the executor makes them)
+                packed = boundary.is_tuple
+            sizes[s] = measure_stage(
+                worker, inputs, packed, step.targets[0] if s == last else None,  # type: ignore[index]
+                None if s == last else step.outputs[s], split=s in split,
+                parameter_bytes=sum(p.numel() * p.element_size() for p in params), optimizer_copies=copies,
+            )  # fmt: skip
+        self._sizes[key] = sizes
+        return sizes
 
     def _split(self, value: object) -> list[Tensors]:
         """Per micro-batch tuples of tensors, on this rank's device (the header checked the shapes)."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from pipeengine.errors import PeerError, PipelineError
+from pipeengine.memory import held_by
 from pipeengine.specs import Boundary, Tensors
 from pipeengine.stage import StageWorker
 from pipeengine.trace import NULL_TRACER, Tracer
@@ -111,6 +112,8 @@ class Executor:
                 if handler is None:
                     raise PipelineError(f"the executor has no handler for {action.kind} ({action})")  # type: ignore[union-attr]
                 handler(state, action)  # type: ignore[arg-type]  # a Post goes to _post
+                if tracer.ledger is not None:
+                    tracer.sample(action, state.held())
             index, action = len(stream), None
             state.finish()
         except Exception as error:
@@ -149,10 +152,20 @@ class _Run:
             text += f" (stage {action.stage}, micro-batch {action.microbatch})"
         return head + text
 
+    def held(self) -> Iterator[torch.Tensor]:
+        """Every tensor this rank holds for the step now: its workers', and messages not yet taken or sent."""
+        for worker in self.executor.workers.values():
+            yield from held_by(worker)
+        for tensors in self.outbox.values():
+            yield from tensors
+        for transfer in (*self.pending.values(), *self.sending):
+            yield from transfer.tensors
+
     def reap_sends(self) -> None:
-        done = self.executor.pipeline.done
-        while self.sending and done(self.sending[0]):
-            self.sending.popleft()  # its tensors may be freed now
+        """Let go of every send that has completed (its tensors may be freed), not only the oldest ones."""
+        if self.sending:
+            done = self.executor.pipeline.done
+            self.sending = deque(t for t in self.sending if not done(t))
 
     def post(self, action: Action) -> None:
         outputs, placement = self.step.outputs, self.program.placement

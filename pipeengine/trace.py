@@ -15,12 +15,14 @@ all_gather returns on each rank: aligned to about the collective's skew.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 import torch
 
+from pipeengine.memory import Ledger, StageSizes
 from pipeengine.transport import Transfer, Transport
-from schedules import Action, Instruction, Kind, Span, Timeline
+from schedules import Action, Instruction, Kind, Memory, Semantics, Span, Timeline
 
 __all__: list[str] = []
 
@@ -62,11 +64,27 @@ class Tracer:
         self.device = device
         self.records: list[tuple[Action, Mark, Mark, bool]] = []
         self.origin: Mark = 0.0
+        self.ledger: Ledger | None = None  # set: a sample of the bytes held after every instruction
+        self.state = 0.0  # bytes held the whole step (parameters, gradients, optimizer state)
+        self.samples: list[tuple[Mark, float, Action | None]] = []
+        self.sizes: dict[int, StageSizes] = {}  # this rank's stages, measured for this step
 
-    def begin(self) -> None:
-        """Start a step's trace: time zero is now."""
-        self.records = []
+    def begin(
+        self, ledger: Ledger | None = None, state: float = 0.0, sizes: dict[int, StageSizes] | None = None
+    ) -> None:
+        """Start a step's trace: time zero is now; with a ledger, memory is sampled too."""
+        self.records, self.samples = [], []
+        self.ledger, self.state, self.sizes = ledger, state, sizes or {}
         self.origin = self.mark()
+        if ledger is not None:
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.samples.append((self.origin, state, None))
+
+    def sample(self, action: Action, held: Iterable[torch.Tensor]) -> None:
+        """The bytes held now (after ``action``): the step-long state and every storage alive."""
+        if self.ledger is not None:  # the executor samples only with one
+            self.samples.append((self.mark(), self.state + self.ledger.bytes(held), action))
 
     def mark(self) -> Mark:
         if not self.cuda:
@@ -80,34 +98,42 @@ class Tracer:
 
     def spans(self, rank: int) -> list[Span]:
         """This rank's spans in seconds since the step began."""
+        seconds = self._seconds()
+        return [Span(rank, action, seconds(a), seconds(b), wait) for action, a, b, wait in self.records]
+
+    def _seconds(self) -> Callable[[Mark], float]:
         if self.cuda:
             torch.cuda.current_stream().synchronize()
             origin = self.origin
+            return lambda mark: float(origin.elapsed_time(mark)) / 1e3  # type: ignore[union-attr, arg-type]
+        return lambda mark: float(mark) - float(self.origin)  # type: ignore[arg-type]
 
-            def seconds(mark: Mark) -> float:
-                return float(origin.elapsed_time(mark)) / 1e3  # type: ignore[union-attr, arg-type]
-        else:
-
-            def seconds(mark: Mark) -> float:
-                return float(mark) - float(self.origin)  # type: ignore[arg-type]
-
-        return [Span(rank, action, seconds(a), seconds(b), wait) for action, a, b, wait in self.records]
-
-    def gather(self, label: str, transport: Transport) -> Timeline | None:
-        """Every rank's spans on rank 0's clock, as one Timeline on group rank 0; None on the others."""
+    def gather(self, label: str, transport: Transport, num_stages: int) -> Timeline | None:
+        """Every rank's spans (and memory) on rank 0's clock, as one Timeline on group rank 0; None elsewhere."""
         rank, size = transport.rank, transport.size
         same = self.cuda or transport.shared_clock
         offsets, error = ([0.0] * size, 0.0) if same else _clock_offsets(transport)
         origin = 0.0 if self.cuda else float(self.origin)  # type: ignore[arg-type]
-        gathered = transport.all_gather_object((origin, self.spans(rank)), "the traced step's spans")
+        seconds = self._seconds()
+        samples = [(seconds(mark), held, action) for mark, held, action in self.samples]
+        allocated = float(torch.cuda.max_memory_allocated(self.device)) if self.cuda and self.samples else None
+        mine = (origin, self.spans(rank), samples, self.sizes, allocated)
+        gathered = transport.all_gather_object(mine, "the traced step's spans")
         if rank != 0:
             return None
         base = gathered[0][0]
-        spans = []
-        for r, (their_origin, their_spans) in enumerate(gathered):
+        spans, memory = [], []
+        for r, (their_origin, their_spans, their_samples, _, _) in enumerate(gathered):
             shift = their_origin - offsets[r] - base  # their time zero, on rank 0's clock, since rank 0's zero
             spans += [Span(s.rank, s.action, s.start + shift, s.end + shift, s.wait) for s in their_spans]
-        return Timeline(size, spans, label=label, unit="s", measured=True, clock_error=error)
+            memory.append([(t + shift, held, action) for t, held, action in their_samples])
+        timeline = Timeline(size, spans, label=label, unit="s", measured=True, clock_error=error)
+        if self.samples:
+            timeline.memory = memory
+            timeline.sizes = _sizes([g[3] for g in gathered], num_stages, transport.semantics is Semantics.BUFFERED)
+            peaks = [g[4] for g in gathered]
+            timeline.allocated_peak = peaks if all(p is not None for p in peaks) else None
+        return timeline
 
 
 class _NullTracer(Tracer):
@@ -120,6 +146,19 @@ class _NullTracer(Tracer):
 
 
 NULL_TRACER: Tracer = _NullTracer()
+
+
+def _sizes(per_rank: list[dict[int, StageSizes]], num_stages: int, buffered: bool) -> Memory | None:
+    """The per-stage sizes every rank measured for its stages, as the simulator's Memory."""
+    stages = {stage: sizes for mine in per_rank for stage, sizes in mine.items()}
+    if sorted(stages) != list(range(num_stages)):
+        return None
+    table = [stages[s] for s in range(num_stages)]
+    return Memory(
+        state=[s.state for s in table], activation=[s.activation for s in table],
+        after_input=[s.after_input for s in table], boundary=[s.boundary for s in table],
+        gradient=[s.gradient for s in table], buffered_sends=buffered,
+    )  # fmt: skip
 
 
 def _clock_offsets(transport: Transport) -> tuple[list[float], float]:

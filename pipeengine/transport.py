@@ -283,7 +283,15 @@ class GlooTransport(_Distributed):
                 owner.handles.append(work)
 
     def done(self, transfer: Transfer) -> bool:
-        return all(work.is_completed() for work in transfer.handles)
+        """gloo marks a work complete only once it is waited on: a zero-timeout wait tests it without blocking
+        (a finished send returns at once, and its tensors are free to go: gloo has taken the bytes)."""
+        for work in transfer.handles:
+            if not work.is_completed():
+                try:
+                    work.wait(_NOW)
+                except Exception:  # noqa: BLE001  (not yet; a real failure shows in complete())
+                    return False
+        return True
 
     def wait(self, transfer: Transfer) -> None:
         for work in transfer.handles:
@@ -297,6 +305,7 @@ class GlooTransport(_Distributed):
             raise self.failed(what, began, error) from error
 
 
+_NOW = datetime.timedelta(0)
 _SECOND: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}  # ranks -> (default group, second group)
 _SECOND_LOCK = threading.Lock()
 

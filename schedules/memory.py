@@ -12,6 +12,10 @@ Per stage (bytes; one number for every stage, or one per stage)::
                  that takes it; sent upstream, from the B or I that makes it until the send ends
     transient    extra bytes while one of the stage's computes runs (its temporaries)
 
+A sent gradient is freed when the send completes: when posted where the transport takes the
+bytes at once (``buffered_sends``: gloo, the in-process loopback), else once its recv is
+posted too (NCCL's rendezvous).
+
 A handed-over input (the previous stage on the same rank) is that stage's output, already
 counted: the later stage's activation holds it once. At unit sizes (activation 1, all else 0)
 a rank's peak is the most micro-batches it holds, as published: GPipe m on every rank, 1F1B
@@ -46,6 +50,7 @@ class Memory:
     boundary: PerStage = 0.0
     gradient: PerStage = 0.0
     transient: PerStage = 0.0
+    buffered_sends: bool = False
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
         names = ("state", "activation", "boundary", "gradient", "transient")
@@ -67,12 +72,12 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
     placement = schedule.placement  # type: ignore[attr-defined]
     streams: tuple[tuple[Action, ...], ...] = schedule.instructions  # type: ignore[attr-defined]
     local = [s > 0 and placement[s - 1] == placement[s] for s in range(S)]  # input handed over on its rank
-    sent_at: dict[int, float] = {}  # message key -> when its send ended (rank-independent)
+    sent_at: dict[int, float] = {}  # message key -> when its send completed
     for rank, stream in enumerate(streams):
-        for action, (_, end) in zip(stream, times[rank], strict=True):
+        for action, (start, end) in zip(stream, times[rank], strict=True):
             for op in ops_of(action):
                 if op.kind.is_send:
-                    sent_at[Message.of(op).key(M)] = end
+                    sent_at[Message.of(op).key(M)] = start if memory.buffered_sends else end
     tracks = []
     for rank, stream in enumerate(streams):
         events: list[tuple[float, int, float, Action | None]] = []  # (time, order, delta, action)

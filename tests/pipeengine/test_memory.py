@@ -1,0 +1,97 @@
+"""Memory measured and predicted: a traced step's per-rank peaks against the simulator fed the sizes it measured."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine import PipelineEngine, launch
+from schedules import Costs, simulate
+from tests.pipeengine import ranks
+from tests.pipeengine.models import SEEDED
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+
+
+def activation_heavy() -> nn.Sequential:
+    """8 Linear(16)+Tanh blocks: 1 KB of weights each, 16 KB per tensor of a 256-row micro-batch."""
+    with SEEDED:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)])
+
+
+def traced_peaks(schedule: str, checkpoint: str, path: str) -> None:
+    """One traced step; rank 0 saves the measured peaks and the simulator's, fed the step's own sizes."""
+    m = 8
+    engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, num_microbatches=m, schedule=schedule,
+                            checkpoint=checkpoint, partition="uniform")  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256 * m, 16, generator=generator), torch.randn(256 * m, 16, generator=generator)
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    optimizer.step()  # now it has a momentum buffer: one copy of each parameter
+    with engine.tracing(optimizer):
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+    timeline = engine.timeline()
+    if ranks.rank() == 0:
+        assert timeline is not None and timeline.memory is not None and timeline.sizes is not None
+        predicted = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]
+        state = timeline.sizes.state
+        with open(path, "wb") as out:
+            pickle.dump((timeline.peak_memory, predicted.peak_memory, state), out)
+
+
+def run(ranks_: int, schedule: str, checkpoint: str, tmp_path: Path, in_process: bool) -> tuple:  # type: ignore[type-arg]
+    path = tmp_path / "peaks.pickle"
+    launch(traced_peaks, ranks_, args=(schedule, checkpoint, str(path)), timeout=60, in_process=in_process)
+    with path.open("rb") as data:
+        return pickle.load(data)  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("ranks_", [2, 4])
+def test_the_predicted_peak_of_every_rank_is_within_10_percent_of_the_measured(
+    ranks_: int, schedule: str, checkpoint: str, tmp_path: Path
+) -> None:
+    measured, predicted, state = run(ranks_, schedule, checkpoint, tmp_path, in_process=True)
+    assert len(measured) == len(predicted) == ranks_
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert abs(p - m) <= 0.10 * m, f"rank {rank}: predicted {p:.0f} bytes, measured {m:.0f}"
+    # the activations, not the weights, make these peaks: the test would see a model that forgot them
+    assert max(measured) > 3 * max(state)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_on_real_gloo_ranks_where_every_recv_is_posted_first(schedule: str, tmp_path: Path) -> None:
+    measured, predicted, _ = run(2, schedule, "never", tmp_path, in_process=False)
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert abs(p - m) <= 0.10 * m, f"rank {rank}: predicted {p:.0f} bytes, measured {m:.0f}"
+
+
+def state_of(path: str) -> None:
+    engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, num_microbatches=2, schedule="gpipe")
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with engine.tracing():  # no optimizer given: AdamW's two copies of every parameter
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+    timeline = engine.timeline()
+    if timeline is not None:
+        with open(path, "wb") as out:
+            pickle.dump((timeline.sizes, [b for _, b, a in timeline.memory[0] if a is None]), out)  # type: ignore[index]
+
+
+@pytest.mark.timeout(60)
+def test_the_state_is_the_weights_their_gradients_and_the_optimizers_copies(tmp_path: Path) -> None:
+    path = tmp_path / "state.pickle"
+    launch(state_of, 2, args=(str(path),), timeout=30, in_process=True)
+    with path.open("rb") as data:
+        sizes, at_start = pickle.load(data)
+    weights = 4 * (16 * 16 + 16) * 4  # 4 Linear(16, 16) per stage, float32
+    assert sizes.state == [4 * weights, 4 * weights] and at_start == [4 * weights]
+    assert sizes.boundary == [4 * 16 * 4, 0.0]  # one micro-batch of 4 rows of 16 floats leaves stage 0
