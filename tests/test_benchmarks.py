@@ -57,3 +57,16 @@ def test_schedule_scale_runs_small() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "schedule_scale.py"), "1f1b", "4", "8", "1"],
                             capture_output=True, text=True, timeout=50, cwd=ROOT)  # fmt: skip
     assert result.returncode == 0 and "total median" in result.stdout, result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_memory_reports_both_peaks_of_every_rank(tmp_path: Path) -> None:
+    bench("memory.py", *TINY, "--microbatches", "4", "--ranks", "2", "--checkpoint", "never", "--schedules", "1f1b",
+          out=tmp_path)  # fmt: skip
+    (row,) = json.loads((tmp_path / "memory.json").read_text())
+    assert row["schedule"] == "1f1b" and row["ranks"] == 2
+    assert len(row["measured"]) == len(row["predicted"]) == len(row["state"]) == 2
+    assert all(m > s > 0 for m, s in zip(row["measured"], row["state"], strict=True))  # state, and more on top
+    assert (tmp_path / "memory.png").stat().st_size > 10_000 and "measured / predicted" in (
+        tmp_path / "memory.txt"
+    ).read_text()
