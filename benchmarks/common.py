@@ -116,12 +116,9 @@ def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup
     pooled = Timeline(timelines[0].num_ranks, [s for t in timelines for s in t.spans], unit="s", measured=True)
     schedule = engine.schedule  # type: ignore[attr-defined]
     predicted = simulate(schedule, Costs.from_timeline(pooled))
-    # activations held for backward: micro-batches in flight (simulated) x bytes per micro-batch of a stage
-    stage_bytes = engine.partition.stage_sum(engine.partition.costs.activation_bytes)  # type: ignore[attr-defined]
-    held = [
-        n * max(stage_bytes[s] for s in schedule.stages_of(r))
-        for r, n in enumerate(predicted.peak_inflight)
-    ] if stage_bytes else [0.0]  # fmt: skip
+    # memory: each rank's peak in the last traced step, and the simulator's for the program that ran
+    last = timelines[-1]
+    memory = simulate(engine.last_program, Costs.from_timeline(last))  # type: ignore[attr-defined]
     return {
         "step_ms": 1e3 * median(times),
         "samples_per_s": x.shape[0] / median(times),
@@ -131,5 +128,6 @@ def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup
         "replay_ratio": median([t.makespan / replay(schedule, t).makespan for t in timelines]),
         "peak_rss_mb": peak,
         "rss_growth_mb": growth,
-        "predicted_activations_mb": max(held) / 2**20,
+        "peak_mb": max(last.peak_memory) / 2**20,
+        "predicted_peak_mb": max(memory.peak_memory) / 2**20,
     }

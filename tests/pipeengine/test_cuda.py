@@ -21,3 +21,16 @@ def test_one_cuda_rank_many_microbatches_on_streams(schedule: str) -> None:
 @pytest.mark.timeout(300)
 def test_one_cuda_rank_interleaved_chunks() -> None:
     launch(workers.parity_on, 1, args=("cuda", "transformer", "interleaved", [2, 4], [8, 4], 3), device="cuda")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_one_cuda_rank_predicts_its_measured_peak_memory(schedule: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import pickle
+
+    from tests.pipeengine.test_memory import traced_peaks
+
+    path = tmp_path / "peaks.pickle"
+    launch(traced_peaks, 1, args=(schedule, "never", str(path)), device="cuda", timeout=120)
+    measured, predicted, _ = pickle.loads(path.read_bytes())
+    assert abs(predicted[0] - measured[0]) <= 0.10 * measured[0], (predicted, measured)
