@@ -1,5 +1,6 @@
 """Pipeline schedules in pure Python: compile, lower, validate, simulate. Never imports torch."""
 
+from schedules.controllable import v_half, v_min
 from schedules.dataflow import Dataflow, Message, peer
 from schedules.gpipe import gpipe
 from schedules.inference import forward_only
@@ -50,6 +51,8 @@ __all__ = [
     "simulate",
     "state_bytes",
     "tie_ranks",
+    "v_half",
+    "v_min",
     "validate",
     "with_gradient_sync",
     "with_tie_sync",

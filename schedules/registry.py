@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from schedules.controllable import v_half, v_min
 from schedules.gcpause import gc_paused
 from schedules.gpipe import gpipe
 from schedules.interleaved import check_rounds, interleaved_1f1b
@@ -72,6 +73,10 @@ register(Registration("interleaved", interleaved_1f1b, "1F1B over v chunks per r
                       chunks=None, default_chunks=2, check_microbatches=check_rounds))  # fmt: skip
 register(Registration("zb-h1", zb_h1, "1F1B with the backward split into I at once and W deferred"))
 register(Registration("zb-v", zb_v, "two chunks per rank in a V with a split backward", chunks=(2,), default_chunks=2))
+register(Registration("v-half", v_half, "ZB-V's V holding about half of 1F1B's activations", chunks=(2,),
+                      default_chunks=2))  # fmt: skip
+register(Registration("v-min", v_min, "ZB-V's V holding about a third of 1F1B's activations", chunks=(2,),
+                      default_chunks=2))  # fmt: skip
 
 
 def registration(name: str) -> Registration:

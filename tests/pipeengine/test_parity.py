@@ -9,7 +9,7 @@ import pytest
 from pipeengine import launch
 from tests.pipeengine import workers
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 
 
 def microbatch_counts(schedule: str, ranks: int) -> list[int]:
