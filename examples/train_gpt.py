@@ -114,6 +114,14 @@ def corpus(device: torch.device) -> torch.Tensor:
     return ids.long().cpu()
 
 
+def planning() -> tuple[nn.Sequential, object, torch.Tensor]:
+    """The planning problem of this example, for ``python -m pipeengine.tune examples.train_gpt:planning``:
+    the model, its loss and an input batch (random tokens: only shapes and costs matter to the planner)."""
+    torch.manual_seed(0)
+    model = gpt(LAYERS, WIDTH, HEADS, CONTEXT)
+    return model, summed_loss, torch.randint(0, len(VOCAB), (BATCH, CONTEXT))
+
+
 def documents(data: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) of each paragraph: the text between blank lines, at least a few characters long."""
     newline = INDEX["\n"]

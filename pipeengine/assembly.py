@@ -94,7 +94,7 @@ class Assembly:
 def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:
     """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
     topology = Topology.build(config.data_parallel, world)
-    lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)
+    lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)  # type: ignore[arg-type]
     # every replica must cut the model alike: the whole world agrees when there are several
     agreeing = topology.world if config.data_parallel > 1 else topology.pipeline
     partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device)

@@ -10,7 +10,9 @@ import torch
 from pipeengine.partition import METHODS
 from schedules import SCHEDULES, Schedule
 
-__all__ = ["CHECKPOINTING", "DEFAULT_TIMEOUT", "PRECISIONS", "EngineConfig"]
+__all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "PRECISIONS", "EngineConfig"]
+
+AUTO = "auto"  # schedule="auto": pipeengine.tune chooses schedule, micro-batches, chunks and partition
 
 DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on a peer before it gives up
 CHECKPOINTING = ("never", "always", "except_last")  # activation checkpointing, per stage
@@ -23,7 +25,7 @@ PRECISIONS: dict[str | None, torch.dtype | None] = {
 class EngineConfig:
     """The options of PipelineEngine (see its docstring); a bad value is refused with the valid ones."""
 
-    num_microbatches: int
+    num_microbatches: int | None  # None: chosen by schedule="auto"
     schedule: str | Schedule = "1f1b"
     chunks: int | None = None
     partition: str | tuple[int, ...] | None = None
@@ -34,12 +36,16 @@ class EngineConfig:
     checkpoint: str = "never"
     precision: str | None = None
     loss_count: Callable[[object], object] | None = None  # units (tokens) in a micro-batch's target: a summed loss
+    memory_limit: float | None = None  # bytes per rank that schedule="auto" keeps under
 
     def __post_init__(self) -> None:
-        _positive_int("num_microbatches", self.num_microbatches)
+        if self.num_microbatches is not None or self.schedule != AUTO:
+            _positive_int("num_microbatches", self.num_microbatches)
         if isinstance(self.schedule, str):
-            if self.schedule not in SCHEDULES:
-                raise ValueError(f"unknown schedule {self.schedule!r}; valid names: {', '.join(SCHEDULES)}")
+            if self.schedule not in SCHEDULES and self.schedule != AUTO:
+                raise ValueError(
+                    f"unknown schedule {self.schedule!r}; valid names: {', '.join(SCHEDULES)}, or 'auto' (tuned)"
+                )
         elif not isinstance(self.schedule, Schedule):
             raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(self.schedule).__name__}")
         if self.chunks is not None:
@@ -65,6 +71,10 @@ class EngineConfig:
             raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTING)}, got {self.checkpoint!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}, got {self.precision!r}")
+        if self.memory_limit is not None and not (
+            isinstance(self.memory_limit, (int, float)) and self.memory_limit > 0
+        ):
+            raise ValueError(f"memory_limit must be a positive number of bytes per rank, got {self.memory_limit!r}")
         if self.loss_count is not None and not callable(self.loss_count):
             raise TypeError(
                 "loss_count must be callable as loss_count(target) -> the number of units (e.g. tokens) the "

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeengine.assembly import Assembly, assemble
 from pipeengine.checkpoint import load_checkpoint, save_checkpoint
-from pipeengine.config import DEFAULT_TIMEOUT, EngineConfig
+from pipeengine.config import AUTO, DEFAULT_TIMEOUT, EngineConfig
 from pipeengine.executor import StepInputs, StepResult
 from pipeengine.header import Call, Header, agree, exchange
 from pipeengine.memory import Ledger, StageSizes, measure_stage, optimizer_copies
@@ -23,6 +23,7 @@ from pipeengine.specs import Boundary, Tensors, infer_boundaries, unpack
 from pipeengine.stage import LossFn
 from pipeengine.trace import NULL_TRACER, Tracer
 from pipeengine.transport import connect
+from pipeengine.tune import choose
 from schedules import Kind, Schedule, Timeline
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
@@ -71,6 +72,11 @@ class PipelineEngine:
     floating tensors cross stages in that dtype. fp16 also scales the loss: step the optimizer
     through ``engine.scaler`` (see pipeengine.precision). None (default) is full precision.
 
+    ``schedule="auto"`` (with ``sample=``, an input batch, on the first stage's rank): pipeengine.tune
+    prices every schedule, micro-batch count (``num_microbatches``, if given, is kept), chunk count
+    and partition on that rank and every rank builds the fastest that fits ``memory_limit`` (bytes
+    per rank); ``engine.tuned`` is the choice.
+
     ``timeout``: seconds any wait of the engine on another rank may take (transfers, the step
     header, the loss, all-reduces, checkpoints) before it fails naming what it waited for.
 
@@ -91,8 +97,8 @@ class PipelineEngine:
         model: nn.Sequential,
         loss_fn: LossFn,
         *,
-        num_microbatches: int,
-        schedule: str | Schedule = "1f1b",  # "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", or a Schedule
+        num_microbatches: int | None = None,
+        schedule: str | Schedule = "1f1b",  # a registered name (schedules.SCHEDULES), a Schedule, or "auto"
         chunks: int | None = None,
         partition: str | Sequence[int] | None = None,
         sample: object = None,
@@ -104,6 +110,7 @@ class PipelineEngine:
         checkpoint: str = "never",
         precision: str | None = None,
         loss_count: Callable[[object], object] | None = None,
+        memory_limit: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -115,11 +122,17 @@ class PipelineEngine:
         self.config = EngineConfig(
             num_microbatches, schedule, chunks, partition,  # type: ignore[arg-type]  # a sequence becomes a tuple
             torch.device(device) if device is not None else None, timeout, trace, data_parallel, checkpoint, precision,
-            loss_count,
+            loss_count, memory_limit,
         )  # fmt: skip
         if group is not None and data_parallel > 1:
             raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
         world = connect(group, self.config.device, self.config.timeout)
+        self.tuned = None  # schedule="auto": the pipeengine.tune candidate every rank built
+        if self.config.schedule == AUTO:
+            self.config, self.tuned = choose(self.config, model, loss_fn, sample, world)
+        if self.config.num_microbatches is None:  # EngineConfig allows None only with "auto", which sets it
+            raise ValueError("num_microbatches is required unless schedule='auto' chooses it")
+        num_microbatches = self.config.num_microbatches
         self._parts: Assembly = assemble(model, loss_fn, self.config, sample, world)
         parts = self._parts
         self.topology = parts.topology

@@ -86,6 +86,13 @@ class Ledger:
                     sizes[key] = size
         return sum(sizes.values())
 
+    def holds(self, storage: int, shown: Iterable[torch.Tensor]) -> bool:
+        """Whether a storage (its data_ptr) is alive as this ledger counts: saved by autograd, or among ``shown``."""
+        with self.lock:
+            if storage in self.saved:
+                return True
+        return any(t.numel() and _storage(t)[0] == storage for t in shown)
+
     def ignoring(self, tensors: Iterable[torch.Tensor]) -> None:
         self.ignore |= {_storage(t)[0] for t in tensors if t.numel()}
 
@@ -113,6 +120,8 @@ class StageSizes:
     after_input: float
     boundary: float
     gradient: float
+    output_after_input: bool = True  # a split backward's I leaves the output held until W
+    input_after_input: bool = True
 
 
 def measure_stage(
@@ -151,9 +160,15 @@ def measure_stage(
             if output is not None:  # the gradient of the output, as a received buffer
                 device = next((t.device for t in inputs), torch.device("cpu"))
                 incoming = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in output.grad_specs) or None
+            outputs = [_storage(t)[0] for t in worker.saved[-1][1] if t.numel()]  # by storage: no reference kept
+            keeps_output = keeps_input = True
             if split:
                 worker.backward_input(-1, incoming)
-                after_input = ledger.bytes(held_by(worker))
+                held = list(held_by(worker))
+                after_input = ledger.bytes(held)
+                keeps_output = all(ledger.holds(key, held) for key in outputs)
+                keeps_input = all(ledger.holds(_storage(t)[0], held) for t in inputs if t.numel())
+                del held
                 worker.backward_weight(-1)
             else:
                 worker.backward(-1, incoming)
@@ -172,6 +187,8 @@ def measure_stage(
         after_input=float(after_input),
         boundary=float(sum(_bytes(s) for s in output.specs)) if output is not None else 0.0,
         gradient=float(sum(_bytes(s) for s in output.grad_specs)) if output is not None else 0.0,
+        output_after_input=keeps_output,
+        input_after_input=keeps_input,
     )
 
 

@@ -158,6 +158,8 @@ def _sizes(per_rank: list[dict[int, StageSizes]], num_stages: int, buffered: boo
         state=[s.state for s in table], activation=[s.activation for s in table],
         after_input=[s.after_input for s in table], boundary=[s.boundary for s in table],
         gradient=[s.gradient for s in table], buffered_sends=buffered,
+        output_after_input=[float(s.output_after_input) for s in table],
+        input_after_input=[float(s.input_after_input) for s in table],
     )  # fmt: skip
 
 

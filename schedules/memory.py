@@ -12,12 +12,15 @@ Per stage (bytes; one number for every stage, or one per stage)::
                  that takes it; sent upstream, from the B or I that makes it until the send ends
     transient    extra bytes while one of the stage's computes runs (its temporaries)
 
-A sent gradient is freed when the send completes: when posted where the transport takes the
-bytes at once (``buffered_sends``: gloo, the in-process loopback), else once its recv is
-posted too (NCCL's rendezvous).
+A sent gradient is freed when the send completes: where the transport takes the bytes at once
+(``buffered_sends``: gloo, the in-process loopback), as its rank goes on to its next action
+(the executor lets finished sends go there), else once its recv is posted too (NCCL's
+rendezvous).
 
-A handed-over input (the previous stage on the same rank) is that stage's output, already
-counted: the later stage's activation holds it once. At unit sizes (activation 1, all else 0)
+A handed-over input (the previous stage on the same rank) is that stage's output: one tensor,
+counted once, from the earlier stage's F until the later of the two stages lets it go (a stage
+lets its output, or its input, go at the end of its B; under a split backward at its I, unless
+``output_after_input`` / ``input_after_input`` say it is still held until W). At unit sizes (activation 1, all else 0)
 a rank's peak is the most micro-batches it holds, as published: GPipe m on every rank, 1F1B
 p - i on rank i, ZB-H1 p at most, ZB-V about 1F1B's peak on every rank.
 """
@@ -50,10 +53,12 @@ class Memory:
     boundary: PerStage = 0.0
     gradient: PerStage = 0.0
     transient: PerStage = 0.0
+    output_after_input: PerStage = 1.0  # 1: a split backward's I leaves the stage's output held until W; 0: lets go
+    input_after_input: PerStage = 1.0  # the same for the stage's input
     buffered_sends: bool = False
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
-        names = ("state", "activation", "boundary", "gradient", "transient")
+        names = ("state", "activation", "boundary", "gradient", "transient", "output_after_input", "input_after_input")
         table = {name: expand(f"Memory.{name}", getattr(self, name), num_stages) for name in names}
         after = self.activation if self.after_input is None else self.after_input
         table["after_input"] = expand("Memory.after_input", after, num_stages)
@@ -72,14 +77,17 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
     placement = schedule.placement  # type: ignore[attr-defined]
     streams: tuple[tuple[Action, ...], ...] = schedule.instructions  # type: ignore[attr-defined]
     local = [s > 0 and placement[s - 1] == placement[s] for s in range(S)]  # input handed over on its rank
-    sent_at: dict[int, float] = {}  # message key -> when its send completed
+    sent_at: dict[int, float] = {}  # message key -> when its send completed and its tensors went
     for rank, stream in enumerate(streams):
-        for action, (start, end) in zip(stream, times[rank], strict=True):
+        for index, (action, (_, end)) in enumerate(zip(stream, times[rank], strict=True)):
+            # buffered: done when posted, let go as the rank goes on to its next action; else when matched
+            after = times[rank][index + 1][0] if index + 1 < len(stream) else end
             for op in ops_of(action):
                 if op.kind.is_send:
-                    sent_at[Message.of(op).key(M)] = start if memory.buffered_sends else end
+                    sent_at[Message.of(op).key(M)] = after if memory.buffered_sends else end
     tracks = []
     for rank, stream in enumerate(streams):
+        extra = _shared_boundaries(stream, times[rank], table, local)  # order -> bytes to add at that action's end
         events: list[tuple[float, int, float, Action | None]] = []  # (time, order, delta, action)
         state = sum(table["state"][s] for s in range(S) if placement[s] == rank)
         events.append((0.0, -1, state, None))
@@ -118,7 +126,7 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
                 delta += size  # one change at the compute's end, as a step is seen between instructions
                 if flow.crosses(made):
                     events.append((max(end, sent_at.get(flow.key(made), end)), len(stream), -size, made.send()))
-            events.append((end, order, delta, action))
+            events.append((end, order, delta + extra.get(order, 0.0), action))
         events.sort(key=lambda e: (e[0], e[1]))
         samples: list[Sample] = []
         total = 0.0
@@ -127,3 +135,34 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
             samples.append((time, total, cause))
         tracks.append(samples)
     return tracks
+
+
+def _shared_boundaries(
+    stream: tuple[Action, ...], times: list[tuple[float, float]], table: dict[str, list[float]], local: list[bool]
+) -> dict[int, float]:
+    """For each handed-over boundary tensor that the later stage holds after the earlier one let it go: its
+    bytes, added where the earlier stage lets go and taken off where the later one does (by action index)."""
+    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, mb) -> index of that compute in the stream
+    for index, action in enumerate(stream):
+        if isinstance(action, Instruction) and action.kind.is_compute:
+            done[(action.kind, action.stage, action.microbatch)] = index
+
+    def release(stage: int, mb: int, keeps: str) -> int | None:
+        if (Kind.BACKWARD, stage, mb) in done:
+            return done[(Kind.BACKWARD, stage, mb)]
+        if table[keeps][stage] or (Kind.BACKWARD_INPUT, stage, mb) not in done:
+            return done.get((Kind.BACKWARD_WEIGHT, stage, mb))
+        return done[(Kind.BACKWARD_INPUT, stage, mb)]
+
+    extra: dict[int, float] = {}
+    for kind, stage, mb in list(done):
+        if kind is not Kind.FORWARD or not local[stage]:
+            continue
+        earlier = release(stage - 1, mb, "output_after_input")
+        later = release(stage, mb, "input_after_input")
+        if earlier is None or later is None or times[later][1] <= times[earlier][1]:
+            continue
+        size = table["boundary"][stage - 1]
+        extra[earlier] = extra.get(earlier, 0.0) + size
+        extra[later] = extra.get(later, 0.0) - size
+    return extra

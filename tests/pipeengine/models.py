@@ -90,3 +90,8 @@ def batch(model: str, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     tokens = torch.randint(1, VOCAB, (size, LENGTH), generator=generator)
     tokens[:, -1] = torch.where(torch.arange(size) % 3 == 0, 0, tokens[:, -1])  # some padding, never a whole row
     return tokens, torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
+
+
+def planning() -> tuple[nn.Sequential, object, torch.Tensor]:
+    """A planning problem for ``python -m pipeengine.tune tests.pipeengine.models:planning``: model, loss, batch."""
+    return mlp(), mse, batch("mlp", 16, seed=0)[0]

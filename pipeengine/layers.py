@@ -1,0 +1,221 @@
+"""Layer by layer: each layer's times (F, B, I, W) and bytes on a micro-batch, measured once; stages composed.
+
+The planner (pipeengine.tune) prices every candidate from these without running it. A stage's
+time is the sum of its layers'. Its bytes are counted as the engine's memory ledger counts a
+step (pipeengine.memory): what one micro-batch holds from F to B is the stage's input (not the
+first stage's: the user's batch), its output, what each layer saves beyond its input and output,
+and a layer's output inside the stage only if that layer or the next one saves it::
+
+    activation(a..b) = input(a) + sum saved_other(l) + sum out(l) [l or l+1 saves it] + out(b-1)
+
+A split backward's I keeps, until W, everything saved and the gradient arriving at each node
+with weights beneath it (measured per layer through pipeengine.backward), and lets the stage's
+output go unless something saved it; on the first stage, whose input needs no gradient, W is
+the whole backward and keeps the received gradient instead. Parameters are timed and counted on copies: the model
+is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeengine.backward import backward_input
+from pipeengine.memory import Ledger
+from pipeengine.specs import Tensors, map_tensors, unpack
+from schedules import Costs, Memory, state_bytes
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Per layer, on micro-batches of ``rows`` rows: seconds and bytes."""
+
+    rows: int
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    parameter_bytes: tuple[int, ...]
+    output: tuple[int, ...]  # bytes of the layer's output (the boundary after it)
+    gradient: tuple[int, ...]  # bytes of its output's gradient (the floating part)
+    saved_other: tuple[int, ...]  # saved for backward beyond the layer's input and output
+    saves_input: tuple[bool, ...]
+    saves_output: tuple[bool, ...]
+    kept: tuple[int, ...]  # what a split backward's I keeps for W (the gradient at each node with weights)
+
+    def stage_costs(
+        self, bounds: Sequence[tuple[int, int]], *, overhead: float = 0.0, latency: float = 0.0,
+        per_byte: float = 0.0, optimizer_copies: int = 2, buffered_sends: bool = True,
+    ) -> Costs:  # fmt: skip
+        """The simulator's Costs (time and memory) for stages of these layers (``bounds``: [start, end) each).
+
+        ``overhead``: seconds of host time per compute beyond its kernels; ``latency`` and ``per_byte``
+        price a message across a boundary.
+        """
+
+        def total(values: Sequence[float], a: int, b: int) -> float:
+            return float(sum(values[a:b]))
+
+        activation, after_input, state, boundary, gradient, keeps_out, keeps_in = [], [], [], [], [], [], []
+        for index, (a, b) in enumerate(bounds):
+            held = (self.output[a - 1] if a > 0 else 0) + total(self.saved_other, a, b) + self.output[b - 1]
+            held += sum(self.output[k] for k in range(a, b - 1) if self.saves_output[k] or self.saves_input[k + 1])
+            last = index == len(bounds) - 1
+            if a > 0:  # I keeps the gradient arriving at each node with weights, for W; the output goes, unless saved
+                kept = total(self.kept, a, b) - (0 if last or self.saves_output[b - 1] else self.output[b - 1])
+            else:  # the first stage's W is its whole backward: it keeps the received gradient instead
+                kept = 0 if last else self.gradient[b - 1]
+            activation.append(held)
+            after_input.append(held + kept)
+            keeps_out.append(1.0 if a == 0 or self.saves_output[b - 1] else 0.0)  # the first stage keeps all for W
+            keeps_in.append(1.0 if a == 0 or self.saves_input[a] else 0.0)
+            state.append(state_bytes(total(self.parameter_bytes, a, b), optimizer_copies))
+            boundary.append(0.0 if last else float(self.output[b - 1]))
+            gradient.append(0.0 if last else float(self.gradient[b - 1]))
+        memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
+                        gradient=gradient, buffered_sends=buffered_sends, output_after_input=keeps_out,
+                        input_after_input=keeps_in)  # fmt: skip
+        return Costs(
+            forward=[total(self.forward, a, b) + overhead for a, b in bounds],
+            backward=[total(self.backward, a, b) + overhead for a, b in bounds],
+            backward_input=[total(self.backward_input, a, b) + overhead for a, b in bounds],
+            backward_weight=[total(self.backward_weight, a, b) + overhead for a, b in bounds],
+            latency=latency, per_byte=per_byte, message_bytes=boundary, memory=memory,
+        )  # fmt: skip
+
+
+def profile_layers(
+    model: nn.Sequential, sample: torch.Tensor | Tensors, rows: int, *, repeats: int = 3, device: torch.device,
+    threads: int | None = None, loss: Callable[..., torch.Tensor] | None = None, target: object = None,
+) -> LayerProfile:  # fmt: skip
+    """Measure every layer on the first ``rows`` rows of ``sample`` (each fed the real output of the one before),
+    with ``threads`` torch threads (a rank's share of the cores; default: this process's). With ``loss`` and
+    ``target`` (the batch's), ``loss(output, target's first rows)`` is measured as part of the last layer (the
+    target itself is the user's, not counted)."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        layers = list(model)
+        if loss is not None and target is not None:  # the loss runs on the last stage: that layer's, for stages
+            part = map_tensors(target, lambda t: t[:rows].to(device).clone())  # type: ignore[arg-type]
+            layers[-1] = _WithLoss(layers[-1], loss, part)
+        return _profile(layers, sample, rows, repeats, device)
+    finally:
+        torch.set_num_threads(previous)
+
+
+class _WithLoss(nn.Module):
+    """The last layer followed by the loss: what the last stage runs in training."""
+
+    def __init__(self, layer: nn.Module, loss: Callable[..., torch.Tensor], target: torch.Tensor | Tensors) -> None:
+        super().__init__()
+        self.layer, self.loss, self.target = layer, loss, target
+
+    def forward(self, value: object) -> torch.Tensor:
+        return self.loss(self.layer(value), self.target)
+
+
+def _profile(
+    model: Sequence[nn.Module], sample: torch.Tensor | Tensors, rows: int, repeats: int, device: torch.device
+) -> LayerProfile:
+    value = map_tensors(sample, lambda t: t[:rows].to(device))
+    columns: dict[str, list[float | int | bool]] = {
+        key: []
+        for key in ("forward", "backward", "backward_input", "backward_weight", "parameter_bytes", "output",
+                    "gradient", "saved_other", "saves_input", "saves_output", "kept")
+    }  # fmt: skip
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for index, layer in enumerate(model):
+            probe = copy.deepcopy(layer).to(device)
+            first = index == 0  # the user's batch: no gradient wanted for it
+            timings = [_time(probe, value, first, device) for _ in range(repeats + 1)][1:]  # the first warms up
+            for key, column in zip(("forward", "backward", "backward_input", "backward_weight"),
+                                   zip(*timings, strict=True), strict=True):  # fmt: skip
+                columns[key].append(statistics.median(column))
+            sizes = _bytes(probe, value, first)
+            for key, size in sizes.items():
+                columns[key].append(size)
+            with torch.no_grad():
+                value = probe(value)
+            del probe
+    return LayerProfile(rows, **{key: tuple(values) for key, values in columns.items()})  # type: ignore[arg-type]
+
+
+def _leaves(value: torch.Tensor | Tensors, first: bool) -> Tensors:
+    return unpack(map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point() and not first)))
+
+
+def _time(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: torch.device) -> tuple[float, ...]:
+    """Forward, full backward, input-gradient (I) and weight-gradient (W) seconds of one layer on one input,
+    each through the engine's own code (pipeengine.backward for I and W, as a zero-bubble stage runs them)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def forward() -> tuple[Tensors, list[torch.Tensor], float]:
+        inputs = _leaves(value, first)
+        with torch.enable_grad():
+            sync()
+            start = time.perf_counter()
+            outputs = [o for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0])) if o.requires_grad]
+            sync()
+        return inputs, outputs, time.perf_counter() - start
+
+    inputs, outputs, forward_time = forward()
+    grads = tuple(torch.ones_like(o) for o in outputs)
+    start = time.perf_counter()
+    if outputs:
+        torch.autograd.backward(outputs, grads)
+    sync()
+    backward_time = time.perf_counter() - start
+    inputs, outputs, _ = forward()
+    start = time.perf_counter()
+    weight_pass = backward_input(tuple(outputs), grads, inputs, params)[1] if outputs else None
+    sync()
+    middle = time.perf_counter()
+    if weight_pass is not None:
+        weight_pass.run()
+    sync()
+    end = time.perf_counter()
+    layer.zero_grad(set_to_none=True)
+    return forward_time, backward_time, middle - start, end - middle
+
+
+def _bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) -> dict[str, int | bool]:
+    """What one micro-batch's forward through the layer leaves for its backward, by storage."""
+    inputs = _leaves(value, first)
+    target = layer.target if isinstance(layer, _WithLoss) else ()
+    ledger = Ledger(ignore=[*layer.parameters(), *unpack(target)])
+    with ledger.watching(), torch.enable_grad():
+        outputs = unpack(layer(inputs if isinstance(value, tuple) else inputs[0]))
+        saved = dict(ledger.saved)  # storage -> [bytes, holders]
+    mine = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in inputs if t.numel()}
+    made = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs if t.numel()}
+    kept = 0
+    needing = tuple(o for o in outputs if o.requires_grad)
+    if needing and any(x.requires_grad for x in inputs):  # what I keeps for W, as a zero-bubble stage's would
+        params = [p for p in layer.parameters() if p.requires_grad]
+        grads = tuple(torch.ones_like(o) for o in needing)
+        _, weight_pass = backward_input(needing, grads, inputs, params)
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                    for _, held, _ in weight_pass.roots for g in held if g is not None}  # fmt: skip
+        kept = sum(storages.values())
+    # the last stage keeps a new scalar (the loss, weighted) and lets the loss's own output go: count its elements
+    output = sum(t.numel() * t.element_size() for t in outputs) if isinstance(layer, _WithLoss) else sum(made.values())
+    return {
+        "kept": kept,
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
+        "output": output,
+        "gradient": sum(t.numel() * t.element_size() for t in outputs if t.is_floating_point()),
+        "saved_other": sum(entry[0] for key, entry in saved.items() if key not in mine and key not in made),
+        "saves_input": any(key in saved for key in mine),
+        "saves_output": any(key in saved for key in made),
+    }

@@ -1,0 +1,291 @@
+"""tune: choose schedule, split size, chunks and partition for a model before launching, under a memory limit.
+
+    result = tune(model, loss_fn, sample, world_size=4, memory_limit=2 * 2**30)
+    print(result)                                                # every candidate, fastest first
+    engine = PipelineEngine(model, loss_fn, **result.best.engine_kwargs())
+
+Each layer is measured once per candidate micro-batch size on ``sample`` (an input batch:
+pipeengine.layers). Then every candidate (each registered schedule; each micro-batch count that
+divides the batch; each chunk count the schedule runs; the exact min-max partition by time, by
+memory, by parameters and uniform) is priced by the simulator, time and bytes, without running
+it: the step's makespan, its bubble, and each rank's peak memory. Candidates whose peak passes
+``memory_limit`` on any rank are dropped; the result says how many and what the limit cost.
+
+    python -m pipeengine.tune examples.train_gpt:planning --world-size 4 --memory-limit 64MB
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeengine.config import EngineConfig
+from pipeengine.layers import LayerProfile, profile_layers
+from pipeengine.partition import method_costs, solve
+from pipeengine.profile import LayerCosts
+from pipeengine.specs import Tensors, unpack
+from pipeengine.transport import Transport
+from schedules import SCHEDULES, Schedule, build_schedule, receives_first, registration, simulate
+
+__all__ = ["Candidate", "TuneResult", "choose", "tune"]
+
+# host seconds per compute beyond its kernels, on CPU/gloo: its span 0.13 ms, a post 0.08 ms, 0.05 ms between
+# instructions (a traced 2-rank 1F1B of Linear(8) layers, m=32, on the 2-core machine of the benchmarks)
+OVERHEAD = 3e-4
+LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (benchmarks/vs_torch.py probes)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to pipeline the model, priced by the simulator."""
+
+    schedule: str
+    num_microbatches: int
+    chunks: int
+    methods: tuple[str, ...]  # the partition methods that cut it this way
+    partition: tuple[int, ...]  # layers per stage
+    step_time: float  # predicted seconds per step
+    bubble: float
+    peak_memory: tuple[float, ...]  # bytes per rank
+
+    def engine_kwargs(self) -> dict[str, object]:
+        """The PipelineEngine options that build it: ``PipelineEngine(model, loss_fn, **c.engine_kwargs())``."""
+        return {"schedule": self.schedule, "num_microbatches": self.num_microbatches, "chunks": self.chunks,
+                "partition": list(self.partition)}  # fmt: skip
+
+    def fits(self, limit: float | None) -> bool:
+        return limit is None or max(self.peak_memory) <= limit
+
+
+@dataclass
+class TuneResult:
+    """Every candidate that fits, fastest first (``rows``); those the memory limit dropped (``dropped``)."""
+
+    rows: list[Candidate]
+    dropped: list[Candidate] = field(default_factory=list)
+    memory_limit: float | None = None
+    search_seconds: float = 0.0  # pricing every candidate, after the layers were measured
+    measure_seconds: float = 0.0
+
+    @property
+    def best(self) -> Candidate:
+        if not self.rows:
+            least = min(self.dropped, key=lambda c: max(c.peak_memory))
+            raise ValueError(
+                f"no candidate fits memory_limit={_mb(self.memory_limit)} per rank: the least memory any needs is "
+                f"{_mb(max(least.peak_memory))} ({least.schedule}, m={least.num_microbatches}, partition "
+                f"{list(least.partition)}); raise the limit, use more ranks, or checkpoint activations"
+            )
+        return self.rows[0]
+
+    def binding(self) -> str:
+        """What the memory limit cost: which candidates it dropped, and the fastest of them."""
+        if not self.dropped:
+            return "no candidate was dropped for memory"
+        faster = [c for c in self.dropped if not self.rows or c.step_time < self.rows[0].step_time]
+        text = f"memory_limit={_mb(self.memory_limit)} per rank dropped {len(self.dropped)} candidates"
+        if faster:
+            top = min(faster, key=lambda c: c.step_time)
+            rank = top.peak_memory.index(max(top.peak_memory))
+            text += (
+                f"; without it the fastest would be {top.schedule} m={top.num_microbatches} "
+                f"({top.step_time * 1e3:.2f} ms), peaking at {_mb(max(top.peak_memory))} on rank {rank}"
+            )
+        return text
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.rows)} candidates (priced in {self.search_seconds:.2f} s after "
+                 f"{self.measure_seconds:.2f} s measuring the layers); {self.binding()}",
+                 f"{'#':>3}  {'schedule':11} {'m':>3} {'v':>2}  {'step ms':>8}  {'bubble':>6}  {'peak MB/rank':24}  "
+                 "partition (methods)"]  # fmt: skip
+        for index, c in enumerate(self.rows[:20]):
+            peaks = " ".join(f"{b / 2**20:.1f}" for b in c.peak_memory)
+            lines.append(f"{index:3d}  {c.schedule:11} {c.num_microbatches:3d} {c.chunks:2d}  "
+                         f"{c.step_time * 1e3:8.2f}  {c.bubble:6.1%}  {peaks:24}  {list(c.partition)} "
+                         f"({', '.join(c.methods)})")  # fmt: skip
+        if len(self.rows) > 20:
+            lines.append(f"... and {len(self.rows) - 20} more")
+        return "\n".join(lines)
+
+
+def tune(
+    model: nn.Sequential,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    sample: torch.Tensor | Tensors,
+    world_size: int,
+    *,
+    target: torch.Tensor | Tensors | None = None,
+    memory_limit: float | None = None,
+    data_parallel: int = 1,
+    schedules: Sequence[str] | None = None,
+    microbatches: Sequence[int] | None = None,
+    methods: Sequence[str] = ("time", "memory", "parameters", "uniform"),
+    max_microbatches: int = 64,
+    backend: str = "gloo",
+    optimizer_copies: int = 2,
+    overhead: float = OVERHEAD,
+    latency: float = LATENCY,
+    per_byte: float = PER_BYTE,
+    repeats: int = 3,
+    threads: int | None = None,
+    device: str | torch.device | None = None,
+) -> TuneResult:
+    """Price every way to pipeline ``model`` on ``world_size`` ranks; see the module docstring.
+
+    ``sample``: an input batch of one data-parallel replica (its first dimension is the batch);
+    ``target``: its targets: with them ``loss_fn`` is measured as part of the last layer (its time, and
+    what it saves for backward, e.g. a cross entropy's log-probabilities); without them it is left out.
+    ``backend``: "gloo" posts every recv of a step at its start (so its buffers count from then), "nccl"
+    as lowered. ``threads``:
+    torch threads while timing the layers (default: the cores shared out among the world's ranks on one
+    machine, as launch() does).
+    """
+    if world_size % data_parallel:
+        raise ValueError(f"world_size={world_size} does not split into data_parallel={data_parallel} pipelines")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    ranks, layers = world_size // data_parallel, len(model)
+    batch = unpack(sample)[0].shape[0]
+    names = list(schedules or SCHEDULES)
+    for name in names:
+        registration(name)  # an unknown name fails here, with the valid ones
+    counts = sorted(m for m in (microbatches or range(1, min(batch, max_microbatches) + 1)) if batch % m == 0)
+    if not counts:
+        raise ValueError(f"no micro-batch count in {list(microbatches or [])} divides the batch of {batch}")
+    started = time.perf_counter()
+    where = torch.device(device) if device is not None else torch.device("cpu")
+    share = threads or max(1, (os.cpu_count() or 1) // world_size)
+    profiles = {m: profile_layers(model, sample, batch // m, repeats=repeats, device=where, threads=share,
+                                  loss=loss_fn, target=target) for m in counts}  # fmt: skip
+    measured = time.perf_counter() - started
+
+    started = time.perf_counter()
+    seen: dict[tuple[str, int, int, tuple[int, ...]], int] = {}
+    candidates: list[Candidate] = []
+    for name in names:
+        record = registration(name)
+        for chunks in record.chunks or tuple(v for v in (2, 3, 4) if ranks * v <= layers):
+            stages = ranks * chunks
+            if stages > layers:
+                continue
+            for m in counts:
+                try:
+                    schedule = build_schedule(name, ranks, m, chunks)
+                except ValueError:  # m does not suit this schedule (interleaved: a multiple of p)
+                    continue
+                program = receives_first(schedule) if backend == "gloo" else schedule
+                profile = profiles[m]
+                for method in methods:
+                    bounds = solve(method_costs(method, _layer_costs(profile)), stages)
+                    partition = tuple(b - a for a, b in bounds)
+                    key = (name, m, chunks, partition)
+                    if key in seen:  # another method cut it the same way
+                        old = candidates[seen[key]]
+                        candidates[seen[key]] = Candidate(**{**old.__dict__, "methods": (*old.methods, method)})
+                        continue
+                    seen[key] = len(candidates)
+                    candidates.append(_price(name, m, chunks, method, bounds, program, profile, backend,
+                                             optimizer_copies, overhead, latency, per_byte))  # fmt: skip
+    candidates.sort(key=lambda c: (c.step_time, max(c.peak_memory)))
+    kept = [c for c in candidates if c.fits(memory_limit)]
+    dropped = [c for c in candidates if not c.fits(memory_limit)]
+    return TuneResult(kept, dropped, memory_limit, time.perf_counter() - started, measured)
+
+
+def choose(
+    config: EngineConfig, model: nn.Sequential, loss_fn: Callable[..., torch.Tensor], sample: object,
+    world: Transport,
+) -> tuple[EngineConfig, Candidate]:  # fmt: skip
+    """schedule="auto": world rank 0 (the first stage's rank) tunes on its sample; every rank gets its choice."""
+    choice: Candidate | None = None
+    failure = ""
+    if world.rank == 0:
+        try:
+            if sample is None:
+                raise ValueError("schedule='auto' needs sample= (an input batch) on the first stage's rank to tune on")
+            result = tune(model, loss_fn, sample, world.size, data_parallel=config.data_parallel,  # type: ignore[arg-type]
+                          microbatches=[config.num_microbatches] if config.num_microbatches else None,
+                          memory_limit=config.memory_limit, backend="nccl" if world.name == "nccl" else "gloo",
+                          device=config.device)  # fmt: skip
+            choice = result.best
+        except Exception as error:  # noqa: BLE001  (every rank must hear of it)
+            failure = f"{type(error).__name__}: {error}"
+    (choice, failure), *_ = world.all_gather_object((choice, failure), "the tuned schedule from rank 0")
+    if choice is None:
+        raise ValueError(f"schedule='auto' could not tune on rank 0: {failure}")
+    chosen = dataclasses.replace(config, schedule=choice.schedule, num_microbatches=choice.num_microbatches,
+                                 chunks=choice.chunks, partition=choice.partition)  # fmt: skip
+    return chosen, choice
+
+
+def _layer_costs(profile: LayerProfile) -> LayerCosts:
+    """What partition.solve balances, from a layer profile."""
+    n = len(profile.forward)
+    activation = tuple(profile.saved_other[k] + profile.output[k] for k in range(n))
+    return LayerCosts(tuple(b // 4 for b in profile.parameter_bytes), profile.parameter_bytes, activation,
+                      profile.forward, profile.backward)  # fmt: skip
+
+
+def _price(
+    name: str, m: int, chunks: int, method: str, bounds: list[tuple[int, int]], program: Schedule,
+    profile: LayerProfile, backend: str, optimizer_copies: int, overhead: float, latency: float, per_byte: float,
+) -> Candidate:  # fmt: skip
+    # stage s runs layers bounds[s]; the schedule's stages are in model order
+    costs = profile.stage_costs(bounds, overhead=overhead, latency=latency, per_byte=per_byte,
+                                optimizer_copies=optimizer_copies, buffered_sends=backend == "gloo")  # fmt: skip
+    timeline = simulate(program, costs)
+    return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), timeline.makespan,
+                     timeline.bubble_fraction, tuple(timeline.peak_memory))  # fmt: skip
+
+
+def _mb(value: float | None) -> str:
+    return "none" if value is None else f"{value / 2**20:.1f} MB"
+
+
+def parse_bytes(text: str) -> float:
+    """'64MB', '2GB', '1.5e9' -> bytes."""
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    for unit, scale in units.items():
+        if text.upper().endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeengine.tune", description=__doc__.split("\n")[0])
+    parser.add_argument("problem", help="module:function returning (model, loss_fn, sample): the model to plan for")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--data-parallel", type=int, default=1)
+    parser.add_argument("--memory-limit", type=parse_bytes, help="bytes per rank, e.g. 512MB")
+    parser.add_argument("--schedules", nargs="+")
+    parser.add_argument("--microbatches", type=int, nargs="+")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    args = parser.parse_args(argv)
+    module, _, function = args.problem.partition(":")
+    if not function:
+        parser.error(f"problem must be module:function, got {args.problem!r}")
+    sys.path.insert(0, ".")
+    model, loss_fn, sample = getattr(importlib.import_module(module), function)()
+    try:
+        result = tune(model, loss_fn, sample, args.world_size, memory_limit=args.memory_limit,
+                      data_parallel=args.data_parallel, schedules=args.schedules, microbatches=args.microbatches,
+                      backend=args.backend)  # fmt: skip
+        print(result)
+        print(f"best: PipelineEngine(model, loss_fn, **{result.best.engine_kwargs()})")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
