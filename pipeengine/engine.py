@@ -178,6 +178,11 @@ class PipelineEngine:
         for _, param in self.named_parameters():
             yield param
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset this rank's gradients, as nn.Module.zero_grad does (an optimizer's zero_grad does the same)."""
+        for module in self.stages.values():
+            module.zero_grad(set_to_none)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's state under the model's names; a tied weight once, under its first name."""
         state: dict[str, torch.Tensor] = {}

@@ -22,6 +22,8 @@ import os
 import pickle
 import queue as queue_module
 import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -59,9 +61,12 @@ def launch(
     (default: the cores shared out). ``reuse_memory``: CPU ranks keep freed memory for reuse
     (see keep_freed_memory). Re-raises the failing rank's exception, with a note naming the rank
     and what every other rank was doing; the others get ``grace`` seconds to stop by themselves.
+    A rank whose ``fn`` returned exits without tearing down its interpreter: close the files it
+    writes (see _exit).
 
     ``in_process=True`` runs the ranks as threads of this process, over an in-memory transport
-    (CPU only; no torch.distributed): for tests and debugging, see pipeengine.loopback.
+    (CPU only; no torch.distributed): for tests and debugging, see pipeengine.loopback. They share
+    torch's thread pool, of ``threads`` threads while they run.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
@@ -70,7 +75,7 @@ def launch(
             raise ValueError(f"in-process ranks compute on the CPU, got device={device!r}")
         from pipeengine.loopback import run
 
-        run(fn, nprocs, args, timeout, grace)
+        run(fn, nprocs, args, timeout, grace, threads or max(1, (os.cpu_count() or 1) // nprocs))
         return
     device = device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "cpu")
     if device not in ("cpu", "cuda"):
@@ -204,6 +209,7 @@ def _child(
         fn(*args)
         dist.destroy_process_group()
         reports.put(Outcome(rank, time.time(), ok=True))
+        _exit(0)
     except BaseException as error:  # noqa: BLE001  (report everything, then exit at once)
         try:
             pickle.dumps(error)
@@ -217,6 +223,23 @@ def _child(
         reports.close()
         reports.join_thread()
         os._exit(1)  # at once: the peers' transfers fail fast instead of waiting out their timeout
+
+
+def _exit(code: int) -> None:
+    """End a rank whose ``fn`` returned as a forked multiprocessing child ends.
+
+    Its other threads are waited for, the atexit handlers run (logging, weakref finalizers,
+    multiprocessing's queues: the report arrives), the standard streams are flushed, then
+    os._exit. The interpreter is not torn down (with torch loaded, about a second of CPU per
+    rank): an object still alive is not finalized, so a file that ``fn`` left open is not
+    flushed. Close what you write (a ``with`` block).
+    """
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first; multiprocessing calls it
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(code)
 
 
 def _supervise(

@@ -218,8 +218,20 @@ class _Started(Pending):
         self.tensor.copy_(self.transport._result(self.slot, _stack_sum, self.what, self.began))
 
 
-def run(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: float, grace: float) -> None:
-    """Run ``fn(*args)`` on ``nprocs`` threads, each a rank of one loopback world; re-raise the cause of a failure."""
+def run(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: float, grace: float, threads: int) -> None:
+    """Run ``fn(*args)`` on ``nprocs`` threads, each a rank of one loopback world; re-raise the cause of a failure.
+
+    torch's intra-op pool has ``threads`` threads meanwhile (it is the process's, shared by the ranks).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _run(fn, nprocs, args, timeout, grace)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: float, grace: float) -> None:
     hub = Hub()
     outcomes: dict[int, Outcome] = {}
 

@@ -15,9 +15,11 @@ ROOT = Path(__file__).parent.parent.parent
 
 @pytest.mark.timeout(60)
 def test_every_rank_runs_with_gloo_and_its_share_of_the_cores(tmp_path: Path) -> None:
-    launch(workers.report_world, 2, args=(str(tmp_path / "world"),), threads=1)
+    # written by a thread still running when fn returns, then by an atexit handler: a rank's exit waits
+    # for its threads and runs its atexit handlers, as Python's exit does, in that order
+    launch(workers.report_world_late, 2, args=(str(tmp_path / "world"),), threads=1)
     seen = sorted((tmp_path / f"world.{r}").read_text() for r in range(2))
-    assert seen == ["0 2 gloo 1", "1 2 gloo 1"]
+    assert seen == ["0 2 gloo 1 atexit", "1 2 gloo 1 atexit"]
 
 
 @pytest.mark.timeout(60)

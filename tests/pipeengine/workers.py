@@ -153,6 +153,30 @@ def report_world(path: str) -> None:
         out.write(f"{dist.get_rank()} {dist.get_world_size()} {dist.get_backend()} {torch.get_num_threads()}")
 
 
+def report_world_late(path: str) -> None:
+    """report_world from a thread still running when this returns, then " atexit" from an atexit handler."""
+    import atexit
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    name = f"{path}.{dist.get_rank()}"
+    line = f"{dist.get_rank()} {dist.get_world_size()} {dist.get_backend()} {torch.get_num_threads()}"
+
+    def late() -> None:
+        time.sleep(0.3)
+        with open(name, "w") as out:
+            out.write(line)
+
+    def at_exit() -> None:
+        with open(name, "a") as out:
+            out.write(" atexit")
+
+    threading.Thread(target=late).start()  # not a daemon: the rank's exit waits for it, as Python's does
+    atexit.register(at_exit)
+
+
 def raise_on(rank: int) -> None:
     if ranks.rank() == rank:
         raise KeyError(f"raised on purpose by rank {rank}")
@@ -231,11 +255,13 @@ def data_parallel_parity(model_name: str, schedule: str, data_parallel: int, m: 
 def clipping(schedule: str, data_parallel: int = 1) -> None:
     """clip_grad_norm_ across stages equals torch.nn.utils.clip_grad_norm_ on the whole model."""
     build, loss_fn = MODELS["transformer"]
+    model = build()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=4, schedule=schedule, data_parallel=data_parallel)
+    x, y = batch("transformer", 8, seed=3)
     for norm_type, max_norm in ((2.0, 0.5), (float("inf"), 0.01), (1.0, 1e6)):
-        model = build()
-        reference = copy.deepcopy(model)
-        engine = PipelineEngine(model, loss_fn, num_microbatches=4, schedule=schedule, data_parallel=data_parallel)
-        x, y = batch("transformer", 8, seed=3)
+        engine.zero_grad()
+        reference.zero_grad()
         engine.train_step(x if engine.first else None, y if engine.last else None)
         loss_fn(reference(x), y).backward()  # every replica had the same batch: the same mean
         total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
