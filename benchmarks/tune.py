@@ -30,12 +30,12 @@ RANKS, THREADS, ROUNDS, MEASURED = 2, 1, 7, 12
 MODELS = ["mlp", "gpt"]
 
 
-def problem(name: str) -> tuple[torch.nn.Sequential, object, torch.Tensor, torch.Tensor, object]:
+def problem(name: str, width: int) -> tuple[torch.nn.Sequential, object, torch.Tensor, torch.Tensor, object]:
     """(model, loss, inputs, targets, loss_count) of a model the benchmark plans for."""
     torch.manual_seed(0)
-    if name == "mlp":  # the benchmarks' MLP: 8 x Linear(1024), batch 256
-        x = torch.randn(256, 1024)
-        return mlp(1024, 8), torch.nn.functional.mse_loss, x, torch.randn(256, 1024), None
+    if name == "mlp":  # the benchmarks' MLP: 8 x Linear(width), batch 256
+        x = torch.randn(256, width)
+        return mlp(width, 8), torch.nn.functional.mse_loss, x, torch.randn(256, width), None
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     import train_gpt  # the example's GPT, its token-mean loss, a batch of its shape
 
@@ -53,14 +53,14 @@ def chosen(result: TuneResult, count: int) -> list[Candidate]:
     return top + rest[::step][: count - 3]
 
 
-def worker(name: str, candidates: list[Candidate], rounds: int, path: str) -> None:
+def worker(name: str, width: int, candidates: list[Candidate], rounds: int, path: str) -> None:
     import torch.distributed as dist
 
     engines = []
-    model, loss, x, y, count = problem(name)
+    model, loss, x, y, count = problem(name, width)
     for candidate in candidates:
         torch.manual_seed(0)
-        fresh, _, _, _, _ = problem(name)
+        fresh, _, _, _, _ = problem(name, width)
         engines.append(PipelineEngine(fresh, loss, loss_count=count, **candidate.engine_kwargs()))  # type: ignore[arg-type]
 
     def step(engine: PipelineEngine) -> None:
@@ -127,16 +127,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--measured", type=int, default=MEASURED, help="candidates measured: the top 3 and the rest")
     parser.add_argument("--microbatches", type=int, nargs="+", help="the candidates' micro-batch counts")
+    parser.add_argument("--width", type=int, default=1024, help="the MLP's width")
     args = parser.parse_args()
     for name in args.models:
-        model, loss, x, y, _ = problem(name)
+        model, loss, x, y, _ = problem(name, args.width)
         probe = tune(model, loss, x, RANKS, target=y, threads=THREADS, microbatches=args.microbatches)  # type: ignore[arg-type]
         limit = statistics.median(max(c.peak_memory) for c in probe.rows)
         result = tune(model, loss, x, RANKS, target=y, threads=THREADS, memory_limit=limit,  # type: ignore[arg-type]
                       microbatches=args.microbatches)  # fmt: skip
         print(result, flush=True)
         candidates = chosen(result, args.measured)
-        rows = run_point(worker, RANKS, (name, candidates, args.rounds), THREADS)
+        rows = run_point(worker, RANKS, (name, args.width, candidates, args.rounds), THREADS)
         table = []
         for candidate, row in zip(candidates, rows, strict=True):  # type: ignore[call-overload]
             table.append({

@@ -66,12 +66,8 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
 
     def ours() -> float:
         loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        engine_zero_grad()
+        engine.zero_grad()
         return loss
-
-    def engine_zero_grad() -> None:
-        for param in engine.parameters():
-            param.grad = None
 
     def torch_step() -> float | None:
         losses: list[torch.Tensor] = []

@@ -70,3 +70,24 @@ def test_memory_reports_both_peaks_of_every_rank(tmp_path: Path) -> None:
     assert (tmp_path / "memory.png").stat().st_size > 10_000 and "measured / predicted" in (
         tmp_path / "memory.txt"
     ).read_text()
+
+
+@pytest.mark.timeout(300)
+def test_tune_measures_the_planners_choices_and_draws_the_frontier(tmp_path: Path) -> None:
+    out = bench("tune.py", "--models", "mlp", "--width", "64", "--measured", "4", "--rounds", "1",
+                "--microbatches", "2", "4", out=tmp_path)  # fmt: skip
+    report = json.loads((tmp_path / "tune_mlp.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == 4 and [r["predicted_rank"] for r in rows][:3] == [0, 1, 2]  # the top 3, then one more
+    assert all(r["measured_ms"] > 0 and r["measured_peak_mb"] > 0 for r in rows)
+    fastest = min(r["measured_ms"] for r in rows)
+    assert report["slower"] == pytest.approx(rows[0]["measured_ms"] / fastest - 1)
+    assert "the measured best is #" in out and (tmp_path / "tune_mlp.png").stat().st_size > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_tune_search_times_the_search_per_world_size(tmp_path: Path) -> None:
+    bench("tune_search.py", "--layers", "1", "--world-sizes", "2", "3", "--repeats", "1", out=tmp_path)
+    rows = json.loads((tmp_path / "tune_search.json").read_text())
+    assert [r["world_size"] for r in rows] == [2, 3] and all(r["layers"] == 3 for r in rows)
+    assert all(r["candidates"] > 0 and r["search_s"] > 0 and r["measure_s"] > 0 for r in rows)

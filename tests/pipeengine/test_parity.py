@@ -24,7 +24,7 @@ def test_loss_gradients_and_weights_equal_single_process(schedule: str, ranks: i
     ms = microbatch_counts(schedule, ranks)
     unit = 2 * ranks  # every batch size splits evenly for every m above
     # both models, an MLP and a transformer stack with tuple boundaries
-    sizes = [3 * unit, unit]  # the batch size changes between the two optimizer steps
+    sizes = [3 * unit, unit]  # with the largest m, the batch size changes between the two optimizer steps
     launch(workers.parity_models, ranks, args=(["mlp", "transformer"], schedule, ms, sizes), timeout=60,
            in_process=True)  # fmt: skip
 
