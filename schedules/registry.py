@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from schedules.controllable import v_half, v_min
+from schedules.dualpipe import check_dualpipe_v, dualpipe_v
 from schedules.gcpause import gc_paused
 from schedules.gpipe import gpipe
 from schedules.interleaved import check_rounds, interleaved_1f1b
@@ -77,6 +78,9 @@ register(Registration("v-half", v_half, "ZB-V's V holding about half of 1F1B's a
                       default_chunks=2))  # fmt: skip
 register(Registration("v-min", v_min, "ZB-V's V holding about a third of 1F1B's activations", chunks=(2,),
                       default_chunks=2))  # fmt: skip
+register(Registration("dualpipe-v", dualpipe_v, "DeepSeek's DualPipeV: a V alternating a forward of one chunk with "
+                      "a backward of the other", chunks=(2,), default_chunks=2,
+                      check_microbatches=check_dualpipe_v))  # fmt: skip
 
 
 def registration(name: str) -> Registration:

@@ -14,7 +14,7 @@ from schedules import Costs, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.models import SEEDED
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 
 
 def activation_heavy() -> nn.Sequential:

@@ -9,11 +9,13 @@ import pytest
 from pipeengine import launch
 from tests.pipeengine import workers
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 
 
 def microbatch_counts(schedule: str, ranks: int) -> list[int]:
-    # 1 (on 2 ranks), p and more than p; interleaved needs a multiple of p
+    # 1 (on 2 ranks), p and more than p; interleaved needs a multiple of p, DualPipeV at least 2p
+    if schedule == "dualpipe-v":
+        return [2 * ranks]
     return [ranks, 2 * ranks] if schedule == "interleaved" or ranks > 2 else [1, ranks, 2 * ranks]
 
 
