@@ -23,7 +23,6 @@ from pipeengine.specs import Boundary, Tensors, infer_boundaries, unpack
 from pipeengine.stage import LossFn
 from pipeengine.trace import NULL_TRACER, Tracer
 from pipeengine.transport import connect
-from pipeengine.tune import choose
 from schedules import Kind, Schedule, Timeline
 
 __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
@@ -129,6 +128,8 @@ class PipelineEngine:
         world = connect(group, self.config.device, self.config.timeout)
         self.tuned = None  # schedule="auto": the pipeengine.tune candidate every rank built
         if self.config.schedule == AUTO:
+            from pipeengine.tune import choose  # here: `python -m pipeengine.tune` must find it not yet imported
+
             self.config, self.tuned = choose(self.config, model, loss_fn, sample, world)
         if self.config.num_microbatches is None:  # EngineConfig allows None only with "auto", which sets it
             raise ValueError("num_microbatches is required unless schedule='auto' chooses it")

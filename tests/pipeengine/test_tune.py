@@ -147,6 +147,7 @@ def test_the_cli_plans_a_model_given_as_module_function() -> None:
                              "--world-size", "2", "--schedules", "1f1b", "zb-v"], capture_output=True, text=True,
                             timeout=100, env=env, cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr  # e.g. runpy's, were pipeengine to import the module first
     assert "candidates (priced in" in result.stdout and "best: PipelineEngine(model, loss_fn, **{'schedule':" in (
         result.stdout
     )
