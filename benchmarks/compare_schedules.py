@@ -21,7 +21,7 @@ from pipeengine import PipelineEngine
 from schedules.plot import plot_timelines
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS = [2, 4], 1, 1024, 8, 256, 8, 4
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 
 
 def worker(schedule: str, args: argparse.Namespace, path: str) -> None:

@@ -22,7 +22,7 @@ from common import OUT, arguments, mlp, run_point, save_row, write_json
 from pipeengine import PipelineEngine
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES = [2, 4], 1, 256, 8, 4096, 8
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 CHECKPOINTING = ["never", "always"]
 
 

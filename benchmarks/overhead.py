@@ -22,7 +22,7 @@ from common import arguments, measure, median, mlp, run_point, save_row, write_j
 from pipeengine import PipelineEngine
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS, WARMUP = 2, 1, 1024, 8, 256, 8, 10, 3
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 
 
 def worker(schedule: str, args: argparse.Namespace, path: str) -> None:

@@ -23,7 +23,7 @@ from pipeengine import PipelineEngine
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, STEPS = 2, 1, 1024, 8, 256, 4
 MICROBATCHES = [1, 2, 4, 8, 16, 32]
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 
 
 def worker(schedule: str, m: int, args: argparse.Namespace, path: str) -> None:

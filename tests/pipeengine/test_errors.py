@@ -77,8 +77,8 @@ def test_a_killed_rank_is_named_and_the_others_stop() -> None:
 @pytest.mark.timeout(120)
 def test_a_hung_rank_is_found_by_the_timeout_and_stopped() -> None:
     with pytest.raises(LaunchError, match=r"rank 2 was still running .* and was stopped") as caught:
-        launch(failures.train_with_fault, 4, args=(2, "hang", 3.0), timeout=3, grace=3)
-    assert re.search(r"failed after [3-9]\.", str(caught.value))  # a neighbour gave up once its 3 s had passed
+        launch(failures.train_with_fault, 4, args=(2, "hang", 2.0), timeout=2, grace=1)
+    assert re.search(r"failed after [2-9]\.", str(caught.value))  # a neighbour gave up once its 2 s had passed
     assert not multiprocessing.active_children()
 
 
