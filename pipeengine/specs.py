@@ -149,12 +149,12 @@ def _depends(outputs: Tensors, inputs: Tensors) -> bool:
             return True
         if output.grad_fn is not None:
             stack.append(output.grad_fn)
-    seen: set[int] = set()
+    seen: set[object] = set()  # the nodes themselves: torch may free a node's Python object and reuse its id
     while stack:
         node = stack.pop()
-        if id(node) in seen:
+        if node in seen:
             continue
-        seen.add(id(node))
+        seen.add(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it feeds
         if variable is not None and id(variable) in targets:
             return True

@@ -22,7 +22,8 @@ def bench(script: str, *args: str, out: Path) -> str:
 
 @pytest.mark.timeout(300)
 def test_vs_torch_reports_a_ratio_per_schedule(tmp_path: Path) -> None:
-    schedules = ["1f1b", "zb-v"]  # one stage per rank, and torch's several-stage API
+    # one stage per rank, and torch's several-stage API (interleaved: torch 2.11's zb-v fails on gloo, see vs_torch.py)
+    schedules = ["1f1b", "interleaved"]
     out = bench("vs_torch.py", *TINY, "--microbatches", "4", "--rounds", "1", "--steps", "1", "--schedules", *schedules,
                 out=tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "vs_torch.json").read_text())
