@@ -8,11 +8,12 @@ and a layer's output inside the stage only if that layer or the next one saves i
 
     activation(a..b) = input(a) + sum saved_other(l) + sum out(l) [l or l+1 saves it] + out(b-1)
 
-A split backward's I keeps, until W, everything saved and the gradient arriving at each node
-with weights beneath it (measured per layer through pipeengine.backward), and lets the stage's
-output go unless something saved it; on the first stage, whose input needs no gradient, W is
-the whole backward and keeps the received gradient instead. Parameters are timed and counted on copies: the model
-is left as it was.
+A split backward's I keeps, until W, everything saved and the gradient arriving at each node with
+weights beneath it (measured per layer through pipeengine.backward), and lets the stage's output go
+unless W needs it (something beneath W's restart points saved it), and what each layer saved for
+nodes above them (measured per layer: such tensors are the layer's own); on the first stage, whose
+input needs no gradient, W is the whole backward and keeps the received gradient instead. Parameters
+are timed and counted on copies: the model is left as it was.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class LayerProfile:
     saves_input: tuple[bool, ...]
     saves_output: tuple[bool, ...]
     kept: tuple[int, ...]  # what a split backward's I keeps for W (the gradient at each node with weights)
+    output_kept: tuple[bool, ...]  # whether the output is still held after I (something W needs saved it)
+    other_freed: tuple[int, ...]  # of saved_other, what I lets go (saved by nodes W does not need)
 
     def stage_costs(
         self, bounds: Sequence[tuple[int, int]], *, overhead: float = 0.0, latency: float = 0.0,
@@ -70,12 +73,13 @@ class LayerProfile:
             held += sum(self.output[k] for k in range(a, b - 1) if self.saves_output[k] or self.saves_input[k + 1])
             last = index == len(bounds) - 1
             if a > 0:  # I keeps the gradient arriving at each node with weights, for W; the output goes, unless saved
-                kept = total(self.kept, a, b) - (0 if last or self.saves_output[b - 1] else self.output[b - 1])
+                kept = total(self.kept, a, b) - total(self.other_freed, a, b)
+                kept -= 0 if self.output_kept[b - 1] else self.output[b - 1]  # on the last stage: the loss
             else:  # the first stage's W is its whole backward: it keeps the received gradient instead
                 kept = 0 if last else self.gradient[b - 1]
             activation.append(held)
             after_input.append(held + kept)
-            keeps_out.append(1.0 if a == 0 or self.saves_output[b - 1] else 0.0)  # the first stage keeps all for W
+            keeps_out.append(1.0 if a == 0 or self.output_kept[b - 1] else 0.0)  # the first stage keeps all for W
             keeps_in.append(1.0 if a == 0 or self.saves_input[a] else 0.0)
             state.append(state_bytes(total(self.parameter_bytes, a, b), optimizer_copies))
             boundary.append(0.0 if last else float(self.output[b - 1]))
@@ -131,7 +135,8 @@ def _profile(
     columns: dict[str, list[float | int | bool]] = {
         key: []
         for key in ("forward", "backward", "backward_input", "backward_weight", "parameter_bytes", "output",
-                    "gradient", "saved_other", "saves_input", "saves_output", "kept")
+                    "gradient", "saved_other", "saves_input", "saves_output", "kept", "output_kept",
+                    "other_freed")
     }  # fmt: skip
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index, layer in enumerate(model):
@@ -199,7 +204,11 @@ def _bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) -> dict
         saved = dict(ledger.saved)  # storage -> [bytes, holders]
     mine = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in inputs if t.numel()}
     made = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs if t.numel()}
-    kept = 0
+    # the last stage keeps a new scalar (the loss, weighted) and lets the loss's own output go: count its elements
+    output = sum(t.numel() * t.element_size() for t in outputs) if isinstance(layer, _WithLoss) else sum(made.values())
+    gradient = sum(t.numel() * t.element_size() for t in outputs if t.is_floating_point())
+    other = [key for key in saved if key not in mine and key not in made]
+    kept, output_kept, other_freed = 0, any(key in saved for key in made), 0
     needing = tuple(o for o in outputs if o.requires_grad)
     if needing and any(x.requires_grad for x in inputs):  # what I keeps for W, as a zero-bubble stage's would
         params = [p for p in layer.parameters() if p.requires_grad]
@@ -208,14 +217,19 @@ def _bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) -> dict
         storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
                     for _, held, _ in weight_pass.roots for g in held if g is not None}  # fmt: skip
         kept = sum(storages.values())
-    # the last stage keeps a new scalar (the loss, weighted) and lets the loss's own output go: count its elements
-    output = sum(t.numel() * t.element_size() for t in outputs) if isinstance(layer, _WithLoss) else sum(made.values())
+        # the output outlives I only if W needs it: the nodes above W's restart points go with the output
+        shown = weight_pass.fallback[0] if weight_pass.fallback is not None else ()
+        del outputs, needing
+        output_kept = all(ledger.holds(key, shown) for key in made)
+        other_freed = sum(saved[key][0] for key in other if not ledger.holds(key, shown))
     return {
         "kept": kept,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
         "output": output,
-        "gradient": sum(t.numel() * t.element_size() for t in outputs if t.is_floating_point()),
-        "saved_other": sum(entry[0] for key, entry in saved.items() if key not in mine and key not in made),
+        "gradient": gradient,
+        "saved_other": sum(saved[key][0] for key in other),
         "saves_input": any(key in saved for key in mine),
         "saves_output": any(key in saved for key in made),
+        "output_kept": output_kept,
+        "other_freed": other_freed,
     }

@@ -44,6 +44,19 @@ OVERHEAD = 3e-4
 LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (benchmarks/vs_torch.py probes)
 
 
+def _as_lowered(schedule: Schedule) -> Schedule:
+    return schedule
+
+
+# per transport (pipeengine.transport, .loopback): the program it runs for a lowered schedule, and whether a
+# send's buffer is free once posted (buffered semantics) rather than once the recv has it
+BACKENDS: dict[str, tuple[Callable[[Schedule], Schedule], bool]] = {
+    "gloo": (receives_first, True),
+    "nccl": (_as_lowered, False),
+    "loopback": (_as_lowered, True),
+}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One way to pipeline the model, priced by the simulator."""
@@ -144,15 +157,17 @@ def tune(
     ``sample``: an input batch of one data-parallel replica (its first dimension is the batch);
     ``target``: its targets: with them ``loss_fn`` is measured as part of the last layer (its time, and
     what it saves for backward, e.g. a cross entropy's log-probabilities); without them it is left out.
-    ``backend``: "gloo" posts every recv of a step at its start (so its buffers count from then), "nccl"
-    as lowered. ``threads``:
-    torch threads while timing the layers (default: the cores shared out among the world's ranks on one
-    machine, as launch() does).
+    ``backend``: the transport that will run it (pipeengine.transport): "gloo" posts every recv of a step at its
+    start (so its buffers count from then) and frees a send's buffer once posted, "nccl" runs the program as
+    lowered and holds a send's buffer until it completes, "loopback" (``launch(in_process=True)``) runs it as
+    lowered with gloo's buffered sends. ``threads``: torch threads while timing the layers (default: the cores
+    shared out among the world's ranks on one machine, as launch() does).
     """
     if world_size % data_parallel:
         raise ValueError(f"world_size={world_size} does not split into data_parallel={data_parallel} pipelines")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    runs, buffered = BACKENDS[backend]
     ranks, layers = world_size // data_parallel, len(model)
     batch = unpack(sample)[0].shape[0]
     names = list(schedules or SCHEDULES)
@@ -182,7 +197,7 @@ def tune(
                     schedule = build_schedule(name, ranks, m, chunks)
                 except ValueError:  # m does not suit this schedule (interleaved: a multiple of p)
                     continue
-                program = receives_first(schedule) if backend == "gloo" else schedule
+                program = runs(schedule)
                 profile = profiles[m]
                 for method in methods:
                     bounds = solve(method_costs(method, _layer_costs(profile)), stages)
@@ -193,7 +208,7 @@ def tune(
                         candidates[seen[key]] = Candidate(**{**old.__dict__, "methods": (*old.methods, method)})
                         continue
                     seen[key] = len(candidates)
-                    candidates.append(_price(name, m, chunks, method, bounds, program, profile, backend,
+                    candidates.append(_price(name, m, chunks, method, bounds, program, profile, buffered,
                                              optimizer_copies, overhead, latency, per_byte))  # fmt: skip
     candidates.sort(key=lambda c: (c.step_time, max(c.peak_memory)))
     kept = [c for c in candidates if c.fits(memory_limit)]
@@ -214,7 +229,7 @@ def choose(
                 raise ValueError("schedule='auto' needs sample= (an input batch) on the first stage's rank to tune on")
             result = tune(model, loss_fn, sample, world.size, data_parallel=config.data_parallel,  # type: ignore[arg-type]
                           microbatches=[config.num_microbatches] if config.num_microbatches else None,
-                          memory_limit=config.memory_limit, backend="nccl" if world.name == "nccl" else "gloo",
+                          memory_limit=config.memory_limit, backend=world.name,
                           device=config.device)  # fmt: skip
             choice = result.best
         except Exception as error:  # noqa: BLE001  (every rank must hear of it)
@@ -237,11 +252,11 @@ def _layer_costs(profile: LayerProfile) -> LayerCosts:
 
 def _price(
     name: str, m: int, chunks: int, method: str, bounds: list[tuple[int, int]], program: Schedule,
-    profile: LayerProfile, backend: str, optimizer_copies: int, overhead: float, latency: float, per_byte: float,
+    profile: LayerProfile, buffered: bool, optimizer_copies: int, overhead: float, latency: float, per_byte: float,
 ) -> Candidate:  # fmt: skip
     # stage s runs layers bounds[s]; the schedule's stages are in model order
     costs = profile.stage_costs(bounds, overhead=overhead, latency=latency, per_byte=per_byte,
-                                optimizer_copies=optimizer_copies, buffered_sends=backend == "gloo")  # fmt: skip
+                                optimizer_copies=optimizer_copies, buffered_sends=buffered)  # fmt: skip
     timeline = simulate(program, costs)
     return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), timeline.makespan,
                      timeline.bubble_fraction, tuple(timeline.peak_memory))  # fmt: skip
@@ -268,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-limit", type=parse_bytes, help="bytes per rank, e.g. 512MB")
     parser.add_argument("--schedules", nargs="+")
     parser.add_argument("--microbatches", type=int, nargs="+")
-    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--backend", default="gloo", choices=sorted(BACKENDS))
     args = parser.parse_args(argv)
     module, _, function = args.problem.partition(":")
     if not function:
