@@ -126,6 +126,17 @@ def measured_peak(choice: Candidate, path: str) -> None:
             )
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_layers_are_timed_as_launchs_ranks_run_keeping_freed_memory(
+    reuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[bool] = []
+    monkeypatch.setattr("pipeengine.tune.keep_freed_memory", lambda: calls.append(True) or True)
+    x = torch.randn(8, 16)
+    tune(mlp(), None, x, 2, schedules=["1f1b"], microbatches=[2], repeats=1, reuse_memory=reuse)
+    assert calls == ([True] if reuse else [])
+
+
 def measured_sizes(kwargs: dict[str, object], path: str) -> None:
     engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, **kwargs)  # type: ignore[arg-type]
     x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
