@@ -14,7 +14,7 @@ from pipeengine import PipelineEngine
 from tests.pipeengine import ranks
 from tests.pipeengine.feature_workers import staged_reference
 from tests.pipeengine.models import SEEDED
-from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+from tests.pipeengine.workers import check_grads, check_weights, close, step_both, train_replicas_like_one_process
 
 VOCAB, WIDTH, HEADS, LENGTH, IGNORE = 24, 16, 2, 6, -100
 
@@ -108,17 +108,11 @@ def tied_parity(
         assert "0.tokens.weight" in names and f"{len(model) - 1}.out.weight" not in names, names
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(steps):
-        parts = [padded_batch(2 * m, seed=10 * step + replica, microbatches=m) for replica in range(data_parallel)]
-        x, y = parts[engine.dp_rank]
-        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        union_x, union_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        expected = one_process_loss(reference(union_x), union_y)
-        expected.backward()
-        what = f"tied {schedule} dp={data_parallel} {options} step {step}"
-        close(loss, expected.item(), f"{what}: loss")
-        check_grads(engine, reference, what)
-        step_both(optimizer, reference_optimizer)
+    train_replicas_like_one_process(
+        engine, reference, (optimizer, reference_optimizer), one_process_loss, steps,
+        f"tied {schedule} dp={data_parallel} {options}",
+        lambda step: [padded_batch(2 * m, seed=10 * step + r, microbatches=m) for r in range(data_parallel)],
+    )  # fmt: skip
     check_weights(engine, reference, f"tied {schedule} after {steps} steps")
     tied = dict(engine.named_parameters()).get("0.tokens.weight")
     if tied is not None and engine.last:  # the head and the embedding are one tensor on this rank

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -241,18 +242,35 @@ def data_parallel_parity(model_name: str, schedule: str, data_parallel: int, m: 
     local = list(engine.parameters())
     optimizer = torch.optim.AdamW(local, lr=1e-3, eps=1e-6) if local else None
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    what = f"{model_name} {schedule} dp={data_parallel}"
+    train_replicas_like_one_process(
+        engine, reference, (optimizer, reference_optimizer), loss_fn, steps, what,
+        lambda step: [batch(model_name, size, seed=100 * step + replica) for replica in range(data_parallel)],
+    )  # fmt: skip
+    check_weights(engine, reference, f"{what} after {steps} steps")
+
+
+def train_replicas_like_one_process(
+    engine: PipelineEngine,
+    reference: nn.Module,
+    optimizers: tuple[torch.optim.Optimizer | None, torch.optim.Optimizer],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+    what: str,
+    batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]],
+) -> None:
+    """Each step, ``batches(step)`` holds every replica's (x, y): this rank trains on its replica's, the reference
+    on their union; the loss and every gradient must agree, then both optimizers step."""
     for step in range(steps):
-        parts = [batch(model_name, size, seed=100 * step + replica) for replica in range(data_parallel)]
+        parts = batches(step)
         x, y = parts[engine.dp_rank]
         loss = engine.train_step(x if engine.first else None, y if engine.last else None)
         union_x, union_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         expected = loss_fn(reference(union_x), union_y)
         expected.backward()
-        what = f"{model_name} {schedule} dp={data_parallel} step {step}"
-        close(loss, expected.item(), f"{what}: loss")
-        check_grads(engine, reference, what)
-        step_both(optimizer, reference_optimizer)
-    check_weights(engine, reference, f"{what} after {steps} steps")
+        close(loss, expected.item(), f"{what} step {step}: loss")
+        check_grads(engine, reference, f"{what} step {step}")
+        step_both(*optimizers)
 
 
 def clipping(schedule: str, data_parallel: int = 1) -> None:
