@@ -69,8 +69,9 @@ class Transport(abc.ABC):
 
     # ---- point to point, in the schedule's order
 
+    @staticmethod
     @abc.abstractmethod
-    def program(self, schedule: Schedule) -> Schedule:
+    def program(schedule: Schedule) -> Schedule:
         """The streams this transport runs for a lowered schedule (validated under ``semantics``)."""
 
     @abc.abstractmethod
@@ -259,7 +260,8 @@ class GlooTransport(_Distributed):
         self._wait_for = datetime.timedelta(seconds=timeout)
         self._down: dist.ProcessGroup | None = None
 
-    def program(self, schedule: Schedule) -> Schedule:
+    @staticmethod
+    def program(schedule: Schedule) -> Schedule:
         return receives_first(schedule)
 
     def open_channels(self) -> None:
@@ -339,7 +341,8 @@ class NcclTransport(_Distributed):
         self.streams = Streams(device)
         self._outstanding: list[tuple[dist.Work, float]] = []  # waited on the stream, not yet seen complete
 
-    def program(self, schedule: Schedule) -> Schedule:
+    @staticmethod
+    def program(schedule: Schedule) -> Schedule:
         return schedule
 
     def post(self, transfers: Sequence[Transfer]) -> None:

@@ -31,11 +31,12 @@ from torch import nn
 from pipeengine.config import EngineConfig
 from pipeengine.launch import keep_freed_memory
 from pipeengine.layers import LayerProfile, profile_layers
+from pipeengine.loopback import LoopbackTransport
 from pipeengine.partition import method_costs, solve
 from pipeengine.profile import LayerCosts
 from pipeengine.specs import Tensors, unpack
-from pipeengine.transport import Transport
-from schedules import SCHEDULES, Schedule, build_schedule, receives_first, registration, simulate
+from pipeengine.transport import GlooTransport, NcclTransport, Transport
+from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, simulate
 
 __all__ = ["Candidate", "TuneResult", "choose", "tune"]
 
@@ -45,17 +46,9 @@ OVERHEAD = 3e-4
 LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (benchmarks/vs_torch.py probes)
 
 
-def _as_lowered(schedule: Schedule) -> Schedule:
-    return schedule
-
-
-# per transport (pipeengine.transport, .loopback): the program it runs for a lowered schedule, and whether a
-# send's buffer is free once posted (buffered semantics) rather than once the recv has it
-BACKENDS: dict[str, tuple[Callable[[Schedule], Schedule], bool]] = {
-    "gloo": (receives_first, True),
-    "nccl": (_as_lowered, False),
-    "loopback": (_as_lowered, True),
-}
+# how each transport runs a lowered schedule (its program) and whether its sends are buffered (a sent buffer is
+# free once posted) or rendezvous (held until the recv has it): pipeengine.transport's, read off the classes
+BACKENDS: dict[str, type[Transport]] = {t.name: t for t in (GlooTransport, NcclTransport, LoopbackTransport)}
 
 
 @dataclass(frozen=True)
@@ -172,7 +165,8 @@ def tune(
         raise ValueError(f"world_size={world_size} does not split into data_parallel={data_parallel} pipelines")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    runs, buffered = BACKENDS[backend]
+    transport = BACKENDS[backend]
+    buffered = transport.semantics is Semantics.BUFFERED
     ranks, layers = world_size // data_parallel, len(model)
     batch = unpack(sample)[0].shape[0]
     names = list(schedules or SCHEDULES)
@@ -204,7 +198,7 @@ def tune(
                     schedule = build_schedule(name, ranks, m, chunks)
                 except ValueError:  # m does not suit this schedule (interleaved: a multiple of p)
                     continue
-                program = runs(schedule)
+                program = transport.program(schedule)
                 profile = profiles[m]
                 for method in methods:
                     bounds = solve(method_costs(method, _layer_costs(profile)), stages)
