@@ -110,8 +110,9 @@ def test_schedule_auto_without_a_sample_says_so_on_every_rank() -> None:
         launch(without_sample, 2, timeout=30, in_process=True)
 
 
-def measured_peak(choice: Candidate, path: str) -> None:
-    engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, **choice.engine_kwargs())  # type: ignore[arg-type]
+def traced_step(kwargs: dict[str, object], path: str) -> None:
+    """Rank 0 saves a traced AdamW step's measured peaks, the simulator's peaks fed its sizes, and those sizes."""
+    engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, **kwargs)  # type: ignore[arg-type]
     x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
     optimizer = torch.optim.AdamW(engine.parameters())
     engine.train_step(x if engine.first else None, y if engine.last else None)
@@ -120,10 +121,10 @@ def measured_peak(choice: Candidate, path: str) -> None:
         engine.train_step(x if engine.first else None, y if engine.last else None)
     timeline = engine.timeline()
     if timeline is not None:
-        with open(path, "wb") as out:
-            pickle.dump(
-                (timeline.peak_memory, simulate(engine.last_program, Costs.from_timeline(timeline)).peak_memory), out
-            )
+        costs = Costs.from_timeline(timeline)
+        Path(path).write_bytes(
+            pickle.dumps((timeline.peak_memory, simulate(engine.last_program, costs).peak_memory, costs.memory))
+        )
 
 
 @pytest.mark.parametrize("reuse", [True, False])
@@ -137,25 +138,15 @@ def test_the_layers_are_timed_as_launchs_ranks_run_keeping_freed_memory(
     assert calls == ([True] if reuse else [])
 
 
-def measured_sizes(kwargs: dict[str, object], path: str) -> None:
-    engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, **kwargs)  # type: ignore[arg-type]
-    x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
-    with engine.tracing(torch.optim.AdamW(engine.parameters())):
-        engine.train_step(x if engine.first else None, y if engine.last else None)
-    timeline = engine.timeline()
-    if timeline is not None:
-        Path(path).write_bytes(pickle.dumps(Costs.from_timeline(timeline).memory))
-
-
 @pytest.mark.timeout(120)
 def test_each_layers_bytes_compose_into_what_the_engine_measures_per_stage(tmp_path: Path) -> None:
     """Bytes, not times: exact. A split backward's I lets go of what only nodes above W's restart points saved
     (each layer's Tanh output at the top of a stage, the loss's input), so after I a stage holds less than before."""
     x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
     partition = [1, 2, 3, 2]
-    launch(measured_sizes, 2, args=({"schedule": "zb-v", "num_microbatches": 8, "partition": partition},
-                                    str(tmp_path / "sizes.pickle")), timeout=60, in_process=True)  # fmt: skip
-    measured = pickle.loads((tmp_path / "sizes.pickle").read_bytes())
+    launch(traced_step, 2, args=({"schedule": "zb-v", "num_microbatches": 8, "partition": partition},
+                                 str(tmp_path / "sizes.pickle")), timeout=60, in_process=True)  # fmt: skip
+    *_, measured = pickle.loads((tmp_path / "sizes.pickle").read_bytes())
     profile = profile_layers(activation_heavy(), x, 256, repeats=1, device=torch.device("cpu"),
                              loss=nn.functional.mse_loss, target=y)  # fmt: skip
     cuts = [0, 1, 3, 6, 8]
@@ -181,8 +172,8 @@ def test_the_planners_peaks_hold_against_a_traced_step(tmp_path: Path) -> None:
         mine = [c for c in planned.rows if c.schedule == schedule and set(c.methods) - {"time"}]
         choice = min(mine, key=lambda c: (c.chunks, c.partition))
         path = tmp_path / "peaks.pickle"
-        launch(measured_peak, 2, args=(choice, str(path)), timeout=60, in_process=True)
-        measured, _ = pickle.loads(path.read_bytes())
+        launch(traced_step, 2, args=(choice.engine_kwargs(), str(path)), timeout=60, in_process=True)
+        measured, *_ = pickle.loads(path.read_bytes())
         for rank, (m, p) in enumerate(zip(measured, choice.peak_memory, strict=True)):
             assert abs(p - m) <= 0.10 * m, (choice.engine_kwargs(), rank, p, m)
 
