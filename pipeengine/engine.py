@@ -15,8 +15,10 @@ from torch import nn
 from pipeengine.assembly import Assembly, assemble
 from pipeengine.checkpoint import load_checkpoint, save_checkpoint
 from pipeengine.config import AUTO, DEFAULT_TIMEOUT, EngineConfig
+from pipeengine.consensus import agree_on_model
 from pipeengine.executor import StepInputs, StepResult
 from pipeengine.header import Call, Header, agree, exchange
+from pipeengine.losses import count_units
 from pipeengine.memory import Ledger, StageSizes, measure_stage, optimizer_copies
 from pipeengine.precision import GradScaler
 from pipeengine.specs import Boundary, Tensors, infer_boundaries, unpack
@@ -126,6 +128,7 @@ class PipelineEngine:
         if group is not None and data_parallel > 1:
             raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
         world = connect(group, self.config.device, self.config.timeout)
+        agree_on_model(model, world)  # first: in-process ranks build their models one at a time until here
         self.tuned = None  # schedule="auto": the pipeengine.tune candidate every rank built
         if self.config.schedule == AUTO:
             from pipeengine.tune import choose  # here: `python -m pipeengine.tune` must find it not yet imported
@@ -145,6 +148,8 @@ class PipelineEngine:
         self.num_microbatches = num_microbatches
         placement = self.schedule.placement
         self.first, self.last = placement[0] == self.rank, placement[-1] == self.rank
+        self._loss_fn = loss_fn
+        self._summed_checked = False  # loss_count: whether loss_fn was found to return a sum (pipeengine.losses)
         self._layer_names = [name for name, _ in model.named_children()]
         self._model_keys = list(model.state_dict())  # to tell a checkpoint of another model, and its key order
         self._boundaries: dict[Boundary, list[Boundary]] = {}
@@ -280,7 +285,12 @@ class PipelineEngine:
         targets_split = None
         if self.last:
             targets_split = [mb if isinstance(targets, tuple) else mb[0] for mb in self._split(targets)]
-        total = self._count_units(targets_split) if self.config.loss_count is not None else None
+        total = None
+        if self.config.loss_count is not None:  # the first step also checks that loss_fn returns a sum
+            check = None if self._summed_checked else (self._loss_fn, boundaries[-1])
+            total = count_units(self.config.loss_count, targets_split, self.topology, self.schedule.placement[-1],
+                                check)  # fmt: skip
+            self._summed_checked = True
         step = StepInputs(
             True, self._steps[True], self._split(inputs) if self.first else None, targets_split,
             header.microbatch_inputs, boundaries, loss_weight=1.0 / (total or self.num_microbatches),
@@ -298,36 +308,6 @@ class PipelineEngine:
             if total is None:
                 loss /= self.data_parallel
         return loss.item()
-
-    def _count_units(self, targets: Sequence[object] | None) -> float:
-        """The step's units (tokens) over every micro-batch and replica, on every rank, or the same error on all."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        failure: Exception | None = None
-        if self.last:
-            try:
-                counts = [float(self.config.loss_count(target)) for target in targets or ()]  # type: ignore[misc, arg-type]
-                if any(not math.isfinite(c) or c < 0 for c in counts):
-                    raise ValueError(f"loss_count must give a finite count >= 0 per micro-batch, got {counts}")
-                total.fill_(sum(counts))
-            except Exception as error:  # every rank must hear of it: NaN travels to all
-                failure = error
-                total.fill_(math.nan)
-            if self.topology.data is not None:
-                self.topology.data.all_reduce(total, "the units counted by the other data-parallel replicas")
-        last = self.schedule.placement[-1]
-        self.topology.pipeline.broadcast(total, last, f"the step's count of units from rank {last}")
-        value = float(total)
-        if failure is not None:
-            raise failure
-        if math.isnan(value):
-            raise ValueError(f"loss_count failed on rank {last} of a pipeline (the last stage's): see its error")
-        if value == 0:
-            where = "every micro-batch of every replica" if self.data_parallel > 1 else "every micro-batch"
-            raise ValueError(
-                f"loss_count counted 0 units in {where}: a loss averaged over no tokens (every target ignored) is "
-                "undefined; skip this batch, or check the padding of the targets"
-            )
-        return value
 
     @torch.no_grad()
     def eval_step(self, inputs: object = None) -> torch.Tensor | Tensors | None:

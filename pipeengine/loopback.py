@@ -4,9 +4,15 @@
 on such a thread talks to the others through a LoopbackTransport instead of torch.distributed.
 It runs the lowered program (what NCCL runs) under buffered semantics, copies every message,
 and names the ranks that did not arrive when a collective times out. For tests and debugging:
-no processes to spawn, and a debugger sees every rank. The ranks share one process: torch's
-random state is one for all of them (build the model on one thread, or under a lock, before
-seeding matters), and torch.distributed calls are not available on them.
+no processes to spawn, and a debugger sees every rank. torch.distributed calls are not available
+on them.
+
+The ranks share one process, and so torch's one default random generator. So that the usual
+pattern (``torch.manual_seed(0)``, then build the model) gives every rank the same model, the
+ranks start one at a time, in rank order: each runs alone until it first waits on another rank
+(its engine's first collective, which every rank joins) or ends, then the next starts. After
+that they run together and draw from the one generator in no set order: draw data from a
+``torch.Generator`` of your own.
 
     rank 0 thread ─ post(send) ─► hub.sent[(group, 0, 1)] = [msg0, msg1, ...] ─► wait(recv) ─ rank 1 thread
                                    recvs match sends in order on each channel
@@ -15,6 +21,7 @@ seeding matters), and torch.distributed calls are not available on them.
 from __future__ import annotations
 
 import copy
+import ctypes
 import pickle
 import threading
 import time
@@ -33,6 +40,7 @@ from schedules import Schedule, Semantics
 
 __all__ = ["current", "run"]
 
+INTERRUPTED = -1  # the failing "rank" when the launching thread is interrupted (Ctrl-C)
 _local = threading.local()  # the transport of the world this thread is a rank of (set by run())
 
 
@@ -60,6 +68,13 @@ class Hub:
         self.sent: dict[tuple[str, int, int], list[tuple[torch.Tensor, ...] | None]] = defaultdict(list)
         self.slots: dict[tuple[str, int], _Slot] = {}
         self.failure: tuple[int, str] | None = None  # (world rank, what it raised)
+        self.turn = 0  # ranks below it have started: each runs alone until it first waits on another (or ends)
+
+    def pass_turn(self, rank: int) -> None:
+        """Rank ``rank`` waits on another rank (or has ended): the next rank may start. Holding cond."""
+        if self.turn == rank:
+            self.turn += 1
+            self.cond.notify_all()
 
     def fail(self, rank: int, error: BaseException) -> None:
         with self.cond:
@@ -70,9 +85,12 @@ class Hub:
     def await_(self, ready: Callable[[], bool], me: int, timeout: float, why: Callable[[], str]) -> None:
         """Wait (holding cond) until ``ready()``; raise if another rank failed or the timeout passes."""
         deadline = time.monotonic() + timeout
+        if not ready():
+            self.pass_turn(me)
         while not ready():
             if self.failure is not None and self.failure[0] != me:
-                raise PeerError(f"rank {self.failure[0]} failed: {self.failure[1]}")
+                who = "the launch" if self.failure[0] == INTERRUPTED else f"rank {self.failure[0]}"
+                raise PeerError(f"{who} failed: {self.failure[1]}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"{why()} within timeout={timeout:g} s")
@@ -239,6 +257,8 @@ def _run(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: floa
     def body(rank: int) -> None:
         _local.transport = LoopbackTransport(hub, "world", tuple(range(nprocs)), rank, timeout)
         try:
+            with hub.cond:  # one rank at a time until each first waits (see pipeengine.loopback)
+                hub.cond.wait_for(lambda: hub.turn >= rank)
             fn(*args)
             outcomes[rank] = Outcome(rank, time.time(), ok=True)
         except BaseException as error:  # noqa: BLE001  (report everything; the others are told at once)
@@ -247,20 +267,38 @@ def _run(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: floa
             hub.fail(rank, error)
         finally:
             _local.transport = None
+            with hub.cond:
+                hub.pass_turn(rank)
 
     threads = [threading.Thread(target=body, args=(r,), name=f"pipeengine-rank-{r}", daemon=True)
                for r in range(nprocs)]  # fmt: skip
     for thread in threads:
         thread.start()
     failed_at: float | None = None
-    while any(thread.is_alive() for thread in threads):
-        for thread in threads:
-            thread.join(0.05)
-        if failed_at is None and hub.failure is not None:
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > grace:
-            break
+    try:
+        while any(thread.is_alive() for thread in threads):
+            for thread in threads:
+                thread.join(0.05)
+            if failed_at is None and hub.failure is not None:
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                break
+    except KeyboardInterrupt:  # Ctrl-C: stop every rank, then re-raise here (never leave them training behind)
+        stop(hub, threads, grace)
+        raise
     for rank, thread in enumerate(threads):
         if thread.is_alive():  # a thread cannot be stopped: it is left behind as a daemon
             outcomes[rank] = Outcome(rank, time.time(), fate=f"was still running {grace:.0f} s after the first failure")
     raise_cause(outcomes, nprocs)
+
+
+def stop(hub: Hub, threads: list[threading.Thread], grace: float) -> None:
+    """Stop the rank threads: every wait on another rank fails at once, and each thread gets a KeyboardInterrupt
+    at its next Python instruction (a kernel in flight finishes first); wait up to ``grace`` seconds for them."""
+    hub.fail(INTERRUPTED, KeyboardInterrupt("interrupted (Ctrl-C)"))
+    for thread in threads:
+        if thread.is_alive() and thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
+    deadline = time.monotonic() + grace
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
