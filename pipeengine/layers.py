@@ -19,6 +19,7 @@ are timed and counted on copies: the model is left as it was.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -53,15 +54,20 @@ class LayerProfile:
     kept: tuple[int, ...]  # what a split backward's I keeps for W (the gradient at each node with weights)
     output_kept: tuple[bool, ...]  # whether the output is still held after I (something W needs saved it)
     other_freed: tuple[int, ...]  # of saved_other, what I lets go (saved by nodes W does not need)
+    # per layer, (index among the model's parameters, bytes) of each parameter it holds: a weight tied across layers
+    # (an embedding and its head) has one index, and a rank that holds it twice holds it once
+    parameters: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def stage_costs(
         self, bounds: Sequence[tuple[int, int]], *, overhead: float = 0.0, latency: float = 0.0,
         per_byte: float = 0.0, optimizer_copies: int = 2, buffered_sends: bool = True,
+        placement: Sequence[int] | None = None,
     ) -> Costs:  # fmt: skip
         """The simulator's Costs (time and memory) for stages of these layers (``bounds``: [start, end) each).
 
         ``overhead``: seconds of host time per compute beyond its kernels; ``latency`` and ``per_byte``
-        price a message across a boundary.
+        price a message across a boundary. ``placement`` (stage -> rank): a parameter that several stages of a
+        rank hold (a tied embedding and head, both on rank 0 of a V) is that rank's state once, with the first.
         """
 
         def total(values: Sequence[float], a: int, b: int) -> float:
@@ -81,7 +87,7 @@ class LayerProfile:
             after_input.append(held + kept)
             keeps_out.append(1.0 if a == 0 or self.output_kept[b - 1] else 0.0)  # the first stage keeps all for W
             keeps_in.append(1.0 if a == 0 or self.saves_input[a] else 0.0)
-            state.append(state_bytes(total(self.parameter_bytes, a, b), optimizer_copies))
+            state.append(state_bytes(self._state_of(index, bounds, placement), optimizer_copies))
             boundary.append(0.0 if last else float(self.output[b - 1]))
             gradient.append(0.0 if last else float(self.gradient[b - 1]))
         memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
@@ -94,6 +100,31 @@ class LayerProfile:
             backward_weight=[total(self.backward_weight, a, b) + overhead for a, b in bounds],
             latency=latency, per_byte=per_byte, message_bytes=boundary, memory=memory,
         )  # fmt: skip
+
+
+    def _state_of(self, stage: int, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None) -> float:
+        """Bytes of a stage's parameters not held by an earlier stage of its rank (each layer's, without ties)."""
+        a, b = bounds[stage]
+        if not self.parameters:
+            return float(sum(self.parameter_bytes[a:b]))
+        mine = {key: size for layer in range(a, b) for key, size in self.parameters[layer]}
+        if placement is not None:
+            for earlier, (c, d) in enumerate(bounds[:stage]):
+                if placement[earlier] == placement[stage]:
+                    for layer in range(c, d):
+                        for key, _ in self.parameters[layer]:
+                            mine.pop(key, None)
+        return float(sum(mine.values()))
+
+
+def parameter_keys(model: Sequence[nn.Module]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per layer, (index among the model's distinct parameters, bytes) of each distinct parameter it holds."""
+    index: dict[int, int] = {}
+    layers = []
+    for layer in model:
+        held = dict.fromkeys(layer.parameters())  # a layer's own repeats once
+        layers.append(tuple((index.setdefault(id(p), len(index)), p.numel() * p.element_size()) for p in held))
+    return tuple(layers)
 
 
 def profile_layers(
@@ -112,7 +143,8 @@ def profile_layers(
         if loss is not None and target is not None:  # the loss runs on the last stage: that layer's, for stages
             part = map_tensors(target, lambda t: t[:rows].to(device).clone())  # type: ignore[arg-type]
             layers[-1] = _WithLoss(layers[-1], loss, part)
-        return _profile(layers, sample, rows, repeats, device)
+        profile = _profile(layers, sample, rows, repeats, device)
+        return dataclasses.replace(profile, parameters=parameter_keys(model))
     finally:
         torch.set_num_threads(previous)
 

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -63,11 +64,13 @@ class Candidate:
     step_time: float  # predicted seconds per step
     bubble: float
     peak_memory: tuple[float, ...]  # bytes per rank
+    data_parallel: int = 1  # replicas of the pipeline it was priced for
 
     def engine_kwargs(self) -> dict[str, object]:
-        """The PipelineEngine options that build it: ``PipelineEngine(model, loss_fn, **c.engine_kwargs())``."""
+        """The PipelineEngine options that build exactly what was priced:
+        ``PipelineEngine(model, loss_fn, **c.engine_kwargs())``."""
         return {"schedule": self.schedule, "num_microbatches": self.num_microbatches, "chunks": self.chunks,
-                "partition": list(self.partition)}  # fmt: skip
+                "partition": list(self.partition), "data_parallel": self.data_parallel}  # fmt: skip
 
     def fits(self, limit: float | None) -> bool:
         return limit is None or max(self.peak_memory) <= limit
@@ -85,6 +88,8 @@ class TuneResult:
 
     @property
     def best(self) -> Candidate:
+        if not self.rows and not self.dropped:
+            raise ValueError("no candidate was priced: see tune()'s reasons")
         if not self.rows:
             least = min(self.dropped, key=lambda c: max(c.peak_memory))
             raise ValueError(
@@ -161,6 +166,12 @@ def tune(
     it stays set in this process): otherwise each fresh weight gradient pays page faults the ranks do not (W of
     the benchmark MLP's layers at 32 rows measured 22.9 ms without, 11.4 ms with).
     """
+    _check_problem(model, sample, target)
+    for label, value in (("world_size", world_size), ("data_parallel", data_parallel),
+                         ("max_microbatches", max_microbatches), ("repeats", repeats),
+                         *(("each of microbatches", m) for m in microbatches or ())):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
     if world_size % data_parallel:
         raise ValueError(f"world_size={world_size} does not split into data_parallel={data_parallel} pipelines")
     if backend not in BACKENDS:
@@ -168,6 +179,12 @@ def tune(
     transport = BACKENDS[backend]
     buffered = transport.semantics is Semantics.BUFFERED
     ranks, layers = world_size // data_parallel, len(model)
+    if ranks > layers:
+        raise ValueError(
+            f"no candidate: a pipeline of {ranks} ranks (world_size={world_size} / data_parallel={data_parallel}) "
+            f"needs at least {ranks} layers, one per stage, and the model has {layers}; use at most {layers} pipeline "
+            "ranks (more data_parallel replicas, or fewer ranks), or split the model into more nn.Sequential layers"
+        )
     batch = unpack(sample)[0].shape[0]
     names = list(schedules or SCHEDULES)
     for name in names:
@@ -187,6 +204,7 @@ def tune(
     started = time.perf_counter()
     seen: dict[tuple[str, int, int, tuple[int, ...]], int] = {}
     candidates: list[Candidate] = []
+    refusals: dict[str, str] = {}  # schedule -> why it gave no candidate (the last reason)
     for name in names:
         record = registration(name)
         for chunks in record.chunks or tuple(v for v in (2, 3, 4) if ranks * v <= layers):
@@ -196,7 +214,8 @@ def tune(
             for m in counts:
                 try:
                     schedule = build_schedule(name, ranks, m, chunks)
-                except ValueError:  # m does not suit this schedule (interleaved: a multiple of p)
+                except ValueError as error:  # m does not suit this schedule (interleaved: a multiple of p)
+                    refusals[name] = str(error)
                     continue
                 program = transport.program(schedule)
                 profile = profiles[m]
@@ -210,7 +229,14 @@ def tune(
                         continue
                     seen[key] = len(candidates)
                     candidates.append(_price(name, m, chunks, method, bounds, program, profile, buffered,
-                                             optimizer_copies, overhead, latency, per_byte))  # fmt: skip
+                                             optimizer_copies, overhead, latency, per_byte, data_parallel))  # fmt: skip
+    if not candidates:
+        why = "; ".join(f"{name}: {reason}" for name, reason in refusals.items())
+        raise ValueError(
+            f"no candidate: no schedule of {names} runs {ranks} pipeline ranks with m in {counts} on {layers} layers "
+            f"({why or 'every schedule needs more layers than ranks x chunks'}); allow more micro-batch counts "
+            "(a batch with more divisors), other schedules, or fewer pipeline ranks"
+        )
     candidates.sort(key=lambda c: (c.step_time, max(c.peak_memory)))
     kept = [c for c in candidates if c.fits(memory_limit)]
     dropped = [c for c in candidates if not c.fits(memory_limit)]
@@ -254,26 +280,60 @@ def _layer_costs(profile: LayerProfile) -> LayerCosts:
 def _price(
     name: str, m: int, chunks: int, method: str, bounds: list[tuple[int, int]], program: Schedule,
     profile: LayerProfile, buffered: bool, optimizer_copies: int, overhead: float, latency: float, per_byte: float,
+    data_parallel: int,
 ) -> Candidate:  # fmt: skip
     # stage s runs layers bounds[s]; the schedule's stages are in model order
     costs = profile.stage_costs(bounds, overhead=overhead, latency=latency, per_byte=per_byte,
-                                optimizer_copies=optimizer_copies, buffered_sends=buffered)  # fmt: skip
+                                optimizer_copies=optimizer_copies, buffered_sends=buffered,
+                                placement=program.placement)  # fmt: skip
     timeline = simulate(program, costs)
     return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), timeline.makespan,
-                     timeline.bubble_fraction, tuple(timeline.peak_memory))  # fmt: skip
+                     timeline.bubble_fraction, tuple(timeline.peak_memory), data_parallel)  # fmt: skip
+
+
+def _check_problem(model: object, sample: object, target: object) -> None:
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"tune plans an nn.Sequential (the model PipelineEngine cuts into stages), got {type(model).__name__}; "
+            "write the model as nn.Sequential(layer, layer, ...)"
+        )
+    for label, value in (("sample", sample), ("target", target)):
+        if label == "target" and value is None:
+            continue
+        if not (isinstance(value, torch.Tensor) or (isinstance(value, tuple) and value
+                                                     and all(isinstance(t, torch.Tensor) for t in value))):  # fmt: skip
+            raise TypeError(
+                f"{label} must be a batch: a tensor or a tuple of tensors (not a list), got {type(value).__name__}"
+            )
+        if unpack(value)[0].dim() == 0:  # type: ignore[arg-type]
+            raise ValueError(f"{label} needs a batch dimension, got a 0-d tensor")
 
 
 def _mb(value: float | None) -> str:
-    return "none" if value is None else f"{value / 2**20:.1f} MB"
+    """Bytes for people: 512 B, 3.0 KiB, 20.1 MiB, 1.50 GiB."""
+    if value is None:
+        return "none"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{value:.0f} B"
+
+
+_SIZE = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
 
 
 def parse_bytes(text: str) -> float:
-    """'64MB', '2GB', '1.5e9' -> bytes."""
-    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
-    for unit, scale in units.items():
-        if text.upper().endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text)
+    """'64MB', '64MiB', '2G', '512B', '1.5e9' -> bytes (K, M, G, T are powers of 1024); positive."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: write bytes with an optional unit, e.g. 512MB, 512MiB, 2GB or 1.5e9"
+        )
+    number, unit = match.groups()
+    value = float(number) * 1024 ** (" KMGT".index(unit.upper()) if unit else 0)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a memory limit must be positive, got {text!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -285,22 +345,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--schedules", nargs="+")
     parser.add_argument("--microbatches", type=int, nargs="+")
     parser.add_argument("--backend", default="gloo", choices=sorted(BACKENDS))
-    args = parser.parse_args(argv)
-    module, _, function = args.problem.partition(":")
-    if not function:
-        parser.error(f"problem must be module:function, got {args.problem!r}")
-    sys.path.insert(0, ".")
-    model, loss_fn, sample = getattr(importlib.import_module(module), function)()
+    args = parser.parse_args(_glued(list(sys.argv[1:] if argv is None else argv), ("--memory-limit",)))
+    model, loss_fn, sample = _problem(parser, args.problem)
     try:
         result = tune(model, loss_fn, sample, args.world_size, memory_limit=args.memory_limit,
                       data_parallel=args.data_parallel, schedules=args.schedules, microbatches=args.microbatches,
                       backend=args.backend)  # fmt: skip
         print(result)
         print(f"best: PipelineEngine(model, loss_fn, **{result.best.engine_kwargs()})")
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _glued(argv: list[str], options: Sequence[str]) -> list[str]:
+    """``--memory-limit -5MB`` as ``--memory-limit=-5MB``: argparse would read a value starting with '-' as a flag."""
+    out: list[str] = []
+    for word in argv:
+        if out and out[-1] in options and word.startswith("-"):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
+def _problem(parser: argparse.ArgumentParser, problem: str) -> tuple[nn.Sequential, object, object]:
+    """The (model, loss_fn, sample) that module:function returns, or a parser error saying what is wrong."""
+    module, _, function = problem.partition(":")
+    if not module or not function:
+        parser.error(f"problem must be module:function (e.g. examples.train_gpt:planning), got {problem!r}")
+    sys.path.insert(0, ".")
+    try:
+        found = importlib.import_module(module)
+    except ImportError as error:
+        parser.error(f"cannot import module {module!r} of {problem!r}: {error} (run from the folder it is found in)")
+    make = getattr(found, function, None)
+    if not callable(make):
+        parser.error(f"module {module!r} has no function {function!r}")
+    made = make()
+    if not isinstance(made, tuple) or len(made) != 3:
+        what = f"{len(made)} values" if isinstance(made, tuple) else type(made).__name__
+        parser.error(f"{problem}() must return (model, loss_fn, sample), three values; it returned {what}")
+    return made
 
 
 if __name__ == "__main__":
