@@ -41,6 +41,7 @@ from schedules import (
     build_schedule,
     forward_only,
     lower,
+    lowered,
     tie_ranks,
     validate,
     with_gradient_sync,
@@ -64,6 +65,15 @@ class Programs:
         key = (train, no_gradient if train else frozenset())
         program = self._made.get(key)
         if program is None:
+            declared = sorted(self.schedule.no_gradient - no_gradient) if train else []
+            if declared:  # the schedule says no gradient crosses where one must: a stage would silently not train
+                b = declared[0]
+                raise ValueError(
+                    f"the schedule says boundary {b} (between stages {b} and {b + 1}) carries no gradient (its "
+                    f"no_gradient, a 'no-gradient' line in a schedule file), but stage {b + 1}'s input needs one: "
+                    f"stages up to {b} would never get a gradient. Remove boundary {b} from it, or freeze those stages "
+                    "(requires_grad=False before building the engine): gradient-free boundaries are inferred"
+                )
             if not train:
                 base = forward_only(self.schedule)
             else:
@@ -192,7 +202,6 @@ def resolve_schedule(schedule: str | Schedule, world: int, num_microbatches: int
             f"the schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
             f"but the world has {world} ranks and num_microbatches={num_microbatches}"
         )
-    if schedule.compute_only() == schedule and world > 1:  # a compiler's output, or a hand-written compute order
-        schedule = lower(schedule)
+    schedule = lowered(schedule)  # a compute-only schedule (a compiler's output, a hand-written order) gets its messages
     validate(schedule)
     return schedule

@@ -50,6 +50,11 @@ class EngineConfig:
             raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(self.schedule).__name__}")
         if self.chunks is not None:
             _positive_int("chunks", self.chunks)
+            if isinstance(self.schedule, Schedule) and self.chunks != self.schedule.chunks:
+                raise ValueError(
+                    f"chunks={self.chunks}, but the schedule given runs {self.schedule.chunks} chunk(s) per rank: "
+                    "a Schedule fixes its own chunks; leave chunks= out"
+                )
         if isinstance(self.partition, str):
             if self.partition not in METHODS:
                 raise ValueError(
@@ -75,6 +80,11 @@ class EngineConfig:
             isinstance(self.memory_limit, (int, float)) and self.memory_limit > 0
         ):
             raise ValueError(f"memory_limit must be a positive number of bytes per rank, got {self.memory_limit!r}")
+        if self.memory_limit is not None and self.schedule != AUTO:
+            raise ValueError(
+                f"memory_limit= is the bound schedule='auto' plans under; with schedule={_shown(self.schedule)} "
+                "nothing reads it: use schedule='auto' (with sample=) to choose under it, or leave memory_limit out"
+            )
         if self.loss_count is not None and not callable(self.loss_count):
             raise TypeError(
                 "loss_count must be callable as loss_count(target) -> the number of units (e.g. tokens) the "
@@ -89,6 +99,10 @@ class EngineConfig:
     def checkpointed(self, stage: int, num_stages: int) -> bool:
         """Whether a stage recomputes its activations in backward."""
         return self.checkpoint == "always" or (self.checkpoint == "except_last" and stage != num_stages - 1)
+
+
+def _shown(schedule: str | Schedule) -> str:
+    return repr(schedule) if isinstance(schedule, str) else f"a Schedule ({schedule.name})"
 
 
 def _positive_int(name: str, value: object) -> None:

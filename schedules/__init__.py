@@ -6,7 +6,7 @@ from schedules.gpipe import gpipe
 from schedules.inference import forward_only
 from schedules.instructions import Action, Batch, Instruction, Kind, Post, ops_of, parse
 from schedules.interleaved import interleaved_1f1b
-from schedules.lowering import lower, receives_first
+from schedules.lowering import lower, lowered, receives_first
 from schedules.memory import Memory, state_bytes
 from schedules.one_f_one_b import one_f_one_b
 from schedules.registry import SCHEDULES, Registration, build_schedule, compile_schedule, register, registration
@@ -40,6 +40,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "lower",
+    "lowered",
     "one_f_one_b",
     "ops_of",
     "parse",

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from schedules.lowering import lowered
 from schedules.memory import Memory
 from schedules.registry import SCHEDULES, build_schedule, compile_schedule
 from schedules.schedule import Schedule, ScheduleError
@@ -53,16 +54,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _schedule(args: argparse.Namespace, lowered: bool = True) -> Schedule:
-    """The schedule the arguments name: a registered schedule compiled (and lowered), or a file."""
+def _schedule(args: argparse.Namespace, lowered_form: bool = True) -> Schedule:
+    """The schedule the arguments name: a registered schedule compiled (and lowered), or a file (lowered if it holds
+    compute only, as the engine does)."""
     if args.name not in SCHEDULES and Path(args.name).is_file():
-        return Schedule.from_text(Path(args.name).read_text())
+        schedule = Schedule.from_text(Path(args.name).read_text())
+        given = {"--ranks": (args.ranks, schedule.num_ranks), "--microbatches": (args.microbatches,
+                 schedule.num_microbatches), "--chunks": (args.chunks, schedule.chunks)}  # fmt: skip
+        clash = [f"{flag} {mine} (the file: {theirs})" for flag, (mine, theirs) in given.items()
+                 if mine is not None and mine != theirs]  # fmt: skip
+        if clash:
+            raise ValueError(
+                f"{args.name} is a schedule file, which fixes its own sizes, but {', '.join(clash)}: drop the flags "
+                "(they size a named schedule), or edit the file"
+            )
+        return lowered(schedule) if lowered_form else schedule
     if args.ranks is None or args.microbatches is None:
         raise ValueError(
             f"{args.name!r} is {'a schedule name' if args.name in SCHEDULES else 'neither a schedule name nor a file'}"
             f"; a name needs --ranks and --microbatches (names: {', '.join(SCHEDULES)})"
         )
-    build = build_schedule if lowered else compile_schedule
+    build = build_schedule if lowered_form else compile_schedule
     return build(args.name, args.ranks, args.microbatches, args.chunks)
 
 
@@ -70,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.verb == "show":
-            schedule = _schedule(args, lowered=not args.compute_only)
+            schedule = _schedule(args, lowered_form=not args.compute_only)
             print(schedule.to_text() if args.text else schedule, end="\n" if not args.text else "")
         elif args.verb == "validate":
             start = time.perf_counter()

@@ -25,7 +25,15 @@ from schedules.schedule import Schedule
 from schedules.simulation import Costs, run
 from schedules.validation import check_compute
 
-__all__ = ["lower", "receives_first"]
+__all__ = ["lower", "lowered", "receives_first"]
+
+
+def lowered(schedule: Schedule) -> Schedule:
+    """The streams to run: a schedule holding compute only (a compiler's output, a hand-written compute order in a
+    schedule file) lowered, one with its communication as it is (the engine and ``python -m schedules`` alike)."""
+    if schedule.num_ranks > 1 and schedule.compute_only() == schedule:
+        return lower(schedule)
+    return schedule
 
 
 @gc_paused()

@@ -12,6 +12,20 @@ __all__ = ["Schedule", "ScheduleError"]
 Cell = tuple[int, int]  # (rank, index of the instruction in the rank's stream)
 
 
+_ONE_NUMBER = ("ranks", "microbatches", "chunks")  # schedule-file fields that hold one integer
+
+
+def _numbers(name: str, text: str, one: bool = False) -> list[int]:
+    """The integers of a schedule-file field (exactly one where ``one``): a ValueError saying what is wrong."""
+    try:
+        values = [int(x) for x in text.split()]
+    except ValueError:
+        raise ValueError(f"{name} takes integers, got {text.strip()!r}") from None
+    if one and len(values) != 1:
+        raise ValueError(f"{name} takes one integer, got {len(values)}: {text.strip()!r}")
+    return values
+
+
 class ScheduleError(ValueError):
     """A schedule breaks a rule; the message names the rule, the values and shows the grid."""
 
@@ -165,9 +179,9 @@ class Schedule:
     @classmethod
     def from_text(cls, text: str) -> Schedule:
         """Read :meth:`to_text`'s form. Raises ScheduleError naming the line that is wrong."""
-        fields: dict[str, str] = {}
+        fields: dict[str, tuple[int, str]] = {}  # field -> (line number, its text)
         tied: list[tuple[int, ...]] = []
-        streams: dict[int, tuple[Action, ...]] = {}
+        streams: dict[int, tuple[int, tuple[Action, ...]]] = {}  # rank -> (line number, stream)
         for number, raw in enumerate(text.splitlines(), 1):
             line = raw.split("#", 1)[0].strip()
             if not line:
@@ -178,11 +192,19 @@ class Schedule:
                     rank, colon, ops = rest.partition(":")
                     if not colon or not rank.strip().isdigit():
                         raise ValueError("a stream line reads 'rank <r>: <action> <action> ...'")
-                    streams[int(rank)] = tuple(parse(op) for op in ops.split())
+                    if int(rank) in streams:
+                        raise ValueError(f"rank {int(rank)}'s stream was given already, on line {streams[int(rank)][0]}")
+                    streams[int(rank)] = (number, tuple(parse(op) for op in ops.split()))
                 elif word in ("schedule", "ranks", "microbatches", "chunks", "placement", "no-gradient"):
-                    fields[word] = rest.strip()
+                    if word in fields:
+                        raise ValueError(f"{word!r} was given already, on line {fields[word][0]}")
+                    fields[word] = (number, rest.strip())
+                    if word in _ONE_NUMBER:
+                        _numbers(word, rest, one=True)
+                    elif word != "schedule":
+                        _numbers(word, rest)
                 elif word == "tied":
-                    tied.append(tuple(int(stage) for stage in rest.split()))
+                    tied.append(tuple(_numbers("tied", rest)))
                 else:
                     raise ValueError(
                         f"unknown field {word!r}; the fields are schedule, ranks, microbatches, chunks, placement, "
@@ -195,19 +217,17 @@ class Schedule:
             raise ScheduleError(f"the schedule text has no {', '.join(missing)} line; see Schedule.to_text's form")
 
         def numbers(name: str) -> list[int]:
-            try:
-                return [int(x) for x in fields.get(name, "").split()]
-            except ValueError:
-                raise ScheduleError(f"{name}: expected integers, got {fields[name]!r}") from None
+            return _numbers(name, fields[name][1]) if name in fields else []
 
-        (p,), (m,) = numbers("ranks") or [0], numbers("microbatches") or [0]
+        (p,), (m,) = numbers("ranks"), numbers("microbatches")
         placement = tuple(numbers("placement"))
         chunks = numbers("chunks") or [len(placement) // max(p, 1)]
         if sorted(streams) != list(range(p)):
             raise ScheduleError(f"the schedule has ranks {p}, so it needs lines 'rank 0:' .. 'rank {p - 1}:', "
                                 f"got ranks {sorted(streams)}")  # fmt: skip
-        return cls(fields.get("schedule", "custom"), p, m, chunks[0], placement,
-                   tuple(streams[r] for r in range(p)), frozenset(numbers("no-gradient")), tuple(tied))  # fmt: skip
+        name = fields["schedule"][1] if "schedule" in fields else "custom"
+        return cls(name, p, m, chunks[0], placement, tuple(streams[r][1] for r in range(p)),
+                   frozenset(numbers("no-gradient")), tuple(tied))  # fmt: skip
 
     def error(self, rule: str, detail: str, marks: Iterable[Cell] = ()) -> ScheduleError:
         """A ScheduleError naming the rule and the values, with the marked cells shown in the grid."""

@@ -45,3 +45,19 @@ def test_a_schedule_written_as_text_is_read_back_and_validated(tmp_path: Path) -
     path.write_text(text.replace("0B2", "0B1", 1))  # a user's slip: a backward twice
     result = run("validate", str(path))
     assert result.returncode == 1 and "each instruction appears exactly once" in result.stderr
+
+
+def test_a_compute_only_file_is_lowered_as_the_engine_lowers_it(tmp_path: Path) -> None:
+    path = tmp_path / "order.txt"
+    path.write_text(run("show", "1f1b", "-p", "2", "-m", "4", "--compute-only", "--text").stdout)
+    result = run("validate", str(path))  # once refused: "0SF0 is missing", while the engine lowered the same file
+    assert result.returncode == 0 and result.stdout.startswith("valid: 1f1b: 2 ranks, 4 micro-batches"), result
+
+
+def test_sizes_given_beside_a_file_that_fixes_its_own_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "mine.txt"
+    path.write_text(run("show", "1f1b", "-p", "2", "-m", "4", "--text").stdout)
+    result = run("validate", str(path), "-p", "4", "-m", "8")  # once ignored in silence
+    assert result.returncode == 2
+    assert "schedule file, which fixes its own sizes, but --ranks 4 (the file: 2), --microbatches 8" in result.stderr
+    assert run("validate", str(path), "-p", "2").returncode == 0  # the same sizes: nothing to refuse

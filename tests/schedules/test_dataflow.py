@@ -153,3 +153,18 @@ def test_every_action_of_a_lowered_stream_is_an_instruction_or_a_post() -> None:
     schedule = build_schedule("interleaved", 2, 4)
     assert all(isinstance(op, Instruction) for rank in range(2) for action in schedule.instructions[rank]
                for op in ops_of(action))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (lambda t: t.replace("ranks 2", "ranks 2 3"), r"line 2: 'ranks 2 3': ranks takes one integer, got 2"),
+        (lambda t: t + "rank 0: 0F0\n", r"line 8: 'rank 0: 0F0': rank 0's stream was given already, on line 6"),
+        (lambda t: t + "ranks 2\n", r"line 8: 'ranks 2': 'ranks' was given already, on line 2"),
+        (lambda t: t.replace("placement 0 1", "placement 0 x"), r"line 5: .*placement takes integers, got '0 x'"),
+    ],
+)
+def test_a_schedule_file_with_a_line_wrong_names_the_line(edit: object, error: str) -> None:
+    text = build_schedule("1f1b", 2, 2).to_text()
+    with pytest.raises(ScheduleError, match=error):
+        Schedule.from_text(edit(text))  # type: ignore[operator]
