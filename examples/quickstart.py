@@ -1,4 +1,4 @@
-"""The smallest complete pipeengine program: an MLP on 2 CPU ranks, a few steps, the loss printed.
+"""The smallest complete pipeengine program: an MLP on 2 CPU ranks learns a function, its loss printed falling.
 
 python examples/quickstart.py
 python examples/quickstart.py --ranks 4 --schedule interleaved --steps 20
@@ -16,7 +16,7 @@ from torch import nn
 from pipeengine import PipelineEngine, launch
 from schedules import SCHEDULES
 
-RANKS, SCHEDULE, MICROBATCHES, STEPS, BATCH, WIDTH = 2, "1f1b", 4, 10, 64, 64
+RANKS, SCHEDULE, MICROBATCHES, STEPS, BATCH, WIDTH, BATCHES, LEARNING_RATE = 2, "1f1b", 4, 10, 64, 64, 4, 1e-2
 
 
 def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> None:
@@ -24,17 +24,17 @@ def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> 
     model = nn.Sequential(
         *(layer for _ in range(4) for layer in (nn.Linear(WIDTH, WIDTH), nn.ReLU())), nn.Linear(WIDTH, 1)
     )
-    data = torch.Generator().manual_seed(1)
-    sample = torch.randn(BATCH, WIDTH, generator=data)  # an example batch: the layers are timed on it
+    data = torch.Generator().manual_seed(1)  # the same data on every rank: a small training set, a function of it
+    inputs = torch.randn(BATCHES * BATCH, WIDTH, generator=data)
+    targets = inputs @ torch.randn(WIDTH, 1, generator=data) / WIDTH**0.5  # a linear function to learn
     engine = PipelineEngine(
-        model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule, sample=sample
-    )
+        model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule, sample=inputs[:BATCH]
+    )  # sample: an example batch, on which the layers are timed to cut the stages
     if engine.rank == 0:
         print(engine.partition, flush=True)
-    optimizer = torch.optim.AdamW(engine.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE)
     for step in range(steps):
-        x = torch.randn(BATCH, WIDTH, generator=data)
-        y = x[:, :8].sum(dim=1, keepdim=True).sin()  # a function to learn
+        x, y = inputs.split(BATCH)[step % BATCHES], targets.split(BATCH)[step % BATCHES]
         with engine.tracing() if timeline and step == steps - 1 else contextlib.nullcontext():
             loss = engine.train_step(x if engine.first else None, y if engine.last else None)
         optimizer.step()

@@ -132,6 +132,9 @@ def documents(data: torch.Tensor) -> list[tuple[int, int]]:
 
 def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    talk = dist.get_rank() == 0  # the first stage of the first replica
+    say = print if talk else (lambda *_, **__: None)
+    say(f"reading the corpus (the standard library's source, {CORPUS_BYTES / 1e6:g} MB) on rank 0...", flush=True)
     data = corpus(device)
     docs = documents(data)
     batches = torch.Generator().manual_seed(0)
@@ -150,10 +153,11 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the same model on every rank; each keeps its stages
     model = gpt(args.layers, args.width, args.heads, args.context)
     sample, _ = batch()
+    say("building the pipeline: every rank checks it has the same model, rank 0 times each layer on a sample batch "
+        "to cut the stages...", flush=True)
     engine = PipelineEngine(model, summed_loss, num_microbatches=args.microbatches, schedule=args.schedule,
                             sample=sample, data_parallel=args.data_parallel, loss_count=real_tokens)  # fmt: skip
     batches.manual_seed(1 + engine.dp_rank)  # the same batches along a pipeline, others on each replica
-    talk = dist.get_rank() == 0  # the first stage of the first replica
     if talk:
         print(f"{sum(p.numel() for p in model.parameters()):,} parameters (embedding and head tied), "
               f"{len(docs):,} documents in {data.numel():,} characters of stdlib, "
@@ -177,6 +181,8 @@ def main(args: argparse.Namespace) -> None:
             rate = tokens * engine.data_parallel / (time.perf_counter() - started)
             measured = "n/a" if bubble != bubble else f"{bubble:.1%}"  # nan until the first traced step
             print(f"step {step:4d}  loss {loss:.3f}  {rate:8.0f} tokens/s  bubble {measured} (measured)", flush=True)
+    say(f"sampling {args.sample_chars} characters after 'def ' ({args.sample_chars} eval_steps through the "
+        "pipeline)...", flush=True)
     generate(engine, args, device)
     if talk and timeline is not None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -9,6 +9,7 @@ from schedules.instructions import Instruction, Kind
 
 if TYPE_CHECKING:  # typing only: timeline.py imports this module lazily, so no import runs back
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
     from schedules.timeline import Timeline
 
@@ -26,10 +27,13 @@ COLOURS = {
 LABELS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward (input)",
           Kind.BACKWARD_WEIGHT: "backward (weight)", "post": "posting sends/recvs",
           "wait": "waiting on a transfer", "memory": "memory held (under each rank; its peak labelled)"}  # fmt: skip
+LATER_CHUNKS = 0.6  # the shade (alpha) of a rank's second and later chunks; its first chunk is drawn full
+CHUNK_LABELS = {"chunk-first": "a rank's first chunk (full shade)", "chunk-later": "its later chunks (lighter)"}
 
 
-def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[str] | None = None) -> None:
-    """Draw timelines stacked on one time axis (e.g. GPipe, 1F1B, interleaved; or simulated vs measured)."""
+def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[str] | None = None) -> Figure:
+    """Draw timelines stacked on one time axis (e.g. GPipe, 1F1B, interleaved; or simulated vs measured); the
+    legend names each colour, and, where a rank runs several chunks (stages), which shade is which chunk."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -58,15 +62,13 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[st
         axis.set_xlim(0, end)
     axes[-1].set_xlabel(f"time ({unit})")
     order = [k for k in COLOURS if k in used]
-    figure.legend(
-        [Patch(color=COLOURS[k]) for k in order],
-        [LABELS[k] for k in order],
-        loc="outside lower center",
-        ncol=len(order),
-        fontsize=9,
-        frameon=False,
-    )
+    handles, labels = [Patch(color=COLOURS[k]) for k in order], [LABELS[k] for k in order]
+    if "chunk-later" in used:  # the shades, in the forward's colour
+        handles += [Patch(color=COLOURS[Kind.FORWARD]), Patch(color=COLOURS[Kind.FORWARD], alpha=LATER_CHUNKS)]
+        labels += [CHUNK_LABELS["chunk-first"], CHUNK_LABELS["chunk-later"]]
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=9, frameon=False)
     figure.savefig(path, dpi=110)
+    return figure
 
 
 def _scale(timelines: Sequence[Timeline]) -> tuple[float, str]:
@@ -92,7 +94,9 @@ def _draw(axis: Axes, timeline: Timeline, scale: float, end: float) -> set[Kind 
         used.add(key)
         left, width = (span.start - origin) * scale, max(span.duration * scale, end * 1e-4)
         chunk = chunk_of.get((span.rank, op.stage), 0) if isinstance(op, Instruction) else 0
-        alpha = 1.0 if chunk == 0 or not span.is_compute else 0.6
+        alpha = 1.0 if chunk == 0 or not span.is_compute else LATER_CHUNKS
+        if chunk and span.is_compute:
+            used.add("chunk-later")
         height = 0.5 if timeline.memory is not None else 0.8  # room for the memory track under the row
         axis.barh(span.rank - (0.15 if timeline.memory is not None else 0.0), width, left=left, height=height,
                   color=COLOURS[key], alpha=alpha, edgecolor="white", linewidth=0.4)  # fmt: skip

@@ -16,10 +16,11 @@ def run(*args: str, cwd: Path = ROOT) -> str:
 
 
 @pytest.mark.timeout(180)
-def test_quickstart_trains_prints_the_loss_and_writes_its_timeline(tmp_path: Path) -> None:
-    out = run(str(ROOT / "examples" / "quickstart.py"), "--steps", "3", "--timeline", str(tmp_path / "last"))
+def test_quickstart_learns_prints_the_loss_and_writes_its_timeline(tmp_path: Path) -> None:
+    out = run(str(ROOT / "examples" / "quickstart.py"), "--timeline", str(tmp_path / "last"))
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
-    assert len(losses) == 3 and all(loss > 0 for loss in losses)
+    # its 10 steps show learning (once 0.45 -> 0.52): the one-process numbers are 0.61 -> 0.06
+    assert len(losses) == 10 and losses[-1] < losses[0] / 4 and min(losses[-3:]) < min(losses[:3]) / 3, losses
     assert out.splitlines()[0].startswith("partition by time: 2 stages")
     assert (tmp_path / "last.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "last.json").stat().st_size > 0
 
@@ -36,7 +37,10 @@ def test_train_gpt_trains_samples_and_writes_its_timeline(tmp_path: Path) -> Non
         str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--steps", "3", "--layers", "2", "--batch", "8",
         "--microbatches", "2", "--sample-chars", "5", "--out", str(tmp_path / "gpt"),
     )  # fmt: skip
-    steps = [line for line in out.splitlines() if line.startswith("step")]
+    lines = out.splitlines()
+    said = [line.split(" ")[0] for line in lines if line.endswith("...")]  # never silent while it works
+    assert said == ["reading", "building", "sampling"], lines
+    steps = [line for line in lines if line.startswith("step")]
     assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 2
     assert float(steps[0].split()[3]) > 3.0  # about ln(96) at the start
     samples = [line for line in out.splitlines() if line.startswith("sample: 'def ")]

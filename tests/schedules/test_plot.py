@@ -55,3 +55,12 @@ def test_the_plot_command_writes_a_png(tmp_path: Path) -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert path.read_bytes()[:8] == PNG
+
+
+def test_the_legend_says_which_shade_is_which_chunk(tmp_path: Path) -> None:
+    figure = plot_timelines([simulate(build_schedule("interleaved", 2, 4, 2))], str(tmp_path / "chunks.png"))
+    labels = [text.get_text() for legend in figure.legends for text in legend.get_texts()]
+    assert "a rank's first chunk (full shade)" in labels and "its later chunks (lighter)" in labels, labels
+    figure = plot_timelines([simulate(build_schedule("1f1b", 2, 4))], str(tmp_path / "one.png"))
+    labels = [text.get_text() for legend in figure.legends for text in legend.get_texts()]
+    assert not any("chunk" in label for label in labels), labels  # one chunk per rank: no shades to explain

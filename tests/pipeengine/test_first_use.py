@@ -1,0 +1,324 @@
+"""What a new user ran into: refusals that stop silent wrong training, and errors that say what to do.
+
+Each rank function sits beside the test that launches it (in-process ranks, or gloo processes that
+import this module).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeengine import PipelineEngine, launch
+from pipeengine.config import EngineConfig
+from schedules import build_schedule
+from tests.pipeengine import ranks
+from tests.pipeengine.gpt_workers import IGNORE, count_tokens, padded_batch, tied_gpt
+from tests.pipeengine.models import batch, mlp, mse
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+def refused_on_this_rank(build: object, pattern: str, error: type[BaseException] = ValueError) -> str:
+    """Run ``build()``; it must raise ``error`` matching ``pattern`` here. Every rank calls it: none may hang."""
+    with pytest.raises(error, match=pattern) as caught:
+        build()  # type: ignore[operator]
+    ranks.barrier()
+    return str(caught.value)
+
+
+# ---- 1. a mean-returning loss_fn with loss_count
+
+
+def token_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)  # a mean: wrong here
+
+
+def mean_with_loss_count() -> None:
+    engine = PipelineEngine(tied_gpt(), token_mean, num_microbatches=2, loss_count=count_tokens)
+    x, y = padded_batch(4, seed=0, microbatches=2)  # the first micro-batch nearly all padding
+
+    def step() -> None:
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+
+    message = refused_on_this_rank(step, r"loss_fn must return the SUM .* a mean .*reduction='sum'")
+    assert ranks.rank() == 1 or "rank 1 refused" in message  # the others repeat the last stage's error
+
+
+@pytest.mark.timeout(60)
+def test_a_mean_loss_with_loss_count_is_refused_on_every_rank() -> None:
+    launch(mean_with_loss_count, 2, timeout=30, in_process=True)
+
+
+# ---- 2. ranks that build different models
+
+
+def different_models(case: str) -> None:
+    rank = ranks.rank()
+    if case == "layers":  # rank 0 builds 4 layers, rank 1 five
+        model = mlp(layers=2)[: 4 + rank]
+        pattern = r"the ranks built different models \(their layer counts: \{0: 4, 1: 5\}\); the first layer that "
+        pattern += r"differs is layer 4:\n  ranks \[0\]: no layer 4\n  ranks \[1\]: '4' = Linear"
+    elif case == "types":
+        model = mlp(layers=2)
+        if rank == 1:
+            model[1] = nn.ReLU()
+        pattern = r"first layer that differs is layer 1:\n  ranks \[0\]: '1' = Tanh\(\).*\n  ranks \[1\]: '1' = ReLU"
+    else:  # a seed forgotten on one rank
+        model = mlp(seed=rank)
+        pattern = r"layer 0:\n  ranks \[0\]: .*\n  ranks \[1\]: .*\nthe same layers with different weights: seed"
+    refused_on_this_rank(lambda: PipelineEngine(model, mse, num_microbatches=2), pattern)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["layers", "types", "weights"])
+def test_ranks_that_built_different_models_are_refused_naming_the_ranks_and_the_layer(case: str) -> None:
+    launch(different_models, 2, args=(case,), timeout=30, in_process=True)
+
+
+def forgot_a_seed() -> None:
+    if ranks.rank() == 0:
+        torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    refused_on_this_rank(lambda: PipelineEngine(model, mse, num_microbatches=2), "different weights: seed every")
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_processes_a_rank_that_forgot_the_seed_is_refused_on_every_rank() -> None:
+    launch(forgot_a_seed, 2, timeout=30)
+
+
+# ---- 3. the in-process launch and the global random generator
+
+
+BLOCKS = 60
+
+
+def seeded_like_the_readme(path: str) -> None:
+    torch.manual_seed(0)  # the README's pattern: seed, then build the model inside main
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(BLOCKS)])
+    engine = PipelineEngine(model, mse, num_microbatches=4)
+    torch.save(engine.state_dict(), f"{path}.{ranks.rank()}")
+
+
+@pytest.mark.timeout(60)
+def test_in_process_ranks_that_seed_then_build_get_the_seeded_model(tmp_path: Path) -> None:
+    launch(seeded_like_the_readme, 4, args=(str(tmp_path / "state"),), timeout=30, in_process=True)
+    torch.manual_seed(0)
+    expected = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(BLOCKS)]).state_dict()
+    held: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        held.update(torch.load(tmp_path / f"state.{rank}", weights_only=True))
+    assert sorted(held) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(held[name], value), name
+
+
+# ---- 7. Ctrl-C on an in-process launch
+
+INTERRUPTED = """
+import sys, threading, time
+import torch
+from torch import nn
+from pipeengine import PipelineEngine, launch
+
+def main():
+    torch.manual_seed(0)
+    engine = PipelineEngine(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), nn.functional.mse_loss,
+                            num_microbatches=4)
+    x = torch.randn(16, 64)
+    for step in range(10**9):
+        engine.train_step(x, x)
+        if step == 1:
+            print("training", flush=True)
+
+if __name__ == "__main__":
+    try:
+        launch(main, 2, in_process=True)
+    except KeyboardInterrupt:
+        if sys.argv[1] == "raise":
+            raise
+        time.sleep(0.5)
+        print("rank threads left:", [t.name for t in threading.enumerate() if t.name.startswith("pipeengine-rank")])
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("caller", ["raise", "catch"])
+def test_ctrl_c_on_an_in_process_launch_stops_every_rank(caller: str, tmp_path: Path) -> None:
+    import signal
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    child = subprocess.Popen([sys.executable, str(script), caller], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "training\n"
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert "terminate called" not in err and child.returncode != -signal.SIGABRT, err[-2000:]
+    if caller == "raise":  # Python's own end for an uncaught KeyboardInterrupt: killed by SIGINT
+        assert child.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, (child.returncode, err[-2000:])
+    else:
+        assert child.returncode == 0 and "rank threads left: []" in out, (child.returncode, out, err[-2000:])
+
+
+# ---- 8. a failing loss_count
+
+
+def failing_count(how: str) -> None:
+    def count(target: torch.Tensor) -> object:
+        if how == "raise":
+            raise KeyError("the user's own failure in loss_count")
+        return "abc"
+
+    engine = PipelineEngine(mlp(), lambda out, y: F.mse_loss(out, y, reduction="sum"), num_microbatches=2,
+                            loss_count=count)  # fmt: skip
+    x, y = batch("mlp", 4, seed=0)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("in_process", [True, False])
+def test_a_failing_loss_count_is_blamed_on_the_last_stage_with_the_users_line(in_process: bool) -> None:
+    with pytest.raises(KeyError, match="the user's own failure in loss_count") as caught:
+        launch(failing_count, 2, args=("raise",), timeout=30, in_process=in_process)
+    notes = "\n".join(caught.value.__notes__)
+    assert "rank 1 of 2 is the cause" in notes, notes
+    assert 'raise KeyError("the user\'s own failure in loss_count")' in notes  # the user's line, from rank 1
+    assert re.search(r"rank 0: Refused: rank 1 refused: KeyError", notes), notes
+
+
+@pytest.mark.timeout(60)
+def test_a_loss_count_that_returns_no_number_says_so() -> None:
+    with pytest.raises(TypeError, match=r"loss_count\(target\) must return the number of units .* returned str 'abc'"):
+        launch(failing_count, 2, args=("string",), timeout=30, in_process=True)
+
+
+# ---- 9. schedule files and arguments nothing reads
+
+
+def frozen_by_the_schedule() -> None:
+    schedule = build_schedule("1f1b", 2, 2).without_gradient({0})  # a file's 'no-gradient 0', compute only
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule=schedule)
+    x, y = batch("mlp", 4, seed=0)
+    refused_on_this_rank(lambda: engine.train_step(x if engine.first else None, y if engine.last else None),
+                         r"the schedule says boundary 0 \(between stages 0 and 1\) carries no gradient .* stages up "
+                         r"to 0 would never get a gradient")  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_a_schedule_that_says_no_gradient_where_one_is_needed_is_refused() -> None:
+    launch(frozen_by_the_schedule, 2, timeout=30, in_process=True)
+
+
+def test_options_nothing_would_read_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"chunks=2, but the schedule given runs 1 chunk\(s\) per rank"):
+        EngineConfig(2, build_schedule("1f1b", 2, 2), chunks=2)
+    assert EngineConfig(2, build_schedule("1f1b", 2, 2), chunks=1).chunks == 1
+    with pytest.raises(ValueError, match=r"memory_limit= is the bound schedule='auto' plans under; with "
+                                         r"schedule='1f1b' nothing reads it"):  # fmt: skip
+        EngineConfig(2, "1f1b", memory_limit=2**30)
+
+
+# ---- 4, 5, 6. the planner
+
+
+def test_the_planner_names_why_there_is_no_candidate() -> None:
+    from pipeengine.tune import tune
+
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"no candidate: a pipeline of 16 ranks .* the model has 11; use at most 11"):
+        tune(mlp(), mse, x, 16)
+    with pytest.raises(ValueError, match=r"a pipeline of 2 ranks .* needs at least 2 layers.* the model has 1"):
+        tune(nn.Sequential(nn.Linear(16, 4)), mse, x, 2)
+    for bad in ({"world_size": -2}, {"world_size": 0}, {"data_parallel": 0}, {"microbatches": [0]}):
+        arguments = {"world_size": 2, **bad}
+        with pytest.raises(ValueError, match=r"must be a positive int, got"):
+            tune(mlp(), mse, x, **arguments)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"tune plans an nn.Sequential .* got Linear"):
+        tune(nn.Linear(16, 4), mse, x, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"sample must be a batch: a tensor or a tuple of tensors \(not a list\)"):
+        tune(mlp(), mse, [x], 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"no candidate: .*interleaved: "):
+        tune(mlp(), mse, torch.randn(3, 16), 2, schedules=["interleaved"], microbatches=[3], repeats=1)
+
+
+def test_the_planners_choice_rebuilds_what_it_priced_with_data_parallelism() -> None:
+    from pipeengine.tune import tune
+
+    best = tune(mlp(), mse, torch.randn(16, 16), 4, data_parallel=2, schedules=["1f1b"], repeats=1).best
+    kwargs = best.engine_kwargs()
+    assert kwargs["data_parallel"] == 2 and len(kwargs["partition"]) == 2  # type: ignore[arg-type]
+
+    def build() -> None:
+        engine = PipelineEngine(mlp(), mse, **kwargs)  # type: ignore[arg-type]
+        assert engine.data_parallel == 2 and engine.schedule.num_ranks == 2
+        x, y = batch("mlp", 16, seed=0)
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+
+    launch(build, 4, timeout=30, in_process=True)
+
+
+def tied_embedding() -> nn.Sequential:
+    """A tied embedding and head (20000 x 64, 5 MiB) around two small blocks: 4 layers."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(2000, 64), nn.Linear(64, 2000, bias=False)
+    head.weight = embed.weight
+    return nn.Sequential(embed, nn.Linear(64, 64), nn.Linear(64, 64), head)
+
+
+def test_a_weight_tied_across_stages_of_one_rank_counts_once_in_the_planner() -> None:
+    from pipeengine.layers import profile_layers
+
+    tokens = torch.randint(0, 2000, (8, 4))
+    profile = profile_layers(tied_embedding(), tokens, 2, repeats=1, device=torch.device("cpu"))
+    schedule = build_schedule("zb-v", 2, 4)  # stages 0 and 3 (the embedding, the head) both on rank 0
+    bounds = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    state = profile.stage_costs(bounds, placement=schedule.placement).memory.state  # type: ignore[union-attr]
+    tied_bytes, block = 2000 * 64 * 4, (64 * 64 + 64) * 4
+    assert list(state) == [4 * tied_bytes, 4 * block, 4 * block, 0.0]  # weight, gradient, AdamW's two
+    apart = profile.stage_costs(bounds, placement=(0, 0, 1, 1)).memory.state  # type: ignore[union-attr]
+    assert list(apart) == [4 * tied_bytes, 4 * block, 4 * block, 4 * tied_bytes]  # on two ranks: a copy each
+    from pipeengine.tune import tune
+
+    planned = tune(tied_embedding(), None, tokens, 2, schedules=["zb-v"], microbatches=[4], repeats=1)
+    assert all(max(c.peak_memory) < 5 * tied_bytes for c in planned.rows), planned  # the tie held once, by rank 0
+
+
+def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeengine.tune import main
+
+    problem = "tests.pipeengine.models:planning"
+    assert main([problem, "--world-size", "2", "--schedules", "1f1b", "--memory-limit", "64MiB"]) == 0
+    assert "best: PipelineEngine(model, loss_fn, **{'schedule': '1f1b'" in capsys.readouterr().out
+    for argv, said in [
+        ([problem, "--world-size", "2", "--memory-limit", "-5MB"], "a memory limit must be positive, got '-5MB'"),
+        ([problem, "--world-size", "2", "--memory-limit", "lots"], "'lots' is not a size"),
+        (["tests.pipeengine.nowhere:planning", "--world-size", "2"], "cannot import module"),
+        (["tests.pipeengine.models:nothing", "--world-size", "2"], "has no function 'nothing'"),
+        (["tests.pipeengine.models:mlp", "--world-size", "2"], "must return (model, loss_fn, sample), three values"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert said in capsys.readouterr().err, argv
+    assert main([problem, "--world-size", "0"]) == 2
+    assert "world_size must be a positive int, got 0" in capsys.readouterr().err
+    assert main([problem, "--world-size", "4", "--data-parallel", "2", "--schedules", "1f1b"]) == 0
+    assert "'data_parallel': 2}" in capsys.readouterr().out  # the printed engine rebuilds what was priced
+
+
+def test_small_sizes_print_in_units_that_show_them() -> None:
+    from pipeengine.tune import _mb
+
+    assert [_mb(x) for x in (100, 3 * 2**10, 20.1 * 2**20, 3 * 2**30)] == ["100 B", "3.0 KiB", "20.1 MiB", "3.00 GiB"]
+
