@@ -18,7 +18,7 @@ import torch
 from common import OUT, arguments, measure, mlp, run_point, save_row, write_json
 
 from pipeengine import PipelineEngine
-from schedules.plot import plot_timelines
+from schedules import plot_timelines
 
 RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES, STEPS = [2, 4], 1, 1024, 8, 256, 8, 4
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]

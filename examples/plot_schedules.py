@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from schedules import Costs, build_schedule, simulate
-from schedules.plot import plot_timelines
+from schedules import Costs, build_schedule, plot_timelines, simulate
 
 RANKS, MICROBATCHES, OUTPUT = 4, 8, "docs/schedules.png"
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]

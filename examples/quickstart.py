@@ -30,7 +30,7 @@ def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> 
     engine = PipelineEngine(
         model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule, sample=inputs[:BATCH]
     )  # sample: an example batch, on which the layers are timed to cut the stages
-    if engine.rank == 0:
+    if engine.pp_rank == 0:
         print(engine.partition, flush=True)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE)
     for step in range(steps):
@@ -39,7 +39,7 @@ def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> 
             loss = engine.train_step(x if engine.first else None, y if engine.last else None)
         optimizer.step()
         optimizer.zero_grad()
-        if engine.rank == 0:
+        if engine.pp_rank == 0:
             print(f"step {step:3d}  loss {loss:.4f}  ({schedule}, {engine.schedule.num_ranks} ranks)", flush=True)
     measured = engine.timeline()  # rank 0 only, and only after a traced step
     if timeline and measured is not None:

@@ -15,12 +15,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from schedules.lowering import lowered
-from schedules.memory import Memory
-from schedules.registry import SCHEDULES, build_schedule, compile_schedule
-from schedules.schedule import Schedule, ScheduleError
-from schedules.simulation import Costs, simulate
-from schedules.validation import validate
+from schedules.compilers.registry import SCHEDULES, build_schedule, compile_schedule
+from schedules.ir.schedule import Schedule, ScheduleError
+from schedules.passes.lowering import lowered
+from schedules.proof.validation import validate
+from schedules.sim.memory_model import Memory
+from schedules.sim.simulation import Costs, simulate
 
 __all__ = ["main"]
 

@@ -56,7 +56,7 @@ def construct(case: str) -> None:
     if case == "not_sequential":
         PipelineEngine(nn.ModuleList([nn.Linear(2, 2)]), mse, num_microbatches=4)  # type: ignore[arg-type]
     elif case == "more_stages_than_layers":
-        torch.manual_seed(0)  # in-process ranks build it one at a time (pipeengine.loopback): the same on every rank
+        torch.manual_seed(0)  # in-process ranks build it one at a time (pipeengine.comm.loopback): alike everywhere
         PipelineEngine(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)), mse, num_microbatches=4)
     elif case == "interleaved_needs_more_microbatches":
         PipelineEngine(mlp(), mse, num_microbatches=world // 2, schedule="interleaved")

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from pipeengine.loopback import current
-from pipeengine.transport import Transport, connect
+from pipeengine.comm.base import Transport
+from pipeengine.comm.connect import connect
+from pipeengine.comm.loopback import current
 
 
 def world() -> Transport:

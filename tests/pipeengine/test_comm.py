@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeengine.transport import second_group
+from pipeengine.comm.gloo import second_group
 
 WAIT = datetime.timedelta(seconds=30)
 

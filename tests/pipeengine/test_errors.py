@@ -17,7 +17,7 @@ def test_not_a_sequential_is_refused_before_anything_else() -> None:
 
 
 def test_without_torch_distributed_it_says_how_to_start() -> None:
-    with pytest.raises(RuntimeError, match=r"pipeengine.launch\(fn, nprocs=N\) or torchrun"):
+    with pytest.raises(RuntimeError, match=r"pipeengine.launcher.launch\(fn, nprocs=N\) or torchrun"):
         PipelineEngine(nn.Sequential(nn.Linear(2, 2)), mse, num_microbatches=2)
 
 

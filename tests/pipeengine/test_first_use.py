@@ -16,8 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeengine import PipelineEngine, launch
-from pipeengine.config import EngineConfig
+from pipeengine import EngineConfig, PipelineEngine, launch
 from schedules import build_schedule
 from tests.pipeengine import ranks
 from tests.pipeengine.gpt_workers import IGNORE, count_tokens, padded_batch, tied_gpt
@@ -223,11 +222,11 @@ def test_a_schedule_that_says_no_gradient_where_one_is_needed_is_refused() -> No
 
 def test_options_nothing_would_read_are_refused() -> None:
     with pytest.raises(ValueError, match=r"chunks=2, but the schedule given runs 1 chunk\(s\) per rank"):
-        EngineConfig(2, build_schedule("1f1b", 2, 2), chunks=2)
-    assert EngineConfig(2, build_schedule("1f1b", 2, 2), chunks=1).chunks == 1
+        EngineConfig(num_microbatches=2, schedule=build_schedule("1f1b", 2, 2), chunks=2)
+    assert EngineConfig(num_microbatches=2, schedule=build_schedule("1f1b", 2, 2), chunks=1).chunks == 1
     with pytest.raises(ValueError, match=r"memory_limit= is the bound schedule='auto' plans under; with "
                                          r"schedule='1f1b' nothing reads it"):  # fmt: skip
-        EngineConfig(2, "1f1b", memory_limit=2**30)
+        EngineConfig(num_microbatches=2, schedule="1f1b", memory_limit=2**30)
 
 
 # ---- 4, 5, 6. the planner
@@ -278,7 +277,7 @@ def tied_embedding() -> nn.Sequential:
 
 
 def test_a_weight_tied_across_stages_of_one_rank_counts_once_in_the_planner() -> None:
-    from pipeengine.layers import profile_layers
+    from pipeengine.planner.profiler import profile_layers
 
     tokens = torch.randint(0, 2000, (8, 4))
     profile = profile_layers(tied_embedding(), tokens, 2, repeats=1, device=torch.device("cpu"))
@@ -318,7 +317,7 @@ def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixt
 
 
 def test_small_sizes_print_in_units_that_show_them() -> None:
-    from pipeengine.tune import _mb
+    from pipeengine.planner.tune import _mb
 
     assert [_mb(x) for x in (100, 3 * 2**10, 20.1 * 2**20, 3 * 2**30)] == ["100 B", "3.0 KiB", "20.1 MiB", "3.00 GiB"]
 

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from pipeengine import Partition, launch, measure, plan, solve
-from pipeengine.partition import bounds_from_counts, check_bounds, method_costs, stage_module
+from pipeengine.core.bounds import bounds_from_counts, check_bounds, stage_module
+from pipeengine.planner.partition import method_costs
 from schedules import Costs, build_schedule, simulate
 from tests.pipeengine import workers
 

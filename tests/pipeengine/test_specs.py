@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pipeengine import solve
-from pipeengine.specs import Boundary, TensorSpec, infer_boundaries, meta_copy
+from pipeengine.core.specs import Boundary, TensorSpec, infer_boundaries, meta_copy
 from tests.pipeengine.models import LENGTH, VOCAB, WIDTH, mlp, transformer
 
 

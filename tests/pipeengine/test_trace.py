@@ -17,11 +17,11 @@ from schedules import (
     forward_only,
     ops_of,
     peer,
+    plot_timelines,
     receives_first,
     replay,
     simulate,
 )
-from schedules.plot import plot_timelines
 from tests.pipeengine import workers
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeengine import EngineConfig, PeerError, PipelineError, launch
-from pipeengine.executor import HANDLERS
-from pipeengine.loopback import Hub, LoopbackTransport
-from pipeengine.transport import Transfer
+from pipeengine.comm.base import Transfer
+from pipeengine.comm.loopback import Hub, LoopbackTransport
+from pipeengine.runtime.executor import HANDLERS
 from schedules import Kind, parse
 from tests.pipeengine import workers
 
@@ -44,9 +44,9 @@ def test_messages_on_a_channel_are_received_in_the_order_sent() -> None:
     def body(t: LoopbackTransport) -> list[float]:
         if t.rank == 0:
             for value in (1.0, 2.0, 3.0):
-                t.post([Transfer(send, (torch.full((2,), value),), 1)])  # type: ignore[arg-type]
+                t.post([Transfer(True, (torch.full((2,), value),), 1, send)])
             return []
-        transfers = [Transfer(recv, (torch.empty(2),), 0) for _ in range(3)]  # type: ignore[arg-type]
+        transfers = [Transfer(False, (torch.empty(2),), 0, recv) for _ in range(3)]
         t.post(transfers)
         t.complete(transfers)
         return [float(tr.tensors[0][0]) for tr in transfers]
@@ -57,9 +57,9 @@ def test_messages_on_a_channel_are_received_in_the_order_sent() -> None:
 def test_a_message_of_another_shape_is_refused_not_truncated() -> None:
     def body(t: LoopbackTransport) -> None:
         if t.rank == 0:
-            t.post([Transfer(parse("0SF0"), (torch.ones(3),), 1)])  # type: ignore[arg-type]
+            t.post([Transfer(True, (torch.ones(3),), 1, parse("0SF0"))])
         else:
-            transfer = Transfer(parse("1RF0"), (torch.empty(2),), 0)  # type: ignore[arg-type]
+            transfer = Transfer(False, (torch.empty(2),), 0, parse("1RF0"))
             t.post([transfer])
             t.wait(transfer)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.layers import profile_layers
+from pipeengine.planner.profiler import profile_layers
 from pipeengine.tune import Candidate, tune
 from schedules import SCHEDULES, Costs, registration, simulate
 from tests.pipeengine import ranks
@@ -52,7 +52,8 @@ def test_a_memory_limit_drops_what_passes_it_and_says_what_it_cost(result) -> No
     assert limited.dropped and all(max(c.peak_memory) > limit for c in limited.dropped)
     assert f"dropped {len(limited.dropped)} candidates" in limited.binding()
     nothing = tune(mlp(), mse, batch("mlp", 16, seed=0)[0], 2, memory_limit=1, repeats=1)
-    with pytest.raises(ValueError, match=r"no candidate fits memory_limit=1 B per rank: the least memory any needs is [0-9.]+ KiB"):
+    least = r"no candidate fits memory_limit=1 B per rank: the least memory any needs is [0-9.]+ KiB"
+    with pytest.raises(ValueError, match=least):
         _ = nothing.best
 
 
@@ -132,7 +133,7 @@ def test_the_layers_are_timed_as_launchs_ranks_run_keeping_freed_memory(
     reuse: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[bool] = []
-    monkeypatch.setattr("pipeengine.tune.keep_freed_memory", lambda: calls.append(True) or True)
+    monkeypatch.setattr("pipeengine.planner.tune.keep_freed_memory", lambda: calls.append(True) or True)
     x = torch.randn(8, 16)
     tune(mlp(), None, x, 2, schedules=["1f1b"], microbatches=[2], repeats=1, reuse_memory=reuse)
     assert calls == ([True] if reuse else [])

@@ -1,4 +1,4 @@
-"""Functions that run on every rank under pipeengine.launch; they assert, and launch re-raises."""
+"""Functions that run on every rank under pipeengine.launcher.launch; they assert, and launch re-raises."""
 
 from __future__ import annotations
 

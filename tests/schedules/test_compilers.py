@@ -7,6 +7,7 @@ import pytest
 
 from schedules import (
     Kind,
+    Timeline,
     build_schedule,
     compile_schedule,
     gpipe,
@@ -14,9 +15,9 @@ from schedules import (
     one_f_one_b,
     simulate,
     validate,
+    zb_h1,
+    zb_v,
 )
-from schedules.timeline import Timeline
-from schedules.zero_bubble import zb_h1, zb_v
 
 GRID = [(p, m, v) for p in range(1, 9) for m in range(1, 33) for v in range(1, 5)]
 

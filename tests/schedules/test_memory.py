@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from schedules import Costs, Instruction, Memory, build_schedule, parse, simulate, state_bytes
-from schedules.plot import plot_timelines
+from schedules import Costs, Instruction, Memory, build_schedule, parse, plot_timelines, simulate, state_bytes
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 17)]
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from schedules import build_schedule, simulate
-from schedules.plot import plot_timelines
+from schedules import build_schedule, plot_timelines, simulate
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

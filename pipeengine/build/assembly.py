@@ -1,0 +1,221 @@
+"""Construction: from a model, a loss and an EngineConfig, what one rank runs (its Assembly).
+
+assemble(model, loss_fn, config, sample, world)
+    topology    world -> one (dp, pp, tp) grid -> this rank's pipeline, replicas and tensor group
+    transform   each stage cut from the model, then transformed on the mesh (parallelize=; build.transform)
+    schedule    compiled and lowered (or the user's, lowered if it is compute only), validated
+    partition   measured on the first stage's rank, broadcast, solved alike everywhere
+    ties        weights shared by stages on several ranks: a group of their holders each (ties.py)
+    stages      this rank's layers, under the model's names, with a StageWorker each
+    syncs       the gradient synchronisations its AR and TR instructions start (runtime.gradsync)
+    programs    per step kind and gradient-free boundaries: what the transport runs, proved
+                under its semantics before the first step that needs it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeengine.build.transform import device_mesh, transform_stage
+from pipeengine.comm.base import Transport
+from pipeengine.comm.topology import Topology
+from pipeengine.core.bounds import bounds_from_counts, check_counts, stage_module
+from pipeengine.core.config import METHODS, EngineConfig
+from pipeengine.core.grid import Grid
+from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
+from pipeengine.core.ties import Ties, find_ties
+from pipeengine.planner.partition import Partition, method_costs, solve
+from pipeengine.planner.profiler import LayerCosts, measure
+from pipeengine.runtime.executor import Executor
+from pipeengine.runtime.gradsync import GradientSync, ReplicaMean, TieGroup, TieSum
+from pipeengine.runtime.stage import LossFn, StageWorker
+from schedules import (
+    Kind,
+    Schedule,
+    build_schedule,
+    forward_only,
+    lower,
+    lowered,
+    tie_ranks,
+    validate,
+    with_gradient_sync,
+    with_tie_sync,
+)
+
+__all__: list[str] = []
+
+
+@dataclass
+class Programs:
+    """The streams a rank's transport runs, made and validated once per kind of step."""
+
+    schedule: Schedule  # lowered, without gradient sync
+    transport: Transport
+    sync: bool  # add the data-parallel gradient all-reduces
+    _made: dict[tuple[bool, frozenset[int]], Schedule] = field(default_factory=dict)
+
+    def get(self, train: bool, no_gradient: frozenset[int] = frozenset()) -> Schedule:
+        """The program of a training step whose ``no_gradient`` boundaries need no gradient, or of an eval step."""
+        key = (train, no_gradient if train else frozenset())
+        program = self._made.get(key)
+        if program is None:
+            declared = sorted(self.schedule.no_gradient - no_gradient) if train else []
+            if declared:  # the schedule says no gradient crosses where one must: a stage would silently not train
+                b = declared[0]
+                raise ValueError(
+                    f"the schedule says boundary {b} (between stages {b} and {b + 1}) carries no gradient (its "
+                    f"no_gradient, a 'no-gradient' line in a schedule file), but stage {b + 1}'s input needs one: "
+                    f"stages up to {b} would never get a gradient. Remove boundary {b} from it, or freeze those stages "
+                    "(requires_grad=False before building the engine): gradient-free boundaries are inferred"
+                )
+            if not train:
+                base = forward_only(self.schedule)
+            else:
+                base = lower(self.schedule.without_gradient(no_gradient)) if no_gradient else self.schedule
+                base = with_tie_sync(with_gradient_sync(base) if self.sync else base)
+            program = self.transport.program(base)
+            validate(program, self.transport.semantics)  # the streams that will run, under their transport's rules
+            self._made[key] = program
+        return program
+
+
+@dataclass
+class Assembly:
+    """What one rank runs."""
+
+    topology: Topology
+    device: torch.device
+    schedule: Schedule  # lowered, with the gradient syncs (data parallelism, tied weights): engine.schedule
+    partition: Partition
+    ties: Ties
+    stages: dict[int, nn.Module]  # this rank's stages (as transformed)
+    workers: dict[int, StageWorker]
+    executor: Executor
+    programs: Programs
+    meta_layers: list[nn.Module]  # every layer on the meta device: every rank infers every boundary
+
+
+def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:
+    """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
+    grid = Grid.of(world.size, config.data_parallel)
+    mesh = device_mesh(grid, world) if config.parallelize is not None else None
+    topology = Topology.build(grid, world, mesh)
+    lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)  # type: ignore[arg-type]
+    # every replica must cut the model alike: the whole world agrees when there are several
+    agreeing = topology.world if world.size > topology.pipeline.size else topology.pipeline
+    partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device)
+    ties = find_ties(model, partition.bounds, lowered.placement)
+    lowered = dataclasses.replace(lowered, tied=ties.groups)
+    schedule = with_tie_sync(with_gradient_sync(lowered) if config.data_parallel > 1 else lowered)
+    num_stages = schedule.num_stages
+    stages = {  # cut, then transformed on the mesh (the seam where tensor parallelism and sharding go)
+        s: transform_stage(stage_module(model, *partition.bounds[s]).to(world.device), s, config, mesh)
+        for s in schedule.stages_of(topology.pp_rank)
+    }
+    workers = {
+        s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn,
+                       checkpointed=config.checkpointed(s, num_stages), precision=config.dtype)
+        for s, module in stages.items()
+    }  # fmt: skip
+    topology.pipeline.open_channels()
+    executor = Executor(topology.pp_rank, workers, topology.pipeline, gradient_syncs(ties, lowered, topology, workers))
+    programs = Programs(lowered, topology.pipeline, config.data_parallel > 1)
+    meta = [meta_copy(layer) for layer in model]
+    return Assembly(topology, world.device, schedule, partition, ties, stages, workers, executor, programs, meta)
+
+
+def gradient_syncs(
+    ties: Ties, schedule: Schedule, topology: Topology, workers: dict[int, StageWorker]
+) -> dict[Kind, GradientSync]:
+    """What this rank's AR and TR instructions start: the replicas' mean, and the tied weights' sum."""
+    syncs: dict[Kind, GradientSync] = {}
+    tied = TieSum(tie_groups(ties, schedule, topology, {s: w.module for s, w in workers.items()}))
+    if tied.groups:
+        syncs[Kind.TIE_REDUCE] = tied
+    if topology.data is not None:
+        syncs[Kind.ALL_REDUCE] = ReplicaMean(topology.data, workers, exclude=tied.params)
+    return syncs
+
+
+def tie_groups(ties: Ties, schedule: Schedule, topology: Topology, stages: dict[int, nn.Module]) -> dict[int, TieGroup]:
+    """Per tie group that spans ranks and that this rank holds: the group of its holders in every replica (and of
+    this tensor-parallel index), taken from the grid; every rank makes every group, in one order."""
+    mine = {ties.names[id(p)]: p for module in stages.values() for p in module.parameters()}
+    grid, groups = topology.grid, {}
+    for group in ties.spanning(schedule.placement):
+        for t in range(grid.tp):
+            transport = topology.subgroup(grid.select(pp=tie_ranks(schedule, group), tp=[t]))
+            if transport is not None:
+                groups[group] = TieGroup(transport, [mine[name] for name in ties.members[group]], grid.dp)
+    return groups
+
+
+def agree_partition(
+    model: nn.Sequential,
+    schedule: Schedule,
+    partition: str | Sequence[int] | None,
+    sample: object,
+    transport: Transport,
+    device: torch.device,
+) -> Partition:
+    """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike."""
+    counts = None if partition is None or isinstance(partition, str) else check_counts(partition, schedule.num_stages)
+    m = schedule.num_microbatches
+    source = 0  # group rank 0 runs the first stage (of the first replica)
+    header = torch.zeros(2, dtype=torch.int64, device=device)  # [failed, method]
+    rows = torch.zeros(5, len(model), dtype=torch.float64, device=device)
+    failure: Exception | None = None
+    if transport.rank == source:
+        method = partition if isinstance(partition, str) else ("time" if sample is not None else "parameters")
+        try:
+            micro = None if sample is None else _first_microbatch(sample, m)
+            if method == "time" and micro is None:
+                raise ValueError("partition='time' needs sample= (an example input batch) on the first stage's rank")
+            costs = measure(model, micro, timed=counts is None and method == "time", device=device)
+            rows = torch.tensor(costs.to_rows(), dtype=torch.float64, device=device)
+            header[1] = METHODS.index(method)
+        except Exception as error:  # every rank must hear of it, or they would wait for the costs
+            failure = error
+            header[0] = 1
+    transport.broadcast(header, source, f"the partition from rank {source}")
+    if failure is not None:
+        raise failure
+    if header[0]:
+        raise ValueError(
+            f"the first stage's rank ({source}) could not measure the layers to partition them; see its error"
+        )
+    transport.broadcast(rows, source, f"the layer costs from rank {source}")
+    costs = LayerCosts.from_rows(rows.tolist())
+    if counts is not None:
+        return Partition("explicit", bounds_from_counts(counts, len(model)), costs, schedule.placement)
+    method = METHODS[int(header[1])]
+    return Partition(method, solve(method_costs(method, costs), schedule.num_stages), costs, schedule.placement)
+
+
+def _first_microbatch(sample: object, num_microbatches: int) -> torch.Tensor | Tensors:
+    """One micro-batch of an example input batch: its first batch // m rows (at least one)."""
+    if isinstance(sample, torch.Tensor) or (
+        isinstance(sample, tuple) and all(isinstance(t, torch.Tensor) for t in sample)
+    ):
+        rows = max(1, unpack(sample)[0].shape[0] // num_microbatches)
+        return map_tensors(sample, lambda t: t[:rows])
+    raise TypeError(f"sample must be a tensor or a tuple of tensors (an input batch), got {type(sample).__name__}")
+
+
+def resolve_schedule(schedule: str | Schedule, world: int, num_microbatches: int, chunks: int | None) -> Schedule:
+    """The lowered, validated schedule: compiled from its name, or the user's (lowered first if compute only)."""
+    if isinstance(schedule, str):
+        return build_schedule(schedule, world, num_microbatches, chunks)
+    if schedule.num_ranks != world or schedule.num_microbatches != num_microbatches:
+        raise ValueError(
+            f"the schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
+            f"but the world has {world} ranks and num_microbatches={num_microbatches}"
+        )
+    schedule = lowered(schedule)  # a compute-only schedule (a compiler's output, a hand-written order) gets its messages
+    validate(schedule)
+    return schedule

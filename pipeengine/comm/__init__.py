@@ -1,0 +1,1 @@
+"""Communication: transports (gloo, NCCL, in-process loopback) over one base, the call header, consensus, topology."""

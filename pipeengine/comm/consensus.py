@@ -1,0 +1,119 @@
+"""Consensus: ranks fail together, and agree on the model they were given, before anything trains.
+
+``raise_together`` turns one rank's error into a refusal on every rank: the rank that failed
+raises its own error, every other rank a ``Refused`` that repeats it (a PeerError: launch
+blames the rank that failed, never one that only heard of it).
+
+``agree_on_model`` runs first in every engine's construction: each rank describes the model
+it built, layer by layer (the layer's type, its parameters' and buffers' names, shapes, dtypes
+and requires_grad, and a checksum of their values: their sum and their sum of squares), and a
+model that differs on any rank (layers missing, another type, a seed forgotten on one rank) is
+refused on every rank, naming the ranks and the first layer that differs::
+
+    rank 0  [Linear f32[4,4] sum 1.52 ...] [Tanh] [Linear ...]        all_gather_object
+    rank 1  [Linear f32[4,4] sum 0.97 ...] ...                        -> the first layer that differs
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeengine.comm.base import Transport
+from pipeengine.errors import PeerError
+
+__all__ = ["Refused", "agree_on_model", "raise_together"]
+
+
+class Refused(PeerError, ValueError):
+    """Another rank refused a call or a step: this rank refuses with it (the message repeats that rank's error)."""
+
+
+def raise_together(failure: BaseException | None, transport: Transport, what: str) -> None:
+    """Every rank of ``transport`` calls it: if any rank failed, every rank raises (see the module docstring)."""
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    errors = transport.all_gather_object(mine, what)
+    if failure is not None:
+        raise failure
+    failed = [(transport.ranks[r], error) for r, error in enumerate(errors) if error is not None]
+    if failed:
+        raise Refused("; ".join(f"rank {rank} refused: {error}" for rank, error in failed))
+
+
+_PIECE = 1 << 22  # elements summed at once (32 MiB of float64)
+Layer = tuple[str, str, float, float]  # (name, structure, checksum: sum, sum of squares)
+
+
+def describe(model: nn.Sequential) -> list[Layer]:
+    """Each layer's name, structure and checksum, as agree_on_model compares them."""
+    layers = []
+    for name, layer in model.named_children():
+        specs, total, squares, seen = [], 0.0, 0.0, set()
+        for kind, items in (("param", layer.named_parameters(remove_duplicate=False)),
+                            ("buffer", layer.named_buffers(remove_duplicate=False))):  # fmt: skip
+            for key, tensor in items:
+                grad = " grad" if kind == "param" and tensor.requires_grad else ""
+                specs.append(f"{key} {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{grad}")
+                if id(tensor) in seen or tensor.device.type == "meta" or not tensor.numel():
+                    continue
+                seen.add(id(tensor))
+                for piece in tensor.detach().reshape(-1).split(_PIECE):  # float64 a piece at a time
+                    values = (piece.abs() if piece.is_complex() else piece).to(torch.float64)
+                    total += float(values.sum())
+                    squares += float(values.square().sum())
+        structure = f"{type(layer).__qualname__}({', '.join(specs)})"
+        layers.append((name, structure, total, squares))
+    return layers
+
+
+def agree_on_model(model: nn.Sequential, transport: Transport) -> None:
+    """Every rank built the same model, or every rank raises the same ValueError naming where they differ."""
+    views = transport.all_gather_object(describe(model), "the other ranks' description of the model")
+    problem = difference(views, transport.ranks)
+    if problem:
+        raise ValueError(problem)
+
+
+def difference(views: Sequence[list[Layer]], ranks: Sequence[int]) -> str:
+    """Where the ranks' models differ ("" where they do not): the first layer that differs, and on which ranks."""
+    counts = [len(view) for view in views]
+    for index in range(max(counts)):
+        seen: dict[Any, list[int]] = {}
+        for rank, view in zip(ranks, views, strict=True):
+            layer = view[index] if index < len(view) else None
+            seen.setdefault(_key(layer), []).append(rank)
+        if len(seen) == 1:
+            continue
+        rows = []
+        for key, holders in seen.items():
+            if key is None:
+                rows.append(f"  ranks {holders}: no layer {index}")
+            else:
+                name, structure, total, squares = key
+                rows.append(f"  ranks {holders}: {name!r} = {structure}, checksum {total} / {squares}")
+        same_structure = len({k[:2] if k else None for k in seen}) == 1
+        why = (
+            "the same layers with different weights: seed every rank alike (torch.manual_seed before building), or "
+            "load the same checkpoint everywhere"
+            if same_structure
+            else "every rank must build the same nn.Sequential (the same layers, parameters and shapes)"
+        )
+        sizes = "" if len(set(counts)) == 1 else f" (their layer counts: {dict(zip(ranks, counts, strict=True))})"
+        return (
+            f"the ranks built different models{sizes}; the first layer that differs is layer {index}:\n"
+            + "\n".join(rows)
+            + f"\n{why}"
+        )
+    return ""
+
+
+def _key(layer: Layer | None) -> Any:
+    """A layer as compared: NaN checksums equal to each other (a NaN weight everywhere is the same model)."""
+    if layer is None:
+        return None
+    name, structure, total, squares = layer
+    return (name, structure, *("nan" if math.isnan(x) else float(f"{x:.15g}") for x in (total, squares)))

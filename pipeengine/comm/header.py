@@ -1,0 +1,211 @@
+"""The call header: one all_gather before every collective call of the engine, so the ranks agree or refuse together.
+
+Every rank says what it is calling (train_step, eval_step, save, load, clip_grad_norm_) and
+how many calls it has made; ranks that disagree raise the same error naming each rank's call,
+instead of waiting for messages that will never come. For a step, inputs live on the first
+stage's rank and targets on the last: the others learn the batch's shapes to size their
+receive buffers, and a bad batch is refused by every rank. Each rank contributes one row::
+
+    [call, number, status, is_tuple, n_inputs, (dtype, ndim, d0..d7) x 8 inputs, target batch size]
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from pipeengine.comm.base import Transport
+from pipeengine.core.specs import Boundary, Tensors, TensorSpec, unpack
+from pipeengine.errors import PipelineError
+
+__all__: list[str] = []
+
+MAX_TENSORS, MAX_DIMS = 8, 8
+_FIELDS = 2 + MAX_DIMS  # per input tensor
+_HEAD = 5  # call, number, status, is_tuple, n_inputs
+_ROW = _HEAD + MAX_TENSORS * _FIELDS + 1
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+class Call(enum.IntEnum):
+    """What a rank is doing; the value goes in its header row."""
+
+    TRAIN = 1
+    EVAL = 2
+    SAVE = 3
+    LOAD = 4
+    CLIP = 5
+
+    def __str__(self) -> str:
+        return {1: "train_step", 2: "eval_step", 3: "save", 4: "load", 5: "clip_grad_norm_"}[self.value]
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    NO_INPUTS = 1
+    BAD_INPUTS = 2
+    NO_TARGETS = 3
+    BAD_TARGETS = 4
+    NO_GRAD = 5
+
+
+_WHY = {
+    Status.NO_INPUTS: "the rank of the first stage got no inputs (None): pass the batch's inputs there",
+    Status.BAD_INPUTS: "the inputs on the first stage's rank are not usable",
+    Status.NO_TARGETS: "the rank of the last stage got no targets (None): pass the targets to train_step there",
+    Status.BAD_TARGETS: "the targets on the last stage's rank are not usable",
+    Status.NO_GRAD: "train_step ran under torch.inference_mode(), where nothing can compute a gradient: "
+    "use eval_step for inference, or call train_step outside inference_mode",
+}
+
+
+class CallMismatch(PipelineError):
+    """The ranks of a pipeline called different things (or a different number of times)."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """What every rank agreed on for a step."""
+
+    batch_size: int
+    microbatch_inputs: Boundary  # the first stage's input for one micro-batch
+
+
+class Calls:
+    """An engine's collective calls, counted: each one starts with the header every rank of the pipeline exchanges."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport, self.made = transport, 0
+
+    def agree(self, call: Call) -> None:
+        """save, load, clip_grad_norm_: every rank is making the same call, or every rank raises CallMismatch."""
+        self.made += 1
+        agree(call, self.made, self.transport)
+
+    def exchange(self, call: Call, inputs: object, targets: object, *, first: bool, last: bool,
+                 num_microbatches: int) -> Header:  # fmt: skip
+        """train_step, eval_step: every rank learns the batch (or refuses it, together)."""
+        self.made += 1
+        return exchange(call, self.made, inputs, targets, first=first, last=last, num_microbatches=num_microbatches,
+                        transport=self.transport)  # fmt: skip
+
+
+def agree(call: Call, number: int, transport: Transport) -> None:
+    """Every rank of the group is making the same call (save, load, clip); else every one raises CallMismatch."""
+    _gather(call, number, [0] * _ROW, "", transport)
+
+
+def exchange(
+    call: Call,
+    number: int,
+    inputs: object,
+    targets: object,
+    *,
+    first: bool,
+    last: bool,
+    num_microbatches: int,
+    transport: Transport,
+) -> Header:
+    """All-gather the header rows of a step; every rank returns the same Header or raises the same error."""
+    mine, detail = _encode(inputs, targets, first, last, call is Call.TRAIN)
+    table = _gather(call, number, mine, detail, transport)
+    source = next(row for row in table if row[4] > 0)
+    specs = []
+    for i in range(source[4]):
+        base = _HEAD + i * _FIELDS
+        dtype, ndim = _DTYPES[source[base]], source[base + 1]
+        specs.append(TensorSpec(tuple(source[base + 2 : base + 2 + ndim]), dtype, False))
+    batch = specs[0].shape[0]
+    m = num_microbatches
+    if batch % m:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        options = sorted({n for n in (batch - batch % m, batch - batch % m + m) if n > 0})
+        raise ValueError(
+            f"a batch of {batch} does not split into {m} equal micro-batches: use a batch size that is a multiple "
+            f"of {m} (e.g. {' or '.join(map(str, options))}), or num_microbatches in {divisors}"
+        )
+    target_batch = next((row[-1] for row in table if row[-1] >= 0), None)
+    if call is Call.TRAIN and target_batch != batch:
+        raise ValueError(f"the targets have {target_batch} rows but the inputs {batch}: they must match")
+    per_microbatch = tuple(TensorSpec((batch // m, *s.shape[1:]), s.dtype, False) for s in specs)
+    return Header(batch, Boundary(per_microbatch, bool(source[3])))
+
+
+def _gather(call: Call, number: int, row: list[int], detail: str, transport: Transport) -> list[list[int]]:
+    row[0], row[1] = int(call), number
+    rows = transport.all_gather(torch.tensor(row, dtype=torch.int64, device=transport.device),
+                                f"waiting for the other ranks to start {call} (call {number})")  # fmt: skip
+    table = [r.tolist() for r in rows]
+    if any((r[0], r[1]) != (row[0], row[1]) for r in table):
+        calls = ", ".join(f"rank {rank} called {Call(r[0])} (call {r[1]})" for rank, r in enumerate(table))
+        raise CallMismatch(
+            f"the ranks of the pipeline are not making the same call: {calls}; every rank must call train_step, "
+            "eval_step, save, load and clip_grad_norm_ together, in the same order"
+        )
+    if any(r[2] != Status.OK for r in table):  # every rank learns why, and raises the same error
+        details = transport.all_gather_object(detail, "the reason the step was refused")
+        rank, row = next((rank, r) for rank, r in enumerate(table) if r[2] != Status.OK)
+        reason = _WHY[Status(row[2])] + (f": {details[rank]}" if details[rank] else "")
+        raise ValueError(f"step refused by rank {rank}: {reason}")
+    return table
+
+
+def _encode(inputs: object, targets: object, first: bool, last: bool, train: bool) -> tuple[list[int], str]:
+    row = [0] * _ROW
+    row[-1] = -1
+    if train and torch.is_inference_mode_enabled():
+        return _status(row, Status.NO_GRAD), ""
+    if first:
+        if inputs is None:
+            return _status(row, Status.NO_INPUTS), ""
+        tensors, problem = _tensors(inputs, "inputs")
+        if not problem and len(tensors) > MAX_TENSORS:
+            problem = f"{len(tensors)} input tensors; at most {MAX_TENSORS} are supported"
+        for i, tensor in enumerate(tensors if not problem else ()):
+            if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPES:
+                problem = f"input {i} is {tensor.dtype} with shape {list(tensor.shape)}; it needs "
+                problem += f"at most {MAX_DIMS} dimensions and one of the dtypes {[str(d) for d in _DTYPES]}"
+                break
+            base = _HEAD + i * _FIELDS
+            row[base : base + 2 + tensor.dim()] = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        if problem:
+            return _status(row, Status.BAD_INPUTS), problem
+        row[3], row[4] = int(isinstance(inputs, tuple)), len(tensors)
+    if last and train:
+        if targets is None:
+            return _status(row, Status.NO_TARGETS), ""
+        tensors, problem = _tensors(targets, "targets")
+        if problem:
+            return _status(row, Status.BAD_TARGETS), problem
+        row[-1] = tensors[0].shape[0]
+    return row, ""
+
+
+def _status(row: list[int], status: Status) -> list[int]:
+    row[2] = int(status)
+    return row
+
+
+def _tensors(value: object, what: str) -> tuple[Tensors, str]:
+    """The tensors of a batch value, or why it is not usable."""
+    if isinstance(value, torch.Tensor) or (
+        isinstance(value, tuple) and value and all(isinstance(t, torch.Tensor) for t in value)
+    ):
+        tensors = unpack(value)
+        scalars = [i for i, t in enumerate(tensors) if t.dim() == 0]
+        if scalars:
+            return (), (
+                f"the {what} need a batch dimension: {what} tensor {scalars[0]} is 0-d (a scalar); "
+                "pass a batch of rows, e.g. value.unsqueeze(0) for one"
+            )
+        sizes = {t.shape[0] for t in tensors}
+        if len(sizes) != 1:
+            shapes = [list(t.shape) for t in tensors]
+            return (), f"the {what} must all share their first (batch) dimension, got shapes {shapes}"
+        return tensors, ""
+    return (), f"the {what} are {type(value).__name__}; pass a tensor or a tuple of tensors"

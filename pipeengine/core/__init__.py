@@ -1,0 +1,1 @@
+"""What everything uses: the config, the grid, boundary specs, stage bounds, tied weights."""

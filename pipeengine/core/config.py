@@ -1,0 +1,117 @@
+"""EngineConfig: every option of a PipelineEngine in one frozen value, checked when it is made."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from schedules import SCHEDULES, Schedule
+
+__all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "METHODS", "PRECISIONS", "EngineConfig"]
+
+METHODS = ("uniform", "parameters", "time", "memory")  # how partition= cuts the model (pipeengine.planner.partition)
+
+AUTO = "auto"  # schedule="auto": pipeengine.tune chooses schedule, micro-batches, chunks and partition
+
+DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on a peer before it gives up
+CHECKPOINTING = ("never", "always", "except_last")  # activation checkpointing, per stage
+PRECISIONS: dict[str | None, torch.dtype | None] = {
+    None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The options of PipelineEngine (see its docstring), by keyword; a bad value is refused with the valid ones."""
+
+    num_microbatches: int | None = None  # None: chosen by schedule="auto"
+    schedule: str | Schedule = "1f1b"
+    chunks: int | None = None
+    partition: str | tuple[int, ...] | None = None
+    device: torch.device | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    trace: bool = False
+    data_parallel: int = 1
+    checkpoint: str = "never"
+    precision: str | None = None
+    loss_count: Callable[[object], object] | None = None  # units (tokens) in a micro-batch's target: a summed loss
+    memory_limit: float | None = None  # bytes per rank that schedule="auto" keeps under
+    parallelize: Callable[..., object] | None = None  # fn(stage_module, mesh) -> module, per stage (build.transform)
+
+    def __post_init__(self) -> None:
+        if self.num_microbatches is not None or self.schedule != AUTO:
+            _positive_int("num_microbatches", self.num_microbatches)
+        if isinstance(self.schedule, str):
+            if self.schedule not in SCHEDULES and self.schedule != AUTO:
+                raise ValueError(
+                    f"unknown schedule {self.schedule!r}; valid names: {', '.join(SCHEDULES)}, or 'auto' (tuned)"
+                )
+        elif not isinstance(self.schedule, Schedule):
+            raise TypeError(f"schedule must be a name or a schedules.Schedule, got {type(self.schedule).__name__}")
+        if self.chunks is not None:
+            _positive_int("chunks", self.chunks)
+            if isinstance(self.schedule, Schedule) and self.chunks != self.schedule.chunks:
+                raise ValueError(
+                    f"chunks={self.chunks}, but the schedule given runs {self.schedule.chunks} chunk(s) per rank: "
+                    "a Schedule fixes its own chunks; leave chunks= out"
+                )
+        if isinstance(self.partition, str):
+            if self.partition not in METHODS:
+                raise ValueError(
+                    f"unknown partition method {self.partition!r}; valid: {', '.join(METHODS)}, "
+                    "or a list of layers per stage"
+                )
+        elif self.partition is not None:
+            if isinstance(self.partition, (bytes, dict)) or not isinstance(self.partition, Sequence):
+                raise TypeError(f"partition must be a method name or the layers of each stage, got {self.partition!r}")
+            object.__setattr__(self, "partition", tuple(self.partition))
+            for count in self.partition:
+                _positive_int("each stage's layer count in partition", count)
+        if self.device is not None:
+            object.__setattr__(self, "device", torch.device(self.device))
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        _positive_int("data_parallel", self.data_parallel)
+        if self.checkpoint not in CHECKPOINTING:
+            raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTING)}, got {self.checkpoint!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}, got {self.precision!r}")
+        if self.memory_limit is not None and not (
+            isinstance(self.memory_limit, (int, float)) and self.memory_limit > 0
+        ):
+            raise ValueError(f"memory_limit must be a positive number of bytes per rank, got {self.memory_limit!r}")
+        if self.memory_limit is not None and self.schedule != AUTO:
+            raise ValueError(
+                f"memory_limit= is the bound schedule='auto' plans under; with schedule={_shown(self.schedule)} "
+                "nothing reads it: use schedule='auto' (with sample=) to choose under it, or leave memory_limit out"
+            )
+        if self.parallelize is not None and not callable(self.parallelize):
+            raise TypeError(
+                "parallelize must be callable as parallelize(stage_module, mesh) -> module, got "
+                f"{type(self.parallelize).__name__}"
+            )
+        if self.loss_count is not None and not callable(self.loss_count):
+            raise TypeError(
+                "loss_count must be callable as loss_count(target) -> the number of units (e.g. tokens) the "
+                f"micro-batch's target holds, got {type(self.loss_count).__name__}"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or None in full precision."""
+        return PRECISIONS[self.precision]
+
+    def checkpointed(self, stage: int, num_stages: int) -> bool:
+        """Whether a stage recomputes its activations in backward."""
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and stage != num_stages - 1)
+
+
+def _shown(schedule: str | Schedule) -> str:
+    return repr(schedule) if isinstance(schedule, str) else f"a Schedule ({schedule.name})"
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

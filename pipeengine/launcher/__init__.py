@@ -1,0 +1,1 @@
+"""Starting ranks: as processes (or under torchrun) or as threads; and which rank caused a failure."""

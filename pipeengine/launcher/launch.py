@@ -1,0 +1,306 @@
+"""launch: run a function on N local ranks with torch.distributed initialised, or join torchrun's group.
+
+    parent ── TCPStore(port 0) ──spawn──► rank 0 .. N-1: init_process_group(store) → fn(*args)
+       ▲                                      │ success, or (exception, traceback, time)
+       └──────────────── queue ◄──────────────┘
+A failing rank exits at once, so its peers' pending transfers fail within a second
+(gloo: "connection closed"); ranks that hang are stopped after a grace period. The
+parent then re-raises the cause (see pipeengine.launcher.outcome), naming its rank and what each
+other rank saw. Each rank dies with its launcher (a parent-death signal), however that dies.
+With ``in_process=True`` the ranks are threads of this process instead (pipeengine.comm.loopback).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import queue as queue_module
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeengine.core.config import DEFAULT_TIMEOUT
+from pipeengine.errors import PeerError
+from pipeengine.launcher.outcome import Outcome, raise_cause
+
+__all__ = ["launch"]
+
+GRACE = 10.0  # seconds the other ranks get to stop by themselves after a failure
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    device: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    threads: int | None = None,
+    reuse_memory: bool = True,
+    in_process: bool = False,
+    grace: float = GRACE,
+) -> None:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks, each with the default process group initialised.
+
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) it joins that group and runs ``fn``
+    in this process instead. ``device``: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank);
+    default CUDA when there is a GPU for every rank. ``threads``: torch threads per CPU rank
+    (default: the cores shared out). ``reuse_memory``: CPU ranks keep freed memory for reuse
+    (see keep_freed_memory). Re-raises the failing rank's exception, with a note naming the rank
+    and what every other rank was doing; the others get ``grace`` seconds to stop by themselves.
+    A rank whose ``fn`` returned exits without tearing down its interpreter: close the files it
+    writes (see _exit).
+
+    ``in_process=True`` runs the ranks as threads of this process, over an in-memory transport
+    (CPU only; no torch.distributed): for tests and debugging, see pipeengine.loopback. They share
+    torch's thread pool, of ``threads`` threads while they run.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if in_process:
+        if device not in (None, "cpu"):
+            raise ValueError(f"in-process ranks compute on the CPU, got device={device!r}")
+        from pipeengine.launcher.threads import run
+
+        run(fn, nprocs, args, timeout, grace, threads or max(1, (os.cpu_count() or 1) // nprocs))
+        return
+    device = device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and torch.cuda.device_count() < nprocs:
+        raise ValueError(
+            f"{nprocs} CUDA ranks need {nprocs} GPUs, this machine has {torch.cuda.device_count()}: "
+            "NCCL cannot run two ranks on one GPU; use fewer ranks or device='cpu'"
+        )
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        if device == "cpu" and reuse_memory:
+            keep_freed_memory()
+        _join_torchrun(fn, nprocs, args, device, timeout)
+        return
+    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    context = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    reports: multiprocessing.Queue[Outcome] = context.Queue()
+    children = [
+        context.Process(
+            target=_child,
+            args=(rank, nprocs, store.port, fn, tuple(args), device, timeout, threads, reuse_memory, reports,
+                  os.getpid()),
+            name=f"pipeengine-rank-{rank}",
+        )
+        for rank in range(nprocs)
+    ]  # fmt: skip
+    started: list[multiprocessing.process.BaseProcess] = []
+    try:
+        for child in children:
+            child.start()  # spawn fails here if the caller's script lacks `if __name__ == "__main__":`
+            started.append(child)
+        outcomes = _supervise(children, reports, grace)
+    finally:
+        _stop(started)
+    raise_cause(outcomes, nprocs)
+
+
+def _join_torchrun(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], device: str, timeout: float) -> None:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs))
+    if local_world != nprocs:
+        raise ValueError(
+            f"launch(nprocs={nprocs}) runs under torchrun with {local_world} processes per node; "
+            "make them agree (torchrun --nproc-per-node N)"
+        )
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        # once per process: a second init against torchrun's store could read the first one's stale
+        # addresses and hang, so the group stays for later launch() calls and goes at exit
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        atexit.register(_destroy_group)
+    fn(*args)
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory in the process instead of returning it to the OS.
+
+    By default glibc serves blocks of 128 KiB and more (a micro-batch's activation, a weight's
+    gradient) from fresh mmap pages and gives them back when freed, so every step pays page
+    faults to touch them again. With no mmap below 1 GiB and no trimming, freed blocks are
+    reused, as PyTorch's CUDA caching allocator does on the GPU (and torch.backends.xeon's
+    launcher does by preloading tcmalloc). Measured here: about 20% off a CPU pipeline step.
+    The cost: a rank keeps its peak memory. Returns False where there is no glibc.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent (the launcher) dies, by any signal (Linux).
+
+    The parent may already be gone between the fork and this call: then exit at once. Elsewhere
+    (no prctl) nothing is set, and the ranks' timeouts stop them once the launcher is gone.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1  # from linux/prctl.h
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    device: str,
+    timeout: float,
+    threads: int,
+    reuse_memory: bool,
+    reports: multiprocessing.Queue[Outcome],
+    parent: int,
+) -> None:
+    die_with_parent(parent)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        if device == "cpu":
+            torch.set_num_threads(threads)
+            if reuse_memory:
+                keep_freed_memory()
+        else:
+            torch.cuda.set_device(rank)
+        wait = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=wait)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=wait
+        )
+        fn(*args)
+        dist.destroy_process_group()
+        reports.put(Outcome(rank, time.time(), ok=True))
+        _exit(0)
+    except BaseException as error:  # noqa: BLE001  (report everything, then exit at once)
+        try:
+            pickle.dumps(error)
+            sent: BaseException | None = error
+        except Exception:  # noqa: BLE001  (an exception that does not pickle is reported as text)
+            sent = None
+        summary = f"{type(error).__name__}: {error}"
+        waiting = isinstance(error, PeerError)
+        reports.put(Outcome(rank, time.time(), error=sent, summary=summary, trace=traceback.format_exc(),
+                            waiting=waiting))  # fmt: skip
+        reports.close()
+        reports.join_thread()
+        os._exit(1)  # at once: the peers' transfers fail fast instead of waiting out their timeout
+
+
+def _exit(code: int) -> None:
+    """End a rank whose ``fn`` returned as a forked multiprocessing child ends.
+
+    Its other threads are waited for, the atexit handlers run (logging, weakref finalizers,
+    multiprocessing's queues: the report arrives), the standard streams are flushed, then
+    os._exit. The interpreter is not torn down (with torch loaded, about a second of CPU per
+    rank): an object still alive is not finalized, so a file that ``fn`` left open is not
+    flushed. Close what you write (a ``with`` block).
+    """
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first; multiprocessing calls it
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(code)
+
+
+def _supervise(
+    children: Sequence[multiprocessing.process.BaseProcess], reports: multiprocessing.Queue[Outcome], grace: float
+) -> dict[int, Outcome]:
+    """Wait for every child; after the first failure give the others ``grace`` seconds, then stop them.
+
+    A child that exits without a report, with any code (0 too, e.g. os._exit(0) mid-run) or
+    signal, failed: it died, and it is the cause ahead of every survivor's error.
+    """
+    outcomes: dict[int, Outcome] = {}
+    failed_at: float | None = None
+    while True:
+        if not _drain(reports, outcomes) and failed_at is None:
+            failed_at = time.monotonic()
+        alive = [c for c in children if c.is_alive()]
+        if failed_at is None and any(not c.is_alive() and r not in outcomes for r, c in enumerate(children)):
+            time.sleep(0.1)  # a report sent just before exit may still be in the pipe
+            _drain(reports, outcomes)
+            if any(not c.is_alive() and r not in outcomes for r, c in enumerate(children)):
+                failed_at = time.monotonic()
+        if not alive or (failed_at is not None and time.monotonic() - failed_at > grace):
+            break
+        multiprocessing.connection.wait([c.sentinel for c in alive], timeout=0.2)
+    time.sleep(0.1)  # let the queue deliver reports sent just before exit
+    _drain(reports, outcomes)
+    now = time.time()
+    for rank, child in enumerate(children):
+        if rank in outcomes:
+            continue
+        if child.is_alive():
+            outcomes[rank] = Outcome(rank, now, fate=f"was still running {grace:.0f} s after the first failure "
+                                                     "and was stopped")  # fmt: skip
+        elif child.exitcode is not None and child.exitcode < 0:
+            name = signal.Signals(-child.exitcode).name
+            outcomes[rank] = Outcome(rank, now, summary=f"died from signal {name}", died=True)
+        else:
+            outcomes[rank] = Outcome(rank, now, summary=f"exited with code {child.exitcode} without a report",
+                                     died=True)  # fmt: skip
+    return outcomes
+
+
+def _drain(reports: multiprocessing.Queue[Outcome], outcomes: dict[int, Outcome]) -> bool:
+    """Move the reports that have arrived into ``outcomes``; False if one of them is a failure."""
+    ok = True
+    try:
+        while True:
+            report = reports.get_nowait()
+            outcomes[report.rank] = report
+            ok = ok and report.ok
+    except queue_module.Empty:
+        return ok
+
+
+def _stop(children: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    deadline = time.monotonic() + 5
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join()

@@ -1,0 +1,1 @@
+"""Seeing inside a step: tracing (spans on one clock) and the memory ledger."""

@@ -1,0 +1,122 @@
+"""The ledger: memory measured as the simulator's model counts it (schedules.sim.memory_model), by tensor storage.
+
+A Ledger sees what autograd saves for backward (saved-tensor hooks, on CPU and CUDA) and is
+shown what the engine itself holds: the inputs and outputs a stage keeps for its backward,
+received buffers, gradients waiting to be sent or taken, what a split backward keeps for W.
+Each storage counts once and parameters never (they are the step-long state). StageSizes is
+what one stage holds per micro-batch, as measured (pipeengine.train.tracing) or profiled
+(pipeengine.planner.profiler) under a ledger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+
+def storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """A tensor's storage: (its address, its bytes); what the ledger counts once."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class _Held:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class Ledger:
+    """The bytes alive of the tensors autograd saved (while a step runs under watching()) and of those shown."""
+
+    def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
+        self.ignore = {storage(t)[0] for t in ignore if t.numel()}
+        self.saved: dict[int, list[int]] = {}  # storage -> [bytes, holders alive]
+        self.lock = threading.Lock()
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        if not tensor.numel() or tensor.device.type == "meta":
+            return tensor
+        key, size = storage(tensor)
+        if key in self.ignore:
+            return tensor
+        with self.lock:
+            entry = self.saved.setdefault(key, [size, 0])
+            entry[1] += 1
+        held = _Held(tensor.detach())  # the same storage without its grad_fn: a saved output would hold its
+        weakref.finalize(held, self._release, key)  # own node, a cycle through autograd that is never freed
+        return held
+
+    def _release(self, key: int) -> None:
+        with self.lock:
+            entry = self.saved[key]
+            entry[1] -= 1
+            if not entry[1]:
+                del self.saved[key]
+
+    @staticmethod
+    def _unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Count what autograd saves in the block (hooks are per thread: the calling thread's computes)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def bytes(self, shown: Iterable[torch.Tensor]) -> int:
+        """Bytes of every storage alive: saved by autograd, or among ``shown``; each storage once."""
+        with self.lock:
+            sizes = {key: entry[0] for key, entry in self.saved.items()}
+        for tensor in shown:
+            if tensor.numel():
+                key, size = storage(tensor)
+                if key not in self.ignore:
+                    sizes[key] = size
+        return sum(sizes.values())
+
+    def holds(self, key: int, shown: Iterable[torch.Tensor]) -> bool:
+        """Whether a storage (its data_ptr) is alive as this ledger counts: saved by autograd, or among ``shown``."""
+        with self.lock:
+            if key in self.saved:
+                return True
+        return any(t.numel() and storage(t)[0] == key for t in shown)
+
+    def ignoring(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.ignore |= {storage(t)[0] for t in tensors if t.numel()}
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """What one stage holds per micro-batch (bytes), measured: the simulator's Memory, for one stage."""
+
+    state: float
+    activation: float
+    after_input: float
+    boundary: float
+    gradient: float
+    output_after_input: bool = True  # a split backward's I leaves the output held until W
+    input_after_input: bool = True
+
+
+def optimizer_copies(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]) -> float:
+    """How many copies of its parameters an optimizer keeps (AdamW: 2), from its state; 2 without one yet."""
+    params = list(params)
+    size = sum(p.numel() * p.element_size() for p in params)
+    if optimizer is None or not size:
+        return 2.0
+    held = 0
+    for param in params:
+        for value in optimizer.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                held += value.numel() * value.element_size()
+    return held / size if held else 2.0

@@ -1,0 +1,193 @@
+"""Tracing: when each instruction ran on this rank, gathered to rank 0 as a schedules.Timeline.
+
+CPU marks are time.perf_counter(). After a traced step, rank 0 estimates every rank's
+clock offset by ping-pong (NTP's rule: of a few round trips, trust the fastest, error
+at most half its round trip) and puts all spans on its own clock:
+
+    rank 0   t0 ──ping──►        ◄──pong(t_r)── t1      offset_r = t_r - (t0 + t1) / 2
+    rank r          └─ reads its clock t_r ─┘
+
+CUDA marks are events on the compute stream, read once at the end of the traced step
+(the only place tracing synchronises), with time zero taken as the step header's
+all_gather returns on each rank: aligned to about the collective's skew.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from types import TracebackType
+
+import torch
+
+from pipeengine.comm.base import Transfer, Transport
+from pipeengine.observe.ledger import Ledger, StageSizes
+from schedules import Action, Memory, Semantics, Span, Timeline
+
+__all__: list[str] = []
+
+Mark = float | torch.cuda.Event
+PINGS = 8  # round trips per rank for the clock offset
+
+
+class _Span:
+    """``with tracer.span(action):`` records the block as a span (when it completes)."""
+
+    __slots__ = ("tracer", "action", "wait", "start")
+
+    def __init__(self, tracer: Tracer, action: Action, wait: bool) -> None:
+        self.tracer, self.action, self.wait = tracer, action, wait
+
+    def __enter__(self) -> None:
+        self.start = self.tracer.mark()
+
+    def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
+        if kind is None:
+            self.tracer.records.append((self.action, self.start, self.tracer.mark(), self.wait))
+
+
+class _Nothing:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
+        return None
+
+
+class Tracer:
+    """Records when each instruction ran on this rank; ``NULL_TRACER`` records nothing, at no cost."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.records: list[tuple[Action, Mark, Mark, bool]] = []
+        self.origin: Mark = 0.0
+        self.ledger: Ledger | None = None  # set: a sample of the bytes held after every instruction
+        self.state = 0.0  # bytes held the whole step (parameters, gradients, optimizer state)
+        self.samples: list[tuple[Mark, float, Action | None]] = []
+        self.sizes: dict[int, StageSizes] = {}  # this rank's stages, measured for this step
+
+    def begin(
+        self, ledger: Ledger | None = None, state: float = 0.0, sizes: dict[int, StageSizes] | None = None
+    ) -> None:
+        """Start a step's trace: time zero is now; with a ledger, memory is sampled too."""
+        self.records, self.samples = [], []
+        self.ledger, self.state, self.sizes = ledger, state, sizes or {}
+        self.origin = self.mark()
+        if ledger is not None:
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.samples.append((self.origin, state, None))
+
+    def sample(self, action: Action, held: Iterable[torch.Tensor]) -> None:
+        """The bytes held now (after ``action``): the step-long state and every storage alive."""
+        if self.ledger is not None:  # the executor samples only with one
+            self.samples.append((self.mark(), self.state + self.ledger.bytes(held), action))
+
+    def mark(self) -> Mark:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def span(self, action: Action, wait: bool = False) -> _Span | _Nothing:
+        return _Span(self, action, wait)
+
+    def spans(self, rank: int) -> list[Span]:
+        """This rank's spans in seconds since the step began."""
+        seconds = self._seconds()
+        return [Span(rank, action, seconds(a), seconds(b), wait) for action, a, b, wait in self.records]
+
+    def _seconds(self) -> Callable[[Mark], float]:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+            origin = self.origin
+            return lambda mark: float(origin.elapsed_time(mark)) / 1e3  # type: ignore[union-attr, arg-type]
+        return lambda mark: float(mark) - float(self.origin)  # type: ignore[arg-type]
+
+    def gather(self, label: str, transport: Transport, num_stages: int) -> Timeline | None:
+        """Every rank's spans (and memory) on rank 0's clock, as one Timeline on group rank 0; None elsewhere."""
+        rank, size = transport.rank, transport.size
+        same = self.cuda or transport.shared_clock
+        offsets, error = ([0.0] * size, 0.0) if same else _clock_offsets(transport)
+        origin = 0.0 if self.cuda else float(self.origin)  # type: ignore[arg-type]
+        seconds = self._seconds()
+        samples = [(seconds(mark), held, action) for mark, held, action in self.samples]
+        allocated = float(torch.cuda.max_memory_allocated(self.device)) if self.cuda and self.samples else None
+        mine = (origin, self.spans(rank), samples, self.sizes, allocated)
+        gathered = transport.all_gather_object(mine, "the traced step's spans")
+        if rank != 0:
+            return None
+        base = gathered[0][0]
+        spans, memory = [], []
+        for r, (their_origin, their_spans, their_samples, _, _) in enumerate(gathered):
+            shift = their_origin - offsets[r] - base  # their time zero, on rank 0's clock, since rank 0's zero
+            spans += [Span(s.rank, s.action, s.start + shift, s.end + shift, s.wait) for s in their_spans]
+            memory.append([(t + shift, held, action) for t, held, action in their_samples])
+        timeline = Timeline(size, spans, label=label, unit="s", measured=True, clock_error=error)
+        if self.samples:
+            timeline.memory = memory
+            timeline.sizes = _sizes([g[3] for g in gathered], num_stages, transport.semantics is Semantics.BUFFERED)
+            peaks = [g[4] for g in gathered]
+            timeline.allocated_peak = peaks if all(p is not None for p in peaks) else None
+        return timeline
+
+
+class _NullTracer(Tracer):
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self._nothing = _Nothing()
+
+    def span(self, action: Action, wait: bool = False) -> _Span | _Nothing:
+        return self._nothing
+
+
+NULL_TRACER: Tracer = _NullTracer()
+
+
+def _sizes(per_rank: list[dict[int, StageSizes]], num_stages: int, buffered: bool) -> Memory | None:
+    """The per-stage sizes every rank measured for its stages, as the simulator's Memory."""
+    stages = {stage: sizes for mine in per_rank for stage, sizes in mine.items()}
+    if sorted(stages) != list(range(num_stages)):
+        return None
+    table = [stages[s] for s in range(num_stages)]
+    return Memory(
+        state=[s.state for s in table], activation=[s.activation for s in table],
+        after_input=[s.after_input for s in table], boundary=[s.boundary for s in table],
+        gradient=[s.gradient for s in table], buffered_sends=buffered,
+        output_after_input=[float(s.output_after_input) for s in table],
+        input_after_input=[float(s.input_after_input) for s in table],
+    )  # fmt: skip
+
+
+def _clock_offsets(transport: Transport) -> tuple[list[float], float]:
+    """On rank 0: each rank's clock minus rank 0's (seconds), and the most any may be off (half the
+    fastest round trip of the worst-measured rank); zeros elsewhere."""
+    rank, offsets, error = transport.rank, [0.0] * transport.size, 0.0
+    send, recv = True, False
+
+    def move(op: bool, peer: int, stamp: torch.Tensor) -> None:
+        transfer = Transfer(op, (stamp,), peer, "a clock ping")
+        transport.post([transfer])
+        transport.complete([transfer])
+
+    stamp = torch.zeros(1, dtype=torch.float64, device=transport.device)
+    for peer in range(1, transport.size):
+        if rank == 0:
+            best = (float("inf"), 0.0)
+            for _ in range(PINGS):
+                sent = time.perf_counter()
+                move(send, peer, stamp)
+                move(recv, peer, stamp)
+                back = time.perf_counter()
+                best = min(best, (back - sent, float(stamp.item()) - (sent + back) / 2))
+            offsets[peer], error = best[1], max(error, best[0] / 2)
+        elif rank == peer:
+            for _ in range(PINGS):
+                move(recv, 0, stamp)
+                stamp.fill_(time.perf_counter())
+                move(send, 0, stamp)
+    return offsets, error

@@ -1,0 +1,1 @@
+"""Planning before a run: the layer profiler, the partitioner, the planner (tune)."""

@@ -1,0 +1,169 @@
+"""Cut an nn.Sequential into contiguous stages: exact min-max balancing of per-layer costs, and a report."""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeengine.core.bounds import Bounds, bounds_from_counts, check_counts
+from pipeengine.core.config import METHODS
+from pipeengine.core.specs import Tensors
+from pipeengine.planner.profiler import LayerCosts, measure
+
+__all__ = ["METHODS", "Partition", "plan", "solve"]
+
+
+def solve(costs: Sequence[float], num_stages: int) -> Bounds:
+    """Split layers into ``num_stages`` contiguous non-empty stages minimising the largest stage cost, exactly.
+
+    best[k][i] = min over j of max(best[k-1][j], S[i] - S[j]), S the prefix sums: the first
+    term never falls and the second never rises as j grows (costs >= 0), so the optimal j
+    form one interval around their crossing, found by binary search: O(stages x layers x log).
+    Among optimal j the last stage gets the count of layers closest to an even share.
+    """
+    n = len(costs)
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    if num_stages > n:
+        raise ValueError(
+            f"{num_stages} stages but the model has {n} layers: every stage needs at least one layer; "
+            f"use at most {n} ranks x chunks, or split the model into more nn.Sequential layers"
+        )
+    if any(not math.isfinite(c) or c < 0 for c in costs):
+        raise ValueError(f"layer costs must be finite and non-negative, got {list(costs)}")
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    best = [prefix[:]]  # one stage: best[0][i] = S[i]
+    choice: list[list[int]] = [[0] * (n + 1)]
+    for k in range(1, num_stages):  # k + 1 stages
+        row, picks = [math.inf] * (n + 1), [0] * (n + 1)
+        previous = best[-1]
+        for i in range(k + 1, n + 1):
+            lo, hi = k, i  # j in [lo, hi): the first k stages take layers [0, j), the last [j, i)
+            total = prefix[i]
+
+            def crossed(j: int, a: list[float] = previous, t: float = total) -> bool:
+                return a[j] >= t - prefix[j]
+
+            crossing = _first(lo, hi, crossed)
+            value = min(max(previous[j], total - prefix[j]) for j in (crossing - 1, crossing) if lo <= j < hi)
+
+            # the optimal j: previous[j] <= value holds on a prefix of j, total - S[j] <= value on a suffix
+            def rest_fits(j: int, t: float = total, v: float = value) -> bool:
+                return t - prefix[j] <= v
+
+            def head_exceeds(j: int, a: list[float] = previous, v: float = value) -> bool:
+                return a[j] > v
+
+            first, last = _first(lo, hi, rest_fits), _first(lo, hi, head_exceeds) - 1
+            even = i - i / (k + 1)  # the j that leaves the last stage an even share of the i layers
+            row[i], picks[i] = value, min(max(math.ceil(even - 0.5), first), last)
+        best.append(row)
+        choice.append(picks)
+    bounds: Bounds = []
+    end = n
+    for k in range(num_stages - 1, 0, -1):
+        start = choice[k][end]
+        bounds.append((start, end))
+        end = start
+    bounds.append((0, end))
+    return bounds[::-1]
+
+
+def _first(lo: int, hi: int, predicate: Callable[[int], bool]) -> int:
+    """The first index in [lo, hi) where a monotone predicate (False, ..., True) holds, or hi."""
+    return lo + bisect_left(range(lo, hi), True, key=predicate)
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise _unknown(method)
+
+
+def _unknown(method: str) -> ValueError:
+    valid = ", ".join(METHODS)
+    return ValueError(f"unknown partition method {method!r}; valid: {valid}, or a list of layers per stage")
+
+
+def method_costs(method: str, costs: LayerCosts) -> list[float]:
+    """The per-layer numbers a method balances."""
+    if method == "uniform":
+        return [1.0] * len(costs)
+    if method == "parameters":
+        return [float(p) for p in costs.params]
+    if method == "memory":
+        return [float(m) for m in costs.memory]
+    if method == "time":
+        if costs.time is None:
+            raise ValueError("partition='time' needs measured layer times: pass a sample micro-batch")
+        return list(costs.time)
+    raise _unknown(method)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which layers each stage runs, how it was decided, and what each stage costs."""
+
+    method: str  # one of METHODS, or "explicit"
+    bounds: Bounds
+    costs: LayerCosts
+    placement: tuple[int, ...] | None = None  # stage -> rank, for the report
+
+    def stage_sum(self, values: Sequence[float] | None) -> list[float] | None:
+        return None if values is None else [sum(values[a:b]) for a, b in self.bounds]
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean over stages of what the method balanced (layer counts for an explicit split)."""
+        method = "uniform" if self.method == "explicit" else self.method
+        per_stage = self.stage_sum(method_costs(method, self.costs)) or []
+        mean = sum(per_stage) / len(per_stage)
+        return max(per_stage) / mean if mean > 0 else 1.0
+
+    def __str__(self) -> str:
+        params = self.stage_sum(self.costs.params) or []
+        times = self.stage_sum(self.costs.time)
+        memory = self.stage_sum(self.costs.memory) or []
+        balanced = {"uniform": "layers", "explicit": "layers"}.get(self.method, self.method)
+        lines = [
+            f"partition by {self.method}: {len(self.bounds)} stages, imbalance {self.imbalance:.2f} "
+            f"(max / mean of {balanced})"
+        ]
+        lines.append("stage  rank  layers   params    time ms  memory MB")
+        for stage, (start, end) in enumerate(self.bounds):
+            rank = str(self.placement[stage]) if self.placement else "-"
+            ms = f"{1e3 * times[stage]:9.2f}" if times else "        -"
+            lines.append(
+                f"{stage:5d}  {rank:>4}  {f'{start}-{end - 1}':7}  {int(params[stage]):7,d}  {ms}  "
+                f"{memory[stage] / 2**20:9.2f}"
+            )
+        return "\n".join(lines)
+
+
+def plan(
+    model: nn.Sequential,
+    num_stages: int,
+    method: str | Sequence[int] = "time",
+    sample: torch.Tensor | Tensors | None = None,
+    *,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+) -> Partition:
+    """Partition a model without any process group: measure its layers (on one micro-batch), then solve.
+
+    ``method``: "uniform" (layer count), "parameters", "time" (needs ``sample``), "memory"
+    (parameters + optimizer state + activations; activations need ``sample``), or the
+    number of layers of each stage.
+    """
+    if not isinstance(method, str):
+        counts = check_counts(method, num_stages)
+        return Partition("explicit", bounds_from_counts(counts, len(model)), measure(model, sample))
+    check_method(method)
+    costs = measure(model, sample, timed=method == "time", repeats=repeats, device=device)
+    return Partition(method, solve(method_costs(method, costs), num_stages), costs)

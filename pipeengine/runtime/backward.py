@@ -1,0 +1,149 @@
+"""Split backward for zero-bubble schedules: input gradients now (I), weight gradients later (W).
+
+Nothing is recomputed. Let P be the autograd nodes that lead to a stage input: I runs
+autograd to the inputs only, so each P node computes only its input-side gradients,
+while a prehook keeps the gradient arriving at every P node that also has weights
+beneath it. W re-enters each such node with its kept gradient and asks for only the
+weights directly beneath it: the node computes only its weight-side outputs::
+
+    output ─► [P] Addmm ─► [P] ... ─► input          I: dY flows down P, dX comes out
+                 └─► weight (not in P)               W: restart at Addmm with its dY, ask for weight
+
+When one weight lies beneath several P nodes (a weight used twice in the stage), per-node
+calls would count it twice; then W falls back to one autograd call from the outputs,
+which repeats the input-side gradient work but stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+
+from pipeengine.core.specs import Tensors
+
+__all__: list[str] = []
+
+
+def _node(tensor: torch.Tensor) -> Node | None:
+    """A tensor's autograd node: its grad_fn, or for a leaf its gradient accumulator."""
+    if tensor.grad_fn is not None:
+        return tensor.grad_fn
+    if tensor.requires_grad:
+        return tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    return None
+
+
+@dataclass
+class WeightPass:
+    """What W needs: restart points with their kept gradients, and the weights beneath each."""
+
+    roots: list[tuple[Node, list[torch.Tensor | None], list[nn.Parameter]]] = field(default_factory=list)
+    fallback: tuple[Tensors, Tensors, list[nn.Parameter]] | None = None  # (outputs, grads, params)
+
+    def run(self) -> None:
+        """Accumulate every weight gradient into .grad, then drop the graph."""
+        if self.fallback is not None:
+            outputs, grads, params = self.fallback
+            self._accumulate(params, torch.autograd.grad(outputs, params, grads, allow_unused=True))
+        for index, (node, kept, params) in enumerate(self.roots):
+            edges = [GradientEdge(node, i) for i, g in enumerate(kept) if g is not None]
+            values = [g for g in kept if g is not None]
+            targets = [GradientEdge(_node(p), 0) for p in params]  # type: ignore[arg-type]
+            last = index == len(self.roots) - 1
+            grads = torch.autograd.grad(edges, targets, values, retain_graph=not last, allow_unused=True)
+            self._accumulate(params, grads)
+        self.roots, self.fallback = [], None
+
+    @staticmethod
+    def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+        for param, grad in zip(params, grads, strict=True):
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+
+
+def backward_input(
+    outputs: Tensors, grads: Tensors, inputs: Tensors, params: Sequence[nn.Parameter], one_pass: bool = False
+) -> tuple[Tensors, WeightPass]:
+    """The gradient of every input that requires one, and what the weight pass will need.
+
+    ``one_pass``: W as one autograd call from the outputs, for stages under activation
+    checkpointing, whose forward each separate W call would recompute.
+    """
+    wanted = [x for x in inputs if x.requires_grad]
+    trainable = [p for p in params if p.requires_grad]
+    if not outputs:  # nothing needs a gradient downstream (a frozen or detached stage): zeros go upstream
+        return tuple(torch.zeros_like(x) for x in wanted), WeightPass()
+    if not wanted:  # nothing flows upstream (the first stage): the whole backward is the weight pass
+        return (), WeightPass(fallback=(outputs, grads, trainable) if trainable else None)
+    input_nodes = {n for n in map(_node, wanted) if n is not None}
+    weight_nodes = {n: p for p in trainable if (n := _node(p)) is not None}
+    roots = [n for n in map(_node, outputs) if n is not None]
+    on_path, below, reachable = _analyse(roots, input_nodes, set(weight_nodes))
+    owner: dict[Node, int] = {}
+    for node in on_path:
+        for weight in below.get(node, ()):
+            owner[weight] = owner.get(weight, 0) + 1
+    weight_pass = WeightPass()
+    kept: dict[Node, list[torch.Tensor | None]] = {}
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    if not weight_nodes:  # no trainable weight beneath: nothing for W to do
+        pass
+    elif one_pass or any(count > 1 for count in owner.values()) or set(owner) != reachable:
+        # a weight beneath several input-path nodes, or beneath none (off the input path): one plain W call
+        weight_pass.fallback = (outputs, grads, list(weight_nodes.values()))
+    else:
+
+        def keeper(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+            def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+                kept[node] = list(grad_outputs)
+
+            return hook
+
+        handles = [node.register_prehook(keeper(node)) for node in on_path if below.get(node)]
+    try:
+        input_grads = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if weight_pass.fallback is None:
+        weight_pass.roots = [(node, kept[node], [weight_nodes[w] for w in below[node]]) for node in kept]
+    result = tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(input_grads, wanted, strict=True))
+    return result, weight_pass
+
+
+def _analyse(
+    roots: list[Node], inputs: set[Node], weights: set[Node]
+) -> tuple[list[Node], dict[Node, list[Node]], set[Node]]:
+    """The nodes on a path to an input (in graph order), the weights directly beneath each, and all weights seen.
+
+    "Directly beneath" means reachable through children that are not on an input path.
+    """
+    order: list[Node] = []  # every node reachable from the roots, children before parents
+    seen: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack += [(child, False) for child, _ in node.next_functions if child is not None and child not in seen]
+    leads_in: dict[Node, bool] = {}
+    under: dict[Node, set[Node]] = {}  # weights reachable from a node through non-input-path nodes only
+    for node in order:
+        children = [child for child, _ in node.next_functions if child is not None]
+        leads_in[node] = node in inputs or any(leads_in[c] for c in children)
+        under[node] = {node} & weights
+        for child in children:
+            if not leads_in[child]:
+                under[node] |= under[child]
+    on_path = [n for n in order if leads_in[n] and n not in inputs]
+    below = {n: sorted(under[n], key=id) for n in on_path if under[n]}
+    return on_path, below, weights & seen

@@ -1,0 +1,149 @@
+"""Gradient synchronisation: one protocol, started by the stream after the last backward that touches what it
+synchronises (schedules.passes.sync places it), finished before the step returns, overlapping what runs between.
+
+    GradientSync.start(op, stream, average)   at AR (stage s's gradients) or TR (tie group g's weights)
+    GradientSync.finish()                     at the step's end: wait, and write the result back
+
+Two implementations, each reducing flat buffers (one per dtype) asynchronously:
+
+    ReplicaMean   AR: a stage's gradients averaged over the data-parallel replicas (a weight shared by two
+                  stages of this rank goes with the stage whose AR comes last, when all its gradient is in)
+    TieSum        TR: a tied weight's gradient summed over the ranks that hold a copy (every replica's), then
+                  averaged over the replicas
+
+``average=False`` (a token-mean loss over the global count) sums over replicas instead of averaging:
+each replica's share already carries its weight.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeengine.comm.base import Pending, Transport
+from pipeengine.errors import PipelineError
+from pipeengine.observe.trace import Tracer
+from pipeengine.runtime.stage import StageWorker
+from schedules import Action, Instruction, Kind
+
+__all__ = ["GradientSync", "ReplicaMean", "TieGroup", "TieSum"]
+
+
+@dataclass
+class Reduction:
+    """One flat buffer being reduced: the gradients it was made of, and what to divide the result by."""
+
+    op: Instruction  # the instruction that started it
+    pending: Pending
+    flat: torch.Tensor
+    grads: list[torch.Tensor]
+    divisor: int
+
+    def finish(self, tracer: Tracer) -> None:
+        with tracer.span(self.op, wait=True):
+            self.pending.wait()
+        if self.divisor > 1:
+            self.flat /= self.divisor
+        offset = 0
+        for grad in self.grads:
+            grad.copy_(self.flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+@dataclass
+class GradientSync(abc.ABC):
+    """Gradients synchronised once per step (see the module docstring)."""
+
+    started: list[Reduction] = field(default_factory=list, init=False)
+
+    @abc.abstractmethod
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+        """Start synchronising what ``op`` names; ``stream`` is this rank's program, ``average`` as above."""
+
+    def finish(self, tracer: Tracer) -> None:
+        """Wait for every reduction started this step and write the results back into the gradients."""
+        started, self.started = self.started, []
+        for reduction in started:
+            reduction.finish(tracer)
+
+    def _reduce(self, op: Instruction, grads: Iterable[torch.Tensor], transport: Transport, what: str,
+                divisor: int) -> None:  # fmt: skip
+        """Start a sum of ``grads`` over ``transport``, one flat buffer per dtype."""
+        buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            buckets.setdefault(grad.dtype, []).append(grad)
+        for bucket in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            self.started.append(Reduction(op, transport.start_all_reduce(flat, what), flat, bucket, divisor))
+
+
+@dataclass
+class ReplicaMean(GradientSync):
+    """AR: a stage's gradients averaged over the data-parallel replicas."""
+
+    data: Transport  # the replicas of this pipeline position
+    workers: dict[int, StageWorker]
+    exclude: set[int]  # id() of parameters another synchronisation owns (tied across ranks: TieSum)
+    _owners: dict[tuple[Action, ...], dict[int, list[nn.Parameter]]] = field(default_factory=dict, init=False)
+
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+        with tracer.span(op):
+            params = self.owned(stream)[op.stage]
+            grads = [p.grad for p in params if p.grad is not None]  # the same on every replica: the same graph
+            what = f"the gradient all-reduce of stage {op.stage} over the data-parallel replicas"
+            self._reduce(op, grads, self.data, what, self.data.size if average else 1)
+
+    def owned(self, stream: tuple[Action, ...]) -> dict[int, list[nn.Parameter]]:
+        """Per stage, the parameters its AR averages: a weight shared by stages of this rank goes with the stage
+        whose AR comes last in the stream."""
+        owners = self._owners.get(stream)
+        if owners is None:
+            order = [a.stage for a in stream if isinstance(a, Instruction) and a.kind is Kind.ALL_REDUCE]
+            last_stage = {}
+            for stage in order:
+                for param in self.workers[stage].module.parameters():
+                    if id(param) not in self.exclude:
+                        last_stage[id(param)] = (stage, param)
+            owners = {stage: [] for stage in order}
+            for stage, param in last_stage.values():
+                owners[stage].append(param)
+            self._owners[stream] = owners
+        return owners
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """A tie group this rank holds: the group of ranks that hold it, and this rank's copies of its weights."""
+
+    transport: Transport  # the holding ranks of every replica: the sum spans them all
+    params: list[nn.Parameter]
+    replicas: int  # data-parallel replicas in the group: averaged over them, unless the step sums them
+
+
+@dataclass
+class TieSum(GradientSync):
+    """TR: each tie group's gradients summed over the ranks that hold it."""
+
+    groups: dict[int, TieGroup]  # tie group -> what this rank sums for it
+
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+        tie = self.groups.get(op.tie_group)
+        if tie is None:
+            raise PipelineError(f"{op}: this rank holds no weights of tie group {op.tie_group}")
+        with tracer.span(op):
+            grads = []
+            for param in tie.params:
+                if param.grad is None:  # unused here this step: its share of the sum is zero
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+            what = f"the sum of tie group {op.tie_group}'s gradients over the ranks that hold it"
+            self._reduce(op, grads, tie.transport, what, tie.replicas if average else 1)
+
+    @property
+    def params(self) -> set[int]:
+        """id() of every parameter it synchronises."""
+        return {id(p) for tie in self.groups.values() for p in tie.params}

@@ -1,0 +1,154 @@
+"""A stage worker: one stage's layers, run forward and backward per micro-batch.
+
+Autograd is cut at every stage boundary: a stage's inputs are leaf tensors, so its
+backward stops there and leaves the input gradients in ``.grad`` to be sent upstream::
+
+    recv x (leaf) ──► layers ──► y ── send ──►        forward
+    send x.grad ◄── backward(y, dy) ◄── recv dy        backward
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeengine.core.specs import Boundary, Tensors, map_tensors, pack, unpack
+from pipeengine.runtime.backward import WeightPass, backward_input
+from pipeengine.runtime.precision import autocast
+
+__all__: list[str] = []
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class StageWorker:
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        *,
+        is_last: bool,
+        loss_fn: LossFn,
+        checkpointed: bool = False,
+        precision: torch.dtype | None = None,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.is_last = is_last
+        self.loss_fn = loss_fn
+        self.checkpointed = checkpointed  # keep only the stage input; recompute the rest in backward
+        self.precision = precision  # autocast dtype; floating outputs cross the boundary in it
+        self.saved: dict[int, tuple[Tensors, Tensors]] = {}  # micro-batch -> (inputs, outputs) for backward
+        self.weight_passes: dict[int, WeightPass] = {}  # micro-batch -> its pending W (zero-bubble)
+
+    def forward(
+        self,
+        mb: int,
+        inputs: Tensors,
+        packed: bool,
+        *,
+        train: bool,
+        target: object = None,
+        expected: Boundary | None = None,
+        loss_weight: float = 1.0,
+        loss_scale: float = 1.0,
+    ) -> tuple[Tensors, torch.Tensor | None]:
+        """Run the layers: (outputs, None); on the last stage of a training step, ((), the loss).
+
+        ``expected``: the output the receiver sized its buffers for (checked, never a hang or a
+        truncation). The loss is backpropagated times ``loss_weight`` (its share of the step's
+        loss) and ``loss_scale`` (fp16); the loss returned is the loss_fn's value, detached.
+        """
+        argument = pack(inputs, packed)
+        device = next((t.device for t in inputs), torch.device("cpu"))
+        with autocast(device, self.precision):
+            if self.checkpointed and train:
+                value = checkpoint(self.module, argument, use_reentrant=False)
+            else:
+                value = self.module(argument)
+            if self.is_last and train:
+                loss = self.loss_fn(value, target)
+        if not self.is_last:
+            if self.precision is not None:  # floating tensors cross the boundary in the autocast dtype
+                dtype = self.precision
+                value = map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+            outputs = unpack(value)
+            self._check(value, train, expected)
+            if train:
+                self.saved[mb] = (inputs, outputs)
+            return outputs, None
+        if not train:
+            return unpack(value), None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}"
+            )
+        scaled = loss.float() * (loss_weight * loss_scale)  # e.g. 1/m each: the mean over micro-batches
+        self.saved[mb] = (inputs, (scaled,))
+        return (), loss.detach().float()
+
+    def held(self) -> Iterator[torch.Tensor]:
+        """What this worker keeps between its computes: inputs and outputs for backward, W's kept gradients."""
+        for inputs, outputs in self.saved.values():
+            yield from inputs
+            yield from outputs
+        for weight_pass in self.weight_passes.values():
+            for _, kept, _ in weight_pass.roots:
+                yield from (g for g in kept if g is not None)
+            if weight_pass.fallback is not None:
+                outputs, grads, _ = weight_pass.fallback
+                yield from outputs
+                yield from (g for g in grads if g is not None)
+
+    def backward(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
+        """Backpropagate one micro-batch; return the gradients of the inputs that need one, and free it."""
+        inputs, outputs, grads = self._pop(mb, grad_outputs)
+        if outputs:
+            torch.autograd.backward(outputs, grads)  # None for a scalar loss
+        return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad)
+
+    def backward_input(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
+        """The input gradients alone (zero-bubble I); the weight pass is kept for backward_weight."""
+        inputs, outputs, grads = self._pop(mb, grad_outputs)
+        params = list(self.module.parameters())
+        input_grads, self.weight_passes[mb] = backward_input(outputs, grads, inputs, params, self.checkpointed)
+        return input_grads
+
+    def backward_weight(self, mb: int) -> None:
+        """The parameter gradients of a micro-batch whose input gradients were taken (zero-bubble W)."""
+        self.weight_passes.pop(mb).run()  # then its graph, and the activations it held, are freed
+
+    def _pop(self, mb: int, grad_outputs: Tensors | None) -> tuple[Tensors, Tensors, Tensors]:
+        """A micro-batch's inputs, the outputs to backpropagate from, and their gradients."""
+        inputs, outputs = self.saved.pop(mb)
+        needing = tuple(o for o in outputs if o.requires_grad)
+        if self.is_last:
+            return inputs, needing, (None,) * len(needing)  # type: ignore[return-value]  # d(loss)/d(loss) = 1
+        if grad_outputs is None:  # no gradient comes back across the output boundary: nothing to do
+            return inputs, (), ()
+        return inputs, needing, tuple(grad_outputs)
+
+    def _check(self, value: object, train: bool, expected: Boundary | None) -> None:
+        """The output must be what the receiver's buffers were sized for: never a hang or a truncation."""
+        if expected is None:
+            return
+        got = Boundary.of(value, f"the output of stage {self.index}")
+        same = got.is_tuple == expected.is_tuple and len(got.specs) == len(expected.specs)
+        same = same and all(
+            g.shape == e.shape and g.dtype == e.dtype and (not train or g.requires_grad == e.requires_grad)
+            for g, e in zip(got.specs, expected.specs, strict=True)
+        )
+        if not same:
+            hint = ""
+            if [s.requires_grad for s in got.specs] != [s.requires_grad for s in expected.specs]:
+                hint = (
+                    "; whether it needs a gradient differs: set requires_grad before building the PipelineEngine "
+                    "(every rank infers the boundaries from its copy of the model)"
+                )
+            raise ValueError(
+                f"stage {self.index} produced {got}, but its receiver expects {expected} (inferred on the meta "
+                f"device){hint}"
+            )

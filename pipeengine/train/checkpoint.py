@@ -1,0 +1,200 @@
+"""Checkpoints under the model's own names: any stage count saves, any stage count loads.
+
+    directory/
+      latest                    "checkpoint-3": replaced atomically once every file is written
+      checkpoint-3/meta.json    the layers, the model's keys, which file holds which names, and the
+                                other names of tied weights (each stored once, under its first name)
+      checkpoint-3/part-0.pt    {"model": state_dict, "optimizer": state by parameter name}, per pipeline rank
+
+A save writes a new checkpoint-N (each file to a temporary name, then renamed), waits for
+every rank, then points `latest` at it and removes the older ones: a crash mid-save
+leaves the previous checkpoint intact and `latest` pointing at it. Only the first
+data-parallel replica writes. The directory must be shared by all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeengine.comm.base import Transport
+
+__all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
+
+LATEST = "latest"
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    state: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    names: Mapping[int, str],
+    *,
+    layers: list[str],
+    keys: list[str],
+    aliases: Mapping[str, str],
+    writer: bool,
+    pipeline: Transport,
+    world: Transport,
+) -> Path:
+    """Write this rank's part of a new checkpoint; every rank of the world must call it."""
+    root = Path(directory)
+    rank = pipeline.rank
+    number = torch.tensor([_latest_number(root) + 1 if world.rank == 0 else 0], device=world.device)
+    world.broadcast(number, 0, "the number of the new checkpoint")  # every rank writes into the same one
+    target = root / f"checkpoint-{int(number.item())}"
+    if writer:
+        target.mkdir(parents=True, exist_ok=True)
+        named = _named_optimizer_state(optimizer, names) if optimizer is not None else None
+        payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "optimizer": named}
+        _write_atomically(target / f"part-{rank}.pt", lambda path: torch.save(payload, path))
+        listed = pipeline.all_gather_object(list(state), "the names each rank saves")  # in the stages' order
+        if rank == 0:
+            parts = {f"part-{r}.pt": held for r, held in enumerate(listed)}
+            meta = {"format": 1, "layers": layers, "keys": keys, "tied": dict(aliases), "parts": parts}
+            _write_atomically(target / "meta.json", lambda path: Path(path).write_text(json.dumps(meta, indent=1)))
+    world.barrier("the other ranks to finish writing their parts")  # every part is on disk before `latest` moves
+    if world.rank == 0:
+        _write_atomically(root / LATEST, lambda path: Path(path).write_text(target.name))
+        for old in root.glob("checkpoint-*"):
+            if old != target and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+    world.barrier("rank 0 to point 'latest' at the new checkpoint")
+    return target
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str],
+    modules: Iterable[nn.Module],
+    optimizer: torch.optim.Optimizer | None,
+    names: Mapping[int, str],
+    *,
+    expected: set[str],
+) -> Path:
+    """Load the names this rank's modules hold (and its optimizer's state) from the latest checkpoint."""
+    target = _resolve(Path(directory))
+    meta = json.loads((target / "meta.json").read_text())
+    tied: dict[str, str] = meta.get("tied", {})  # another name of a tied weight -> the name it is stored under
+    present = {key for keys in meta["parts"].values() for key in keys} | set(tied)
+    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{target} is not a checkpoint of this model: missing {_few(missing)}, unexpected {_few(unexpected)}; "
+            "load a checkpoint saved from the same nn.Sequential"
+        )
+    modules = list(modules)
+    wanted = {tied.get(key, key) for module in modules for key in module.state_dict()}
+    model_state, optimizer_state, groups = _read(target, meta, wanted)
+    for module in modules:  # a tied weight's every name reads the one stored copy
+        module.load_state_dict({key: model_state[tied.get(key, key)] for key in module.state_dict()})
+    if optimizer is not None:
+        _load_named_optimizer_state(optimizer, names, optimizer_state, groups, target)
+    return target
+
+
+def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict from the latest checkpoint, under the nn.Sequential's names (no ranks needed)."""
+    target = _resolve(Path(directory))
+    meta = json.loads((target / "meta.json").read_text())
+    stored = [key for part in meta["parts"].values() for key in part]
+    tied: dict[str, str] = meta.get("tied", {})
+    state, _, _ = _read(target, meta, set(stored))
+    if "keys" in meta:  # the model's own order, tied weights under each of their names
+        return {key: state[tied.get(key, key)] for key in meta["keys"]}
+    layer = {name: i for i, name in enumerate(meta["layers"])}
+    stored.sort(key=lambda key: layer.get(key.split(".")[0], len(layer)))  # stable: each layer keeps its order
+    return {key: state[key] for key in stored}
+
+
+def _read(
+    target: Path, meta: dict[str, Any], wanted: set[str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Model tensors, optimizer states and optimizer groups for the wanted names, from the parts that hold them."""
+    model: dict[str, Any] = {}
+    states: dict[str, Any] = {}
+    groups: dict[str, Any] = {}
+    for part, keys in meta["parts"].items():
+        if wanted.isdisjoint(keys):
+            continue
+        payload = torch.load(target / part, map_location="cpu", weights_only=True)
+        model.update({k: v for k, v in payload["model"].items() if k in wanted})
+        if payload["optimizer"] is not None:
+            states.update(payload["optimizer"]["state"])
+            for group in payload["optimizer"]["param_groups"]:
+                for name in group["params"]:
+                    groups[name] = {k: v for k, v in group.items() if k != "params"}
+    return model, states, groups
+
+
+def _named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+    """An optimizer's state_dict with parameter names in place of indices; parameters without a name here (a tied
+    weight that another rank writes) are left out."""
+    state = optimizer.state_dict()
+    by_index = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {by_index[i]: value for i, value in state["state"].items() if by_index[i] is not None},
+        "param_groups": [
+            {**g, "params": [by_index[i] for i in g["params"] if by_index[i] is not None]}
+            for g in state["param_groups"]
+        ],
+    }
+
+
+def _load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[int, str],
+    states: dict[str, Any],
+    groups: dict[str, Any],
+    target: Path,
+) -> None:
+    current = optimizer.state_dict()
+    by_index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    absent = [name for name in by_index if name not in groups]
+    if absent:
+        raise ValueError(f"{target} holds no optimizer state for {_few(absent)}: was it saved with optimizer=?")
+    for group in current["param_groups"]:
+        group.update(groups[by_index[group["params"][0]]])  # the hyperparameters saved with these parameters
+    current["state"] = {i: states[name] for i, name in enumerate(by_index) if name in states}
+    optimizer.load_state_dict(current)
+
+
+def _latest_number(root: Path) -> int:
+    try:
+        return int((root / LATEST).read_text().strip().removeprefix("checkpoint-"))
+    except (FileNotFoundError, ValueError):
+        return max((int(p.name.split("-")[1]) for p in root.glob("checkpoint-*") if p.name.split("-")[1].isdigit()),
+                   default=0)  # fmt: skip
+
+
+def _resolve(root: Path) -> Path:
+    pointer = root / LATEST
+    if not pointer.exists():
+        raise FileNotFoundError(f"{root} holds no checkpoint (no '{LATEST}' file): save one with engine.save()")
+    return root / pointer.read_text().strip()
+
+
+def _write_atomically(path: Path, write: Any) -> None:
+    """Write to a temporary file beside ``path``, then rename it over: readers see the old file or the new."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _few(names: list[str], shown: int = 6) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

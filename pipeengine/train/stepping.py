@@ -1,0 +1,112 @@
+"""A step: the call header, the batch cut into micro-batches, the boundaries inferred, the loss counted, the
+program run, and the step's loss returned the same on every rank.
+
+    train_step(x, y)                      eval_step(x)
+      header: every rank learns the batch   header
+      boundaries (meta device, cached)      boundaries
+      loss_count: the step's units          -
+      program(train, gradient-free b's)     program(eval)
+      run (traced or not)                   run
+      loss: last stage -> pipeline -> replicas   outputs on the last stage's rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from pipeengine.build.assembly import Assembly
+from pipeengine.comm.header import Call, Calls
+from pipeengine.core.config import EngineConfig
+from pipeengine.core.specs import Boundary, Tensors, infer_boundaries, unpack
+from pipeengine.runtime.executor import StepInputs, StepResult
+from pipeengine.train.losses import count_units
+from pipeengine.train.tracing import Tracing
+from schedules import Schedule
+
+__all__: list[str] = []
+
+
+class Stepper:
+    def __init__(self, parts: Assembly, config: EngineConfig, loss_fn: Callable[..., torch.Tensor], calls: Calls,
+                 tracing: Tracing, params: Callable[[], list[nn.Parameter]]) -> None:  # fmt: skip
+        self.parts, self.config, self.loss_fn, self.calls, self.tracing = parts, config, loss_fn, calls, tracing
+        self.params = params
+        self.num_microbatches: int = config.num_microbatches  # type: ignore[assignment]  # set by now (auto too)
+        placement = parts.schedule.placement
+        self.pp_rank = parts.topology.pp_rank
+        self.first, self.last = placement[0] == self.pp_rank, placement[-1] == self.pp_rank
+        self.last_program: Schedule | None = None  # the streams the transport ran for the last step
+        self._boundaries: dict[Boundary, list[Boundary]] = {}
+        self._steps = {True: 0, False: 0}  # training and evaluation steps run, for error messages
+        self._summed_checked = False  # loss_count: whether loss_fn was found to return a sum (train.losses)
+
+    def train(self, inputs: object, targets: object, loss_scale: float) -> float:
+        """Forward and backward over all micro-batches; the mean loss (as one process has it) on every rank."""
+        header = self.calls.exchange(Call.TRAIN, inputs, targets, first=self.first, last=self.last,
+                                     num_microbatches=self.num_microbatches)  # fmt: skip
+        boundaries = self.infer(header.microbatch_inputs)
+        no_gradient = frozenset(b for b, boundary in enumerate(boundaries[:-1]) if not boundary.grad_specs)
+        targets_split = None
+        if self.last:
+            targets_split = [mb if isinstance(targets, tuple) else mb[0] for mb in self.split(targets)]
+        topology, last = self.parts.topology, self.parts.schedule.placement[-1]
+        total = None
+        if self.config.loss_count is not None:  # the first step also checks that loss_fn returns a sum
+            check = None if self._summed_checked else (self.loss_fn, boundaries[-1])
+            total = count_units(self.config.loss_count, targets_split, topology, last, check)
+            self._summed_checked = True
+        step = StepInputs(
+            True, self._steps[True], self.split(inputs) if self.first else None, targets_split,
+            header.microbatch_inputs, boundaries, loss_weight=1.0 / (total or self.num_microbatches),
+            loss_scale=loss_scale, average_replicas=total is None,  # a global count: replicas' shares add up
+        )  # fmt: skip
+        result = self.run(self.parts.programs.get(True, no_gradient), step)
+        loss = torch.zeros((), dtype=torch.float32, device=self.parts.device)
+        if self.last:
+            losses = torch.stack([result.losses[mb] for mb in range(self.num_microbatches)]).double()
+            loss = (losses.sum() / total if total is not None else losses.mean()).float()
+        topology.pipeline.broadcast(loss, last, f"the step's loss from rank {last}")
+        if topology.data is not None:  # every replica's share: over the global count, or the mean of the means
+            topology.data.all_reduce(loss, "the losses of the other data-parallel replicas")
+            if total is None:
+                loss /= topology.data_parallel
+        return loss.item()
+
+    def eval(self, inputs: object) -> torch.Tensor | Tensors | None:
+        """Forward only; the last stage's rank returns the outputs of the whole batch, others None."""
+        header = self.calls.exchange(Call.EVAL, inputs, None, first=self.first, last=self.last,
+                                     num_microbatches=self.num_microbatches)  # fmt: skip
+        boundaries = self.infer(header.microbatch_inputs)
+        split = self.split(inputs) if self.first else None
+        step = StepInputs(False, self._steps[False], split, None, header.microbatch_inputs, boundaries)
+        result = self.run(self.parts.programs.get(False), step)
+        if not self.last:
+            return None
+        parts = [result.outputs[mb] for mb in range(self.num_microbatches)]
+        joined = tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+        return boundaries[-1].pack(joined)
+
+    def run(self, program: Schedule, step: StepInputs) -> StepResult:
+        self._steps[step.train] += 1
+        self.last_program = program
+        return self.tracing.run(self.parts.executor, program, step, self.params())
+
+    def split(self, value: object) -> list[Tensors]:
+        """Per micro-batch tuples of tensors, on this rank's device (the header checked the shapes)."""
+        tensors = unpack(value)  # type: ignore[arg-type]
+        size = tensors[0].shape[0] // self.num_microbatches
+        pieces = [t.detach().to(self.parts.device, non_blocking=True).split(size) for t in tensors]
+        return [tuple(piece[mb] for piece in pieces) for mb in range(self.num_microbatches)]
+
+    def infer(self, inputs: Boundary) -> Sequence[Boundary]:
+        """Output boundary of every stage for this micro-batch input, cached per input signature."""
+        boundaries = self._boundaries.get(inputs)
+        if boundaries is None:
+            boundaries = infer_boundaries(self.parts.meta_layers, self.parts.partition.bounds, inputs)
+            if self.config.dtype is not None:  # floating tensors cross in the autocast dtype (see precision)
+                boundaries = [b.in_dtype(self.config.dtype) for b in boundaries[:-1]] + boundaries[-1:]
+            self._boundaries[inputs] = boundaries
+        return boundaries

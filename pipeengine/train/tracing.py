@@ -1,0 +1,175 @@
+"""Traced steps: when every instruction ran on every rank, and, for a training step, the memory each rank held.
+
+``with engine.tracing():`` (or ``trace=True``) runs each step under a Tracer (pipeengine.observe.trace).
+A traced training step first measures each of this rank's stages once per batch shape and program
+(``measure_stage``: its worker run on the step's first micro-batch under a ledger, its state from the
+optimizer's), then samples the bytes held after every instruction. Rank 0 gathers one Timeline.
+
+    sizes (per stage)  ──► timeline.sizes     what the simulator is fed (Costs.from_timeline)
+    ledger samples     ──► timeline.memory    the bytes held over the step, its peaks
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from pipeengine.comm.base import Transport
+from pipeengine.core.specs import Boundary, Tensors, unpack
+from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies, storage
+from pipeengine.observe.trace import NULL_TRACER, Tracer
+from pipeengine.runtime.executor import Executor, StepInputs, StepResult
+from pipeengine.runtime.stage import StageWorker
+from schedules import Kind, Schedule, Timeline
+
+__all__: list[str] = []
+
+
+class Tracing:
+    """Whether steps are traced, and the last traced step's timeline (on group rank 0 of the pipeline)."""
+
+    def __init__(self, enabled: bool, device: torch.device, pipeline: Transport, num_stages: int) -> None:
+        self.enabled = enabled
+        self.optimizer: torch.optim.Optimizer | None = None  # while tracing: whose state counts
+        self.timeline: Timeline | None = None
+        self._tracer = Tracer(device)
+        self._pipeline, self._num_stages = pipeline, num_stages
+        self._sizes: dict[tuple[object, ...], dict[int, StageSizes]] = {}  # per batch shape, program, optimizer
+
+    @contextlib.contextmanager
+    def on(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+        previous, self.enabled, self.optimizer = self.enabled, True, optimizer
+        try:
+            yield
+        finally:
+            self.enabled, self.optimizer = previous, None
+
+    def run(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter]) -> StepResult:
+        """Run a step, traced if tracing is on (every rank of the pipeline alike)."""
+        if not self.enabled:
+            return executor.run(program, step, NULL_TRACER)
+        if not step.train:
+            self._tracer.begin()
+            result = executor.run(program, step, self._tracer)
+        else:  # memory too: the sizes of this rank's stages, then what it holds after every instruction
+            sizes = self._measure(executor.workers, program, step, params)
+            batch = [t for mb in (step.inputs or ()) for t in mb]
+            batch += [t for target in (step.targets or ()) for t in unpack(target) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
+            ledger = Ledger(ignore=[*params, *batch])  # the user's batch is theirs, not the engine's
+            self._tracer.begin(ledger, sum(s.state for s in sizes.values()), sizes)
+            with ledger.watching():
+                result = executor.run(program, step, self._tracer)
+        self.timeline = self._tracer.gather(f"{program.name} measured", self._pipeline, self._num_stages)
+        return result
+
+    def _measure(self, workers: dict[int, StageWorker], program: Schedule, step: StepInputs,
+                 params: list[nn.Parameter]) -> dict[int, StageSizes]:  # fmt: skip
+        """This rank's stages measured on the step's first micro-batch (once per batch shape and program)."""
+        copies = optimizer_copies(self.optimizer, params)
+        key = (step.first_input, tuple(step.boundaries), id(program), copies)
+        sizes = self._sizes.get(key)
+        if sizes is not None:
+            return sizes
+        sizes, seen = {}, set()
+        last = self._num_stages - 1
+        split = {op.stage for rank in range(program.num_ranks) for _, op in program.ops(rank)
+                 if op.kind is Kind.BACKWARD_INPUT}  # fmt: skip
+        device = self._tracer.device
+        for s, worker in sorted(workers.items()):
+            mine = [p for p in dict.fromkeys(worker.module.parameters()) if id(p) not in seen]
+            seen |= {id(p) for p in mine}  # a weight shared by two stages of this rank is held once
+            if s == 0:
+                inputs, packed = step.inputs[0], step.first_input.is_tuple  # type: ignore[index]
+            else:
+                boundary = step.boundaries[s - 1]
+                inputs = tuple(  # leaves, as the executor makes them
+                    torch.zeros(spec.shape, dtype=spec.dtype, device=device).requires_grad_(spec.requires_grad)
+                    for spec in boundary.specs
+                )
+                packed = boundary.is_tuple
+            sizes[s] = measure_stage(
+                worker, inputs, packed, step.targets[0] if s == last else None,  # type: ignore[index]
+                None if s == last else step.boundaries[s], split=s in split,
+                parameter_bytes=sum(p.numel() * p.element_size() for p in mine), optimizer_copies=copies,
+            )  # fmt: skip
+        self._sizes[key] = sizes
+        return sizes
+
+
+def measure_stage(
+    worker: StageWorker,
+    inputs: Tensors,
+    packed: bool,
+    target: object,
+    output: Boundary | None,
+    *,
+    split: bool,
+    parameter_bytes: float,
+    optimizer_copies: float,
+) -> StageSizes:
+    """Run a stage's forward and backward once on a sample micro-batch, counting what it holds after each.
+
+    The stage's gradients, buffers and random state are as they were afterwards. ``inputs`` are
+    the stage input as the executor makes it (leaves needing grad as the boundary says); the
+    first stage's input is the user's batch, never counted. ``parameter_bytes``: the stage's
+    parameters not already held by another stage of the rank, for the step-long state.
+    """
+    params = list(dict.fromkeys(worker.module.parameters()))
+    targets = target if isinstance(target, tuple) else (target,)
+    user = [*(inputs if worker.index == 0 else ()), *(t for t in targets if isinstance(t, torch.Tensor))]
+    ledger = Ledger(ignore=[*params, *user])  # the user's batch (inputs, targets) is theirs, not the engine's
+    grads = [p.grad for p in params]
+    buffers = [b.detach().clone() for b in worker.module.buffers()]
+    devices = [t.device for t in inputs if t.device.type == "cuda"][:1]
+    try:
+        for param in params:
+            param.grad = None
+        with torch.random.fork_rng(devices=devices), ledger.watching():
+            with torch.enable_grad():  # the worker keeps what it keeps; nothing else may hold a reference here
+                worker.forward(-1, inputs, packed, train=True, target=target, expected=output)
+            activation = ledger.bytes([*inputs, *worker.held()])
+            incoming = None
+            if output is not None:  # the gradient of the output, as a received buffer
+                device = next((t.device for t in inputs), torch.device("cpu"))
+                incoming = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in output.grad_specs) or None
+            outputs = [storage(t)[0] for t in worker.saved[-1][1] if t.numel()]  # by storage: no reference kept
+            keeps_output = keeps_input = True
+            if split:
+                worker.backward_input(-1, incoming)
+                held = list(worker.held())
+                after_input = ledger.bytes(held)
+                keeps_output = all(ledger.holds(key, held) for key in outputs)
+                keeps_input = all(ledger.holds(storage(t)[0], held) for t in inputs if t.numel())
+                del held
+                worker.backward_weight(-1)
+            else:
+                worker.backward(-1, incoming)
+                after_input = activation
+    finally:
+        worker.saved.pop(-1, None)
+        worker.weight_passes.pop(-1, None)
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        with torch.no_grad():
+            for buffer, value in zip(worker.module.buffers(), buffers, strict=True):
+                buffer.copy_(value)
+    return StageSizes(
+        state=parameter_bytes * (2 + optimizer_copies),
+        activation=float(activation),
+        after_input=float(after_input),
+        boundary=float(sum(_bytes(s) for s in output.specs)) if output is not None else 0.0,
+        gradient=float(sum(_bytes(s) for s in output.grad_specs)) if output is not None else 0.0,
+        output_after_input=keeps_output,
+        input_after_input=keeps_input,
+    )
+
+
+def _bytes(spec: object) -> int:
+    shape, dtype = spec.shape, spec.dtype  # type: ignore[attr-defined]
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,1 @@
+"""Passes over a schedule: lowering (communication), gradient synchronisation, forward-only."""

@@ -1,0 +1,264 @@
+"""Cost-model simulator: replays each rank's stream and returns a Timeline."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from schedules.ir.dataflow import Dataflow
+from schedules.ir.gcpause import gc_paused
+from schedules.ir.instructions import Action, Instruction, Kind, Post, ops_of
+from schedules.ir.schedule import Schedule
+from schedules.sim.memory_model import Memory, track
+from schedules.sim.perstage import PerStage, expand
+from schedules.sim.timeline import Span, Timeline
+
+__all__ = ["Costs", "replay", "simulate"]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of each instruction kind, one number or one per stage.
+
+    ``backward`` (the full backward) defaults to ``backward_input + backward_weight``.
+    A message between stages s and s+1 takes ``latency + per_byte * message_bytes[s]``,
+    where ``message_bytes[s]`` is the size of stage s's output (and of its gradient).
+    ``memory``: the bytes each stage holds (schedules.sim.memory_model); with them the simulated
+    timeline carries each rank's memory over time and its peak.
+    """
+
+    forward: PerStage = 1.0
+    backward: PerStage | None = None
+    backward_input: PerStage = 1.0
+    backward_weight: PerStage = 1.0
+    latency: float = 0.0
+    per_byte: float = 0.0
+    message_bytes: PerStage = 0.0
+    memory: Memory | None = None
+
+    @classmethod
+    def from_timeline(cls, timeline: Timeline) -> Costs:
+        """A cost model from a (measured) timeline: the median time of each compute kind on each stage,
+        and the bytes each stage held, where the timeline measured them (``timeline.sizes``).
+
+        Communication is taken as free; kinds a stage never ran cost 0.
+        """
+        durations: dict[tuple[Kind, int], list[float]] = {}
+        for rank in range(timeline.num_ranks):
+            for span in timeline.compute_spans(rank):
+                op = span.action
+                if isinstance(op, Instruction):  # always, for compute spans
+                    durations.setdefault((op.kind, op.stage), []).append(span.duration)
+        if not durations:
+            raise ValueError(f"timeline {timeline.label!r} has no compute spans to take costs from")
+        stages = 1 + max(stage for _, stage in durations)
+
+        def medians(kind: Kind) -> list[float]:
+            return [statistics.median(durations.get((kind, s), [0.0])) for s in range(stages)]
+
+        split = any(kind is Kind.BACKWARD_INPUT for kind, _ in durations)
+        return cls(
+            forward=medians(Kind.FORWARD),
+            backward=None if split else medians(Kind.BACKWARD),
+            backward_input=medians(Kind.BACKWARD_INPUT),
+            backward_weight=medians(Kind.BACKWARD_WEIGHT),
+            memory=timeline.sizes,
+        )
+
+    def per_stage(self, num_stages: int) -> dict[Kind, list[float]]:
+        """Expand to one list per compute kind, one value per stage."""
+        weight = expand("Costs.backward_weight", self.backward_weight, num_stages)
+        grad_input = expand("Costs.backward_input", self.backward_input, num_stages)
+        if self.backward is None:
+            backward = [i + w for i, w in zip(grad_input, weight, strict=True)]
+        else:
+            backward = expand("Costs.backward", self.backward, num_stages)
+        return {
+            Kind.FORWARD: expand("Costs.forward", self.forward, num_stages),
+            Kind.BACKWARD: backward,
+            Kind.BACKWARD_INPUT: grad_input,
+            Kind.BACKWARD_WEIGHT: weight,
+        }
+
+    def message_times(self, num_stages: int) -> list[float]:
+        """Per stage s, the time of a message across boundary s|s+1 (the last entry is unused)."""
+        sizes = expand("Costs.message_bytes", self.message_bytes, num_stages)
+        return [self.latency + self.per_byte * size for size in sizes]
+
+
+@gc_paused()
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Replay every rank's stream under a cost model (default: unit costs, free communication).
+
+    Posting communication takes no time on the rank; a compute waits until its input
+    has arrived: max(send posted, recv posted) + message time. A compute-only schedule
+    (not lowered) is simulated too, with each message leaving when its producer ends.
+    Communication spans run from posting to completion, beside the compute spans. With
+    ``costs.memory`` the timeline also carries each rank's bytes over time (``memory``) and
+    its peak (``peak_memory``, reached by ``peak_actions``). Raises ScheduleError if the
+    streams cannot make progress.
+    """
+    costs = costs or Costs()
+    times = run(schedule, costs)
+    timeline = _timeline(schedule, times, schedule.name)
+    if costs.memory is not None:
+        timeline.memory = track(schedule, times, costs.memory)
+        timeline.sizes = costs.memory
+    return timeline
+
+
+@gc_paused()
+def replay(schedule: Schedule, measured: Timeline) -> Timeline:
+    """Replay the streams with every compute taking exactly its time in ``measured``, messages free.
+
+    ``simulate(schedule, Costs.from_timeline(measured))`` charges each instruction its kind's
+    median, so a run whose computes vary (a shared machine) looks slower than its model. Here each
+    keeps its own time, so ``measured.makespan / replay(...).makespan`` measures what the run lost
+    to everything but compute: posting, waiting on messages, bookkeeping.
+    ``measured`` must hold, rank by rank and in order, the compute of ``schedule``'s streams (a
+    gloo run's timeline qualifies: ``receives_first`` moves only recvs).
+    """
+    durations = []
+    for rank, stream in enumerate(schedule.compute_only().instructions):
+        spans = measured.compute_spans(rank)
+        ran, wanted = [span.action for span in spans], list(stream)
+        if ran != wanted:
+            at = next((i for i, (a, b) in enumerate(zip(ran, wanted, strict=False)) if a != b), None)
+            where = "" if at is None else f"; compute {at} is {ran[at]} where the stream has {wanted[at]}"
+            raise ValueError(
+                f"replay needs each rank's measured compute in its stream's order: rank {rank} ran {len(ran)} "
+                f"computes, its stream of {schedule.name!r} has {len(wanted)}{where}; "
+                "pass the timeline of a run of this same schedule"
+            )
+        durations.append([span.duration for span in spans])
+    return _timeline(schedule, run(schedule, Costs(), durations), f"{schedule.name} replayed", measured.unit)
+
+
+def _timeline(schedule: Schedule, times: list[list[tuple[float, float]]], label: str, unit: str = "") -> Timeline:
+    spans = [
+        Span(rank, action, start, end)
+        for rank, stream in enumerate(schedule.instructions)
+        for action, (start, end) in zip(stream, times[rank], strict=True)
+    ]
+    return Timeline(schedule.num_ranks, spans, label=label, unit=unit)
+
+
+def run(
+    schedule: Schedule, costs: Costs, durations: Sequence[Sequence[float]] | None = None
+) -> list[list[tuple[float, float]]]:
+    """(start, end) of every action of every rank, in program order.
+
+    ``durations``: per rank, the time of each of its computes in stream order, in place of ``costs``'.
+    A compute starts when its rank is free, its own stage's earlier half is done (B and I after F,
+    W after I) and the message it consumes (schedules.ir.dataflow) is there: at once for a handoff
+    on its rank, else when both the send and the recv are posted, plus the message time.
+    """
+    p, S, M = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    flow = Dataflow.of(schedule)
+    table, message = costs.per_stage(S), costs.message_times(S)
+    forward_end: list[float | None] = [None] * (S * M)  # stage*M + mb -> when its F ended
+    input_end: list[float | None] = [None] * (S * M)  # stage*M + mb -> when its B or I ended (W waits for it)
+    made: list[float | None] = [None] * flow.num_keys  # message -> when its producer ended
+    sent: list[float | None] = [None] * flow.num_keys  # message -> when its send was posted
+    received: list[float | None] = [None] * flow.num_keys  # message -> when its recv was posted
+    has_recv = [False] * flow.num_keys  # lowered schedules wait for their recvs, compute-only ones do not
+    programs = [
+        _compile(stream, table, flow, has_recv, None if durations is None else iter(durations[rank]))
+        for rank, stream in enumerate(schedule.instructions)
+    ]
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    pcs, clocks = [0] * p, [0.0] * p
+    remaining = sum(len(program) for program in programs)
+    while remaining:
+        progress = False
+        for rank in range(p):
+            program, pc, clock, out = programs[rank], pcs[rank], clocks[rank], times[rank]
+            while pc < len(program):
+                kind, index, cost, needs, crosses, makes, keys = program[pc]
+                if kind is None:  # communication: post and go on; completion is filled in below
+                    for key, is_send in keys:
+                        if is_send:
+                            sent[key] = clock
+                        else:
+                            received[key] = clock
+                    out.append((clock, clock))
+                    pc += 1
+                    continue
+                start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
+                if start is None:
+                    break
+                if needs >= 0:
+                    ready = made[needs]
+                    if ready is not None and crosses:
+                        if has_recv[needs]:
+                            posted, wanted = sent[needs], received[needs]
+                            ready = None if posted is None or wanted is None else max(posted, wanted)
+                        if ready is not None:
+                            ready += message[(needs >> 1) // M]
+                    if ready is None:
+                        break
+                    start = ready if ready > start else start
+                if clock > start:
+                    start = clock
+                clock = start + cost
+                out.append((start, clock))
+                if kind is _F:
+                    forward_end[index] = clock
+                elif kind is not _W:
+                    input_end[index] = clock
+                if makes >= 0:
+                    made[makes] = clock
+                pc += 1
+            if pc != pcs[rank]:
+                progress = True
+                remaining -= pc - pcs[rank]
+                pcs[rank], clocks[rank] = pc, clock
+        if not progress:
+            stuck = [(r, pcs[r]) for r in range(p) if pcs[r] < len(programs[r])]
+            waits = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in stuck)
+            raise schedule.error("every rank can make progress", f"the simulation is stuck: {waits}", stuck)
+
+    for program, out in zip(programs, times, strict=True):
+        for index, entry in enumerate(program):
+            if entry[0] is None:
+                end = posted_at = out[index][0]
+                for key, _ in entry[6]:
+                    posted, wanted = sent[key], received[key]
+                    if posted is not None and wanted is not None:
+                        end = max(end, max(posted, wanted) + message[(key >> 1) // M])
+                out[index] = (posted_at, end)
+    return times
+
+
+_F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
+# per action, for the hot loop: a compute (kind, stage*M + mb, cost, message it needs or -1, whether that
+# crosses ranks, message it makes or -1, ()), or communication (None, 0, 0.0, -1, False, -1, ((key, is_send), ...))
+Entry = tuple[Kind | None, int, float, int, bool, int, tuple[tuple[int, bool], ...]]
+
+
+def _compile(
+    stream: tuple[Action, ...],
+    table: dict[Kind, list[float]],
+    flow: Dataflow,
+    has_recv: list[bool],
+    durations: Iterator[float] | None,
+) -> list[Entry]:
+    """Flatten a rank's stream into tuples for the hot loop, marking the messages it receives."""
+    program: list[Entry] = []
+    M = flow.num_microbatches
+    for action in stream:
+        if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous, free here
+            program.append((None, 0, 0.0, -1, False, -1, ()))
+        elif isinstance(action, Post) or not action.kind.is_compute:
+            keys = tuple((flow.carried_key(op), op.kind.is_send) for op in ops_of(action))
+            for key, is_send in keys:
+                if not is_send:
+                    has_recv[key] = True
+            program.append((None, 0, 0.0, -1, False, -1, keys))
+        else:
+            cost = table[action.kind][action.stage] if durations is None else next(durations)
+            needs = flow.consumed_key(action)
+            program.append((action.kind, action.stage * M + action.microbatch, cost, needs,
+                            needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), ()))  # fmt: skip
+    return program
