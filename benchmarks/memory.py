@@ -1,15 +1,22 @@
-"""Memory: each rank's peak bytes in a step, predicted by the simulator and measured, for every schedule.
+"""Memory: each rank's peak bytes, as the ledger counts them, as the allocator sees them, and as predicted.
 
-    python benchmarks/memory.py                            # 2 and 4 ranks, 8 x Linear(256), batch 4096, m=8
-    python benchmarks/memory.py --ranks 4 --schedules 1f1b zb-v
+    python benchmarks/memory.py                            # both models, 2 and 4 ranks, every schedule, m=8
+    python benchmarks/memory.py --models activations --ranks 4 --schedules 1f1b zb-v
 
-Fresh gloo ranks per point train one step with AdamW (so its two moments exist), then trace one:
-every rank measures its stages' sizes on the step's first micro-batch and the bytes it holds
-after every instruction (schedules.memory's quantities: the weights, their gradients and the
-optimizer's copies, activations kept for backward, buffers, gradients in flight). The prediction
-is schedules.simulate of the program that ran, fed those sizes. At this width a micro-batch's
-activations outweigh the weights, so the peaks are mostly activations. Writes
-out/bench/memory.{json,txt,png}.
+Fresh gloo ranks per point train one step with AdamW (its two moments exist), zero the gradients
+(set to None, as training does), then trace one step and run the optimizer step under the allocator:
+
+    ledger      what the engine holds between instructions (schedules.sim.memory_model's quantities),
+                the traced step's peak
+    allocator   every allocation (torch.profiler's memory events on CPU, the caching allocator on CUDA):
+                the larger of the step's peak and the optimizer step's, each on what was live at its start
+    predicted   schedules.simulate of the program that ran, fed the sizes the step measured (the
+                computes' transients, the sync buffers, late gradients and the optimizer step included):
+                the larger of the step's peak and the optimizer step's
+
+Two models: "activations" (the issue's blocks, 8 of Linear(256, 1024), GELU, Linear(1024, 256), batch
+4096), where activations dominate, and "state" (8 blocks of Linear(1024, 1024), Tanh, batch 512), where
+the weights, gradients and AdamW's moments do. Writes out/bench/memory.{json,txt,png}.
 """
 
 from __future__ import annotations
@@ -17,85 +24,122 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import OUT, arguments, mlp, run_point, save_row, write_json
+from common import OUT, run_point, save_row, write_json
+from torch import nn
 
 from pipeengine import PipelineEngine
 
-RANKS, THREADS, WIDTH, LAYERS, BATCH, MICROBATCHES = [2, 4], 1, 256, 8, 4096, 8
+RANKS, THREADS, MICROBATCHES, BLOCKS = [2, 4], 1, 8, 8
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 CHECKPOINTING = ["never", "always"]
+MODELS = {"activations": (256, 1024, 4096), "state": (1024, 0, 512)}  # width, hidden (0: one Linear + Tanh), batch
 
 
-def worker(schedule: str, checkpoint: str, args: argparse.Namespace, path: str) -> None:
+def model(kind: str, blocks: int, scale: int) -> tuple[nn.Sequential, int, int]:
+    width, hidden, batch = MODELS[kind]
+    width, hidden, batch = width // scale, hidden // scale, batch // scale
+    torch.manual_seed(0)
+    if hidden:
+        body = [nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)) for _ in range(blocks)]
+    else:
+        body = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)]
+    return nn.Sequential(*body), width, batch
+
+
+def worker(kind: str, schedule: str, checkpoint: str, args: argparse.Namespace, path: str) -> None:
+    import torch.distributed as dist
+
+    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
     from schedules import Costs, simulate
 
-    torch.manual_seed(0)
-    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    engine = PipelineEngine(mlp(args.width, args.layers), torch.nn.functional.mse_loss,
-                            num_microbatches=args.microbatches, schedule=schedule, partition="uniform",
-                            checkpoint=checkpoint)  # fmt: skip
+    network, width, batch = model(kind, args.blocks, args.scale)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    engine = PipelineEngine(network, nn.functional.mse_loss, num_microbatches=args.microbatches, schedule=schedule,
+                            partition="uniform", checkpoint=checkpoint)  # fmt: skip
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     engine.train_step(x if engine.first else None, y if engine.last else None)
     optimizer.step()
+    optimizer.zero_grad()
     with engine.tracing(optimizer):
         engine.train_step(x if engine.first else None, y if engine.last else None)
+    params = list(engine.parameters())
+    state = [v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+    live = live_bytes([*params, *(p.grad for p in params), *state])
+    with AllocatorWatch(torch.device("cpu")) as watch:
+        optimizer.step()
+    stepped = [None] * dist.get_world_size()
+    dist.all_gather_object(stepped, live + watch.peak)
     timeline = engine.timeline()
-    if timeline is not None and timeline.sizes is not None:
+    if timeline is not None and timeline.sizes is not None and timeline.allocated_peak is not None:
         predicted = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]
-        state = [sum(timeline.sizes.state[s] for s in engine.schedule.stages_of(r))  # type: ignore[index]
-                 for r in range(engine.schedule.num_ranks)]  # fmt: skip
-        save_row(path, {"schedule": schedule, "ranks": engine.schedule.num_ranks, "checkpoint": checkpoint,
-                        "measured": timeline.peak_memory, "predicted": predicted.peak_memory, "state": state,
-                        "peak_at": [str(a) for a in timeline.peak_actions]})  # fmt: skip
+        allocator = [max(a, b) for a, b in zip(timeline.allocated_peak, stepped, strict=True)]  # type: ignore[type-var]
+        save_row(path, {"model": kind, "schedule": schedule, "ranks": engine.schedule.num_ranks,
+                        "checkpoint": checkpoint, "ledger": timeline.peak_memory, "allocator": allocator,
+                        "predicted": predicted.required_memory, "step_allocator": timeline.allocated_peak,
+                        "optimizer_allocator": stepped, "state": [sum(timeline.sizes.state[s]  # type: ignore[index]
+                        for s in engine.schedule.stages_of(r)) for r in range(engine.schedule.num_ranks)]})  # fmt: skip
 
 
 def plot(rows: list[dict[str, object]], path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    panels = sorted({(int(r["ranks"]), str(r["checkpoint"])) for r in rows})  # type: ignore[call-overload]
-    figure = Figure(figsize=(12, 3.2 * len(panels)), layout="constrained")
+    panels = sorted({(str(r["model"]), int(r["ranks"]), str(r["checkpoint"])) for r in rows})  # type: ignore[call-overload]
+    figure = Figure(figsize=(13, 3.0 * len(panels)), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(panels), 1, squeeze=False)[:, 0]
-    for axis, (ranks, checkpoint) in zip(axes, panels, strict=True):
-        mine = [r for r in rows if r["ranks"] == ranks and r["checkpoint"] == checkpoint]
-        labels, measured, predicted = [], [], []
+    for axis, (kind, ranks, checkpoint) in zip(axes, panels, strict=True):
+        mine = [r for r in rows if (r["model"], r["ranks"], r["checkpoint"]) == (kind, ranks, checkpoint)]
+        labels, bars = [], {"ledger": [], "allocator": [], "predicted": []}  # type: ignore[var-annotated]
         for row in mine:
             for rank in range(ranks):
                 labels.append(f"{row['schedule']}\nrank {rank}" if rank == 0 else f"rank {rank}")
-                measured.append(row["measured"][rank] / 2**20)  # type: ignore[index]
-                predicted.append(row["predicted"][rank] / 2**20)  # type: ignore[index]
+                for name, values in bars.items():
+                    values.append(row[name][rank] / 2**20)  # type: ignore[index]
         places = range(len(labels))
-        axis.bar([i - 0.2 for i in places], measured, width=0.4, label="measured", color="#4C72B0")
-        axis.bar([i + 0.2 for i in places], predicted, width=0.4, label="predicted", color="#DD8452")
+        for offset, (name, colour) in zip((-0.27, 0.0, 0.27), (("ledger", "#8C8C8C"), ("allocator", "#4C72B0"),
+                                                                ("predicted", "#DD8452")), strict=True):  # fmt: skip
+            axis.bar([i + offset for i in places], bars[name], width=0.27, label=name, color=colour)
         axis.set_xticks(list(places), labels, fontsize=7)
-        axis.set_ylabel("peak MB")
-        axis.set_title(f"{ranks} ranks, activation checkpointing: {checkpoint}", fontsize=10, loc="left")
+        axis.set_ylabel("peak MiB")
+        axis.set_title(f"{kind} model, {ranks} ranks, activation checkpointing: {checkpoint}", fontsize=10, loc="left")
         axis.legend(fontsize=8)
     figure.savefig(path, dpi=110)
 
 
 def main() -> None:
-    parser = arguments(__doc__, SCHEDULES, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
-                       microbatches=MICROBATCHES)  # fmt: skip
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
     parser.add_argument("--ranks", type=int, nargs="+", default=RANKS)
     parser.add_argument("--checkpoint", nargs="+", default=CHECKPOINTING)
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    parser.add_argument("--blocks", type=int, default=BLOCKS)
+    parser.add_argument("--scale", type=int, default=1, help="divide widths and batch by this (a quick run)")
+    parser.add_argument("--threads", type=int, default=THREADS)
     args = parser.parse_args()
     rows, lines = [], []
-    header = f"{'schedule':12} {'ranks':>5} {'checkpoint':>10}  per rank: measured / predicted MB (ratio)"
+    header = (f"{'model':11} {'schedule':12} {'ranks':>5} {'ckpt':>6}  per rank MiB: ledger / allocator / predicted "
+              "(predicted / allocator)")  # fmt: skip
     print(header, flush=True)
-    for ranks in args.ranks:
-        for checkpoint in args.checkpoint:
-            for schedule in args.schedules:
-                row = run_point(worker, ranks, (schedule, checkpoint, args), args.threads)
-                rows.append(row)
-                cells = "  ".join(f"{m / 2**20:6.2f} / {p / 2**20:6.2f} ({p / m:.3f})"
-                                  for m, p in zip(row["measured"], row["predicted"], strict=True))  # type: ignore[index]  # fmt: skip
-                line = f"{schedule:12} {ranks:5d} {checkpoint:>10}  {cells}"
-                lines.append(line)
-                print(line, flush=True)
+    for kind in args.models:
+        for ranks in args.ranks:
+            for checkpoint in args.checkpoint:
+                for schedule in args.schedules:
+                    row = run_point(worker, ranks, (kind, schedule, checkpoint, args), args.threads)
+                    rows.append(row)
+                    cells = "  ".join(
+                        f"{g / 2**20:5.1f} / {a / 2**20:5.1f} / {p / 2**20:5.1f} ({p / a:.3f})"
+                        for g, a, p in zip(row["ledger"], row["allocator"], row["predicted"], strict=True)  # type: ignore[index]
+                    )
+                    line = f"{kind:11} {schedule:12} {ranks:5d} {checkpoint:>6}  {cells}"
+                    lines.append(line)
+                    print(line, flush=True)
+    ratios = [p / a for row in rows for a, p in zip(row["allocator"], row["predicted"], strict=True)]  # type: ignore[index]
+    summary = f"predicted / allocator over {len(ratios)} rank peaks: {min(ratios):.3f} .. {max(ratios):.3f}"
+    print(summary)
     write_json("memory", rows)
-    (OUT / "memory.txt").write_text("\n".join([header, *lines]) + "\n")
+    (OUT / "memory.txt").write_text("\n".join([header, *lines, summary]) + "\n")
     plot(rows, str(OUT / "memory.png"))
     print(f"wrote {OUT / 'memory.json'}, memory.txt and memory.png")
 

@@ -6,8 +6,9 @@
 For each model, tune() prices every candidate for 2 ranks (1 thread each), with a memory limit at
 the median of their predicted peaks. Then 2 fresh gloo ranks build the top 3 candidates and 9 more
 spread over the table, each its own engine, and time them in turn (a round steps every engine once,
-in a rotated order; medians over the rounds), then trace one step of each with AdamW to measure its
-peak memory per rank. Reports the measured best's place in the prediction, how much slower the
+in a rotated order; medians over the rounds), then trace one step of each with AdamW and watch its
+optimizer step, for the allocator's peak memory per rank (the larger of the two, as the planner
+prices it). Reports the measured best's place in the prediction, how much slower the
 predicted best measured than the measured best, and whether every measured candidate the limit
 kept stayed under it. Writes out/bench/tune_<model>.{json,txt} and tune_<model>.png (predicted step
 time against peak memory for every candidate: the frontier, with the measured points).
@@ -74,15 +75,29 @@ def worker(name: str, width: int, candidates: list[Candidate], rounds: int, path
         for k in range(len(engines)):
             index = (k + r) % len(engines)  # a rotated order: no candidate always runs first
             times[index].append(timed(lambda engine=engines[index]: step(engine)))
+    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
+
     peaks = []
     for engine in engines:
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+        engine.zero_grad()
         step(engine)
         optimizer.step()  # AdamW's moments exist: the state the planner counted
+        optimizer.zero_grad()  # gradients None, as training leaves them between steps
         with engine.tracing(optimizer):
             step(engine)
-        timeline = engine.timeline()
-        peaks.append(None if timeline is None else list(timeline.peak_memory))
+        params = list(engine.parameters())  # the optimizer step after it, as the allocator sees it
+        state = [v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+        live = live_bytes([*params, *(p.grad for p in params), *state])
+        with AllocatorWatch(torch.device("cpu")) as watch:
+            optimizer.step()
+        stepped = [0.0] * dist.get_world_size()
+        dist.all_gather_object(stepped, live + watch.peak)
+        timeline = engine.timeline()  # the allocator's: the larger of the step's peak and the optimizer step's
+        if timeline is not None and timeline.allocated_peak is not None:
+            peaks.append([max(a, b) for a, b in zip(timeline.allocated_peak, stepped, strict=True)])
+        else:
+            peaks.append(None)
         optimizer.zero_grad()
     if dist.get_rank() == 0:
         save_row(path, [{"measured_ms": 1e3 * statistics.median(t), "measured_peak": p} for t, p in

@@ -61,16 +61,16 @@ def test_schedule_scale_runs_small() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_memory_reports_both_peaks_of_every_rank(tmp_path: Path) -> None:
-    bench("memory.py", *TINY, "--microbatches", "4", "--ranks", "2", "--checkpoint", "never", "--schedules", "1f1b",
-          out=tmp_path)  # fmt: skip
+def test_memory_reports_the_ledger_the_allocator_and_the_prediction_of_every_rank(tmp_path: Path) -> None:
+    bench("memory.py", "--models", "activations", "--scale", "8", "--microbatches", "4", "--ranks", "2",
+          "--checkpoint", "never", "--schedules", "1f1b", out=tmp_path)  # fmt: skip
     (row,) = json.loads((tmp_path / "memory.json").read_text())
-    assert row["schedule"] == "1f1b" and row["ranks"] == 2
-    assert len(row["measured"]) == len(row["predicted"]) == len(row["state"]) == 2
-    assert all(m > s > 0 for m, s in zip(row["measured"], row["state"], strict=True))  # state, and more on top
-    assert (tmp_path / "memory.png").stat().st_size > 10_000 and "measured / predicted" in (
-        tmp_path / "memory.txt"
-    ).read_text()
+    assert row["schedule"] == "1f1b" and row["ranks"] == 2 and row["model"] == "activations"
+    assert len(row["ledger"]) == len(row["allocator"]) == len(row["predicted"]) == len(row["state"]) == 2
+    assert all(m > s > 0 for m, s in zip(row["ledger"], row["state"], strict=True))  # state, and more on top
+    assert all(a >= g for a, g in zip(row["allocator"], row["ledger"], strict=True))  # it sees all the ledger does
+    text = (tmp_path / "memory.txt").read_text()
+    assert (tmp_path / "memory.png").stat().st_size > 10_000 and "ledger / allocator / predicted" in text
 
 
 @pytest.mark.timeout(300)

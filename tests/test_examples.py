@@ -34,15 +34,16 @@ def test_plot_schedules_draws_every_schedule(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_train_gpt_trains_samples_and_writes_its_timeline(tmp_path: Path) -> None:
     out = run(
-        str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--steps", "3", "--layers", "2", "--batch", "8",
+        str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--steps", "6", "--layers", "2", "--batch", "8",
         "--microbatches", "2", "--sample-chars", "5", "--out", str(tmp_path / "gpt"),
     )  # fmt: skip
     lines = out.splitlines()
     said = [line.split(" ")[0] for line in lines if line.endswith("...")]  # never silent while it works
     assert said == ["reading", "building", "sampling"], lines
     steps = [line for line in lines if line.startswith("step")]
-    assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 2
-    assert float(steps[0].split()[3]) > 3.0  # about ln(96) at the start
+    assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 5
+    first, last = (float(line.split()[3]) for line in steps)
+    assert first > 4.0 and last < first - 0.5, (first, last)  # about ln(96) = 4.56 at the start; it learns (-> 3.4)
     samples = [line for line in out.splitlines() if line.startswith("sample: 'def ")]
     assert len(samples) == 2 and all(len(eval(line[len("sample: ") :])) == 4 + 5 for line in samples)
     assert (tmp_path / "gpt_timeline.png").stat().st_size > 10_000 and (tmp_path / "gpt_timeline.json").exists()

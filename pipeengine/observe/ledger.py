@@ -106,6 +106,13 @@ class StageSizes:
     gradient: float
     output_after_input: bool = True  # a split backward's I leaves the output held until W
     input_after_input: bool = True
+    # as the allocator sees the computes (0 where it cannot be watched): the most each holds above its start level,
+    # F, B, I, W (the gradients it makes for the parameters excluded: the state counts them)
+    transients: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    first_transient: float = 0.0  # the same for the stage's first B (or W), which finds no gradient to add to
+    sync: float = 0.0  # the flat buffers of the stage's gradient all-reduce, from the AR to the step's end
+    grads_late: float = 0.0  # of the state, the gradients that were None when the step began (made by its first B/W)
+    optimizer: float = 0.0  # the optimizer step's temporaries over the stage's parameters
 
 
 def optimizer_copies(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]) -> float:

@@ -22,7 +22,7 @@ import torch
 
 from pipeengine.comm.base import Transfer, Transport
 from pipeengine.observe.ledger import Ledger, StageSizes
-from schedules import Action, Memory, Semantics, Span, Timeline
+from schedules import Action, Instruction, Kind, Memory, Semantics, Span, Timeline
 
 __all__: list[str] = []
 
@@ -68,22 +68,26 @@ class Tracer:
         self.state = 0.0  # bytes held the whole step (parameters, gradients, optimizer state)
         self.samples: list[tuple[Mark, float, Action | None]] = []
         self.sizes: dict[int, StageSizes] = {}  # this rank's stages, measured for this step
+        self.tie_sync: dict[int, float] = {}  # tie group -> the bytes its TR flattens on this rank
+        self.allocated: float | None = None  # the allocator's peak in the step, where it was watched (train.tracing)
 
     def begin(
         self, ledger: Ledger | None = None, state: float = 0.0, sizes: dict[int, StageSizes] | None = None
     ) -> None:
         """Start a step's trace: time zero is now; with a ledger, memory is sampled too."""
         self.records, self.samples = [], []
-        self.ledger, self.state, self.sizes = ledger, state, sizes or {}
+        self.ledger, self.sizes, self.allocated = ledger, sizes or {}, None
+        self.late = {s: size.grads_late for s, size in self.sizes.items() if size.grads_late}  # not made yet
+        self.state = state - sum(self.late.values())
         self.origin = self.mark()
         if ledger is not None:
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            self.samples.append((self.origin, state, None))
+            self.samples.append((self.origin, self.state, None))
 
     def sample(self, action: Action, held: Iterable[torch.Tensor]) -> None:
         """The bytes held now (after ``action``): the step-long state and every storage alive."""
         if self.ledger is not None:  # the executor samples only with one
+            if isinstance(action, Instruction) and action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                self.state += self.late.pop(action.stage, 0.0)  # its first gradient compute made the gradients
             self.samples.append((self.mark(), self.state + self.ledger.bytes(held), action))
 
     def mark(self) -> Mark:
@@ -116,23 +120,26 @@ class Tracer:
         origin = 0.0 if self.cuda else float(self.origin)  # type: ignore[arg-type]
         seconds = self._seconds()
         samples = [(seconds(mark), held, action) for mark, held, action in self.samples]
-        allocated = float(torch.cuda.max_memory_allocated(self.device)) if self.cuda and self.samples else None
-        mine = (origin, self.spans(rank), samples, self.sizes, allocated)
+        optimizer = sum(s.state + s.optimizer for s in self.sizes.values())  # the optimizer step after this one
+        mine = (origin, self.spans(rank), samples, self.sizes, self.allocated, optimizer, self.tie_sync)
         gathered = transport.all_gather_object(mine, "the traced step's spans")
         if rank != 0:
             return None
         base = gathered[0][0]
         spans, memory = [], []
-        for r, (their_origin, their_spans, their_samples, _, _) in enumerate(gathered):
+        for r, (their_origin, their_spans, their_samples, *_) in enumerate(gathered):
             shift = their_origin - offsets[r] - base  # their time zero, on rank 0's clock, since rank 0's zero
             spans += [Span(s.rank, s.action, s.start + shift, s.end + shift, s.wait) for s in their_spans]
             memory.append([(t + shift, held, action) for t, held, action in their_samples])
         timeline = Timeline(size, spans, label=label, unit="s", measured=True, clock_error=error)
         if self.samples:
             timeline.memory = memory
-            timeline.sizes = _sizes([g[3] for g in gathered], num_stages, transport.semantics is Semantics.BUFFERED)
+            ties = {group: held for g in gathered for group, held in g[6].items()}
+            timeline.sizes = _sizes([g[3] for g in gathered], num_stages, transport.semantics is Semantics.BUFFERED,
+                                    [ties.get(group, 0.0) for group in range(max(ties, default=-1) + 1)])  # fmt: skip
             peaks = [g[4] for g in gathered]
             timeline.allocated_peak = peaks if all(p is not None for p in peaks) else None
+            timeline.optimizer_peak = [g[5] for g in gathered]
         return timeline
 
 
@@ -148,7 +155,9 @@ class _NullTracer(Tracer):
 NULL_TRACER: Tracer = _NullTracer()
 
 
-def _sizes(per_rank: list[dict[int, StageSizes]], num_stages: int, buffered: bool) -> Memory | None:
+def _sizes(
+    per_rank: list[dict[int, StageSizes]], num_stages: int, buffered: bool, tie_sync: list[float]
+) -> Memory | None:
     """The per-stage sizes every rank measured for its stages, as the simulator's Memory."""
     stages = {stage: sizes for mine in per_rank for stage, sizes in mine.items()}
     if sorted(stages) != list(range(num_stages)):
@@ -160,6 +169,10 @@ def _sizes(per_rank: list[dict[int, StageSizes]], num_stages: int, buffered: boo
         gradient=[s.gradient for s in table], buffered_sends=buffered,
         output_after_input=[float(s.output_after_input) for s in table],
         input_after_input=[float(s.input_after_input) for s in table],
+        transient=[s.transients[0] for s in table], backward_transient=[s.transients[1] for s in table],
+        input_transient=[s.transients[2] for s in table], weight_transient=[s.transients[3] for s in table],
+        sync=[s.sync for s in table], tie_sync=tuple(tie_sync), optimizer=[s.optimizer for s in table],
+        grads_late=[s.grads_late for s in table], first_transient=[s.first_transient for s in table],
     )  # fmt: skip
 
 

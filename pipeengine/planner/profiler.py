@@ -32,6 +32,7 @@ from torch import nn
 
 from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.observe.ledger import Ledger
+from pipeengine.planner import transients
 from pipeengine.runtime.backward import backward_input
 from schedules import Costs, Memory, state_bytes
 
@@ -62,17 +63,21 @@ class LayerProfile:
     # per layer, (index among the model's parameters, bytes) of each parameter it holds: a weight tied across layers
     # (an embedding and its head) has one index, and a rank that holds it twice holds it once
     parameters: tuple[tuple[tuple[int, int], ...], ...] = ()
+    allocations: tuple[transients.Allocation, ...] = ()  # as the allocator saw each layer (where it was watched)
 
     def stage_costs(
         self, bounds: Sequence[tuple[int, int]], *, overhead: float = 0.0, latency: float = 0.0,
         per_byte: float = 0.0, optimizer_copies: int = 2, buffered_sends: bool = True,
-        placement: Sequence[int] | None = None,
+        placement: Sequence[int] | None = None, data_parallel: int = 1,
     ) -> Costs:  # fmt: skip
         """The simulator's Costs (time and memory) for stages of these layers (``bounds``: [start, end) each).
 
         ``overhead``: seconds of host time per compute beyond its kernels; ``latency`` and ``per_byte``
         price a message across a boundary. ``placement`` (stage -> rank): a parameter that several stages of a
         rank hold (a tied embedding and head, both on rank 0 of a V) is that rank's state once, with the first.
+        With the allocator's measurements: each compute's transient peak, the gradients made by a stage's first
+        B or W (an optimizer's zero_grad sets them to None), the all-reduce's flat buffers (``data_parallel``
+        > 1) and the optimizer step over each rank's parameters (AdamW), as the simulator's memory model has them.
         """
 
         def total(values: Sequence[float], a: int, b: int) -> float:
@@ -98,6 +103,8 @@ class LayerProfile:
         memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
                         gradient=gradient, buffered_sends=buffered_sends, output_after_input=keeps_out,
                         input_after_input=keeps_in)  # fmt: skip
+        if self.allocations:
+            memory = self._allocated(memory, bounds, placement, state, optimizer_copies, data_parallel)
         return Costs(
             forward=[total(self.forward, a, b) + overhead for a, b in bounds],
             backward=[total(self.backward, a, b) + overhead for a, b in bounds],
@@ -106,6 +113,25 @@ class LayerProfile:
             latency=latency, per_byte=per_byte, message_bytes=boundary, memory=memory,
         )  # fmt: skip
 
+
+    def _allocated(
+        self, memory: Memory, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None,
+        state: list[float], optimizer_copies: int, data_parallel: int,
+    ) -> Memory:  # fmt: skip
+        """The memory model with what the allocator saw: transients, late gradients, sync buffers, the optimizer."""
+        columns: dict[str, list[float]] = {}
+        for a, b in bounds:
+            for name, value in transients.stage(self.allocations, a, b).items():
+                columns.setdefault(name, []).append(value)
+        grads = [s / (2 + optimizer_copies) for s in state]  # the stage's parameters (once per rank), as gradients
+        ranks = list(placement) if placement is not None else list(range(len(bounds)))
+        optimizer = [0.0] * len(bounds)
+        for rank in set(ranks):
+            mine = [s for s, r in enumerate(ranks) if r == rank]
+            layers = [self.allocations[k] for s in mine for k in range(*bounds[s])]
+            optimizer[mine[0]] = transients.optimizer(layers)
+        return dataclasses.replace(memory, **columns, grads_late=grads, optimizer=optimizer,  # type: ignore[arg-type]
+                                   sync=grads if data_parallel > 1 else 0.0)  # fmt: skip
 
     def _state_of(self, stage: int, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None) -> float:
         """Bytes of a stage's parameters not held by an earlier stage of its rank (each layer's, without ties)."""
@@ -224,12 +250,14 @@ def parameter_keys(model: Iterable[nn.Module]) -> tuple[tuple[tuple[int, int], .
 def profile_layers(
     model: nn.Sequential, sample: torch.Tensor | Tensors, rows: int, *, repeats: int = 3, device: torch.device,
     threads: int | None = None, loss: Callable[..., torch.Tensor] | None = None, target: object = None,
-    timed: bool = True,
+    timed: bool = True, allocator: bool = False,
 ) -> LayerProfile:  # fmt: skip
     """Measure every layer on the first ``rows`` rows of ``sample`` (each fed the real output of the one before),
     with ``threads`` torch threads (a rank's share of the cores; default: this process's). With ``loss`` and
     ``target`` (the batch's), ``loss(output, target's first rows)`` is measured as part of the last layer (the
-    target itself is the user's, not counted). ``timed=False``: bytes only (one forward and backward a layer)."""
+    target itself is the user's, not counted). ``timed=False``: bytes only (one forward and backward a layer).
+    ``allocator``: watch each compute's allocations too (pipeengine.planner.transients; one thread of this process
+    may profile at a time)."""
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -238,7 +266,7 @@ def profile_layers(
         if loss is not None and target is not None:  # the loss runs on the last stage: that layer's, for stages
             part = map_tensors(target, lambda t: t[:rows].to(device).clone())  # type: ignore[arg-type]
             layers[-1] = _WithLoss(layers[-1], loss, part)
-        profile = _profile(layers, sample, rows, repeats if timed else 0, device)
+        profile = _profile(layers, sample, rows, repeats if timed else 0, device, allocator)
         return dataclasses.replace(profile, parameters=parameter_keys(model), timed=timed)
     finally:
         torch.set_num_threads(previous)
@@ -256,8 +284,9 @@ class _WithLoss(nn.Module):
 
 
 def _profile(
-    model: Sequence[nn.Module], sample: torch.Tensor | Tensors, rows: int, repeats: int, device: torch.device
-) -> LayerProfile:
+    model: Sequence[nn.Module], sample: torch.Tensor | Tensors, rows: int, repeats: int, device: torch.device,
+    allocator: bool,
+) -> LayerProfile:  # fmt: skip
     value = map_tensors(sample, lambda t: t[:rows].to(device))
     columns: dict[str, list[float | int | bool]] = {
         key: []
@@ -265,6 +294,7 @@ def _profile(
                     "output", "gradient", "saved_other", "saves_input", "saves_output", "kept", "output_kept",
                     "other_freed", "saved")
     }  # fmt: skip
+    allocations: list[transients.Allocation] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index, layer in enumerate(model):
             probe = copy.deepcopy(layer).to(device)
@@ -275,10 +305,14 @@ def _profile(
             sizes = _bytes(probe, value, first)
             for key, size in sizes.items():
                 columns[key].append(size)
+            if allocator:
+                allocations.append(transients.measure(probe, lambda v=value, f=first: _leaves(v, f),  # type: ignore[misc]
+                                                      isinstance(value, tuple), device))  # fmt: skip
             with torch.no_grad():
                 value = probe(value)
             del probe
-    return LayerProfile(rows, **{key: tuple(values) for key, values in columns.items()})  # type: ignore[arg-type]
+    profile = LayerProfile(rows, **{key: tuple(values) for key, values in columns.items()})  # type: ignore[arg-type]
+    return dataclasses.replace(profile, allocations=tuple(allocations))
 
 
 def _leaves(value: torch.Tensor | Tensors, first: bool) -> Tensors:

@@ -60,7 +60,7 @@ class Candidate:
     partition: tuple[int, ...]  # layers per stage
     step_time: float  # predicted seconds per step
     bubble: float
-    peak_memory: tuple[float, ...]  # bytes per rank
+    peak_memory: tuple[float, ...]  # bytes per rank that must fit: the step's peak or the optimizer step's after it
     data_parallel: int = 1  # replicas of the pipeline it was priced for
 
     def engine_kwargs(self) -> dict[str, object]:
@@ -148,6 +148,7 @@ def tune(
     threads: int | None = None,
     device: str | torch.device | None = None,
     reuse_memory: bool = True,
+    allocator: bool = True,
 ) -> TuneResult:
     """Price every way to pipeline ``model`` on ``world_size`` ranks; see the module docstring.
 
@@ -161,7 +162,12 @@ def tune(
     shared out among the world's ranks on one machine, as launch() does). ``reuse_memory``: on CPU, time the
     layers with glibc keeping freed memory, as launch()'s ranks run by default (pipeengine.launch.keep_freed_memory;
     it stays set in this process): otherwise each fresh weight gradient pays page faults the ranks do not (W of
-    the benchmark MLP's layers at 32 rows measured 22.9 ms without, 11.4 ms with).
+    the benchmark MLP's layers at 32 rows measured 22.9 ms without, 11.4 ms with). ``allocator``: watch each
+    layer's computes with the allocator (pipeengine.planner.transients), so that a candidate's peak counts what
+    the allocator sees (the computes' temporaries, the gradient-sync buffers, the optimizer step after the step;
+    AdamW's), not only what the step keeps between computes: ``memory_limit`` guards that figure.
+    ``latency``, ``per_byte`` and ``overhead`` are constants, measured once on the 2-core machine of the
+    benchmarks (see their comments), not on this one: pass your own.
     """
     _check_problem(model, sample, target)
     for label, value in (("world_size", world_size), ("data_parallel", data_parallel),
@@ -193,7 +199,7 @@ def tune(
     if where.type == "cpu" and reuse_memory:
         keep_freed_memory()
     profiles = {m: profile_layers(model, sample, batch // m, repeats=repeats, device=where, threads=share,
-                                  loss=loss_fn, target=target) for m in counts}  # fmt: skip
+                                  loss=loss_fn, target=target, allocator=allocator) for m in counts}  # fmt: skip
     measured = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -272,10 +278,10 @@ def _price(
     # stage s runs layers bounds[s]; the schedule's stages are in model order
     costs = profile.stage_costs(bounds, overhead=overhead, latency=latency, per_byte=per_byte,
                                 optimizer_copies=optimizer_copies, buffered_sends=buffered,
-                                placement=program.placement)  # fmt: skip
+                                placement=program.placement, data_parallel=data_parallel)  # fmt: skip
     timeline = simulate(program, costs)
     return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), timeline.makespan,
-                     timeline.bubble_fraction, tuple(timeline.peak_memory), data_parallel)  # fmt: skip
+                     timeline.bubble_fraction, tuple(timeline.required_memory), data_parallel)  # fmt: skip
 
 
 def _check_problem(model: object, sample: object, target: object) -> None:

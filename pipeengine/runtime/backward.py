@@ -60,9 +60,13 @@ class WeightPass:
 
     @staticmethod
     def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+        """Into .grad, in place as autograd's AccumulateGrad does (``param.grad + grad`` would hold a third copy)."""
         for param, grad in zip(params, grads, strict=True):
             if grad is not None:
-                param.grad = grad if param.grad is None else param.grad + grad
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
 
 
 def backward_input(

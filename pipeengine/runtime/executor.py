@@ -124,6 +124,8 @@ class _Step:
         for worker in self.executor.workers.values():
             yield from worker.held()
         yield from self.mailbox.held()
+        for sync in self.executor.syncs.values():
+            yield from sync.held()
 
     def post(self, action: Action) -> None:
         self.mailbox.post(action)

@@ -18,7 +18,7 @@ each replica's share already carries its weight.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +63,11 @@ class GradientSync(abc.ABC):
     @abc.abstractmethod
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
         """Start synchronising what ``op`` names; ``stream`` is this rank's program, ``average`` as above."""
+
+    def held(self) -> Iterator[torch.Tensor]:
+        """The flat buffers being reduced: held from the start to the step's end."""
+        for reduction in self.started:
+            yield reduction.flat
 
     def finish(self, tracer: Tracer) -> None:
         """Wait for every reduction started this step and write the results back into the gradients."""

@@ -12,16 +12,21 @@ optimizer's), then samples the bytes held after every instruction. Rank 0 gather
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from pipeengine.comm.base import Transport
 from pipeengine.core.specs import Boundary, Tensors, unpack
+from pipeengine.observe.allocator import AllocatorWatch, live_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies, storage
 from pipeengine.observe.trace import NULL_TRACER, Tracer
 from pipeengine.runtime.executor import Executor, StepInputs, StepResult
+from pipeengine.runtime.gradsync import ReplicaMean, TieSum
 from pipeengine.runtime.stage import StageWorker
 from schedules import Kind, Schedule, Timeline
 
@@ -37,6 +42,7 @@ class Tracing:
         self.timeline: Timeline | None = None
         self._tracer = Tracer(device)
         self._pipeline, self._num_stages = pipeline, num_stages
+        self._allocator = AllocatorWatch.available(device, shared_process=pipeline.shared_clock)
         self._sizes: dict[tuple[object, ...], dict[int, StageSizes]] = {}  # per batch shape, program, optimizer
 
     @contextlib.contextmanager
@@ -55,17 +61,25 @@ class Tracing:
             self._tracer.begin()
             result = executor.run(program, step, self._tracer)
         else:  # memory too: the sizes of this rank's stages, then what it holds after every instruction
-            sizes = self._measure(executor.workers, program, step, params)
+            sizes = self._measure(executor, program, step, params)
             batch = [t for mb in (step.inputs or ()) for t in mb]
             batch += [t for target in (step.targets or ()) for t in unpack(target) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
             ledger = Ledger(ignore=[*params, *batch])  # the user's batch is theirs, not the engine's
             self._tracer.begin(ledger, sum(s.state for s in sizes.values()), sizes)
-            with ledger.watching():
+            live = live_bytes([*params, *(p.grad for p in params), *self._optimizer_state(params)])
+            with ledger.watching(), AllocatorWatch(self._tracer.device) if self._allocator else _nothing() as watch:
                 result = executor.run(program, step, self._tracer)
+            self._tracer.allocated = live + watch.peak if watch is not None else None
         self.timeline = self._tracer.gather(f"{program.name} measured", self._pipeline, self._num_stages)
         return result
 
-    def _measure(self, workers: dict[int, StageWorker], program: Schedule, step: StepInputs,
+    def _optimizer_state(self, params: list[nn.Parameter]) -> Iterator[torch.Tensor]:
+        for param in params:
+            for value in (self.optimizer.state.get(param, {}) if self.optimizer is not None else {}).values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+    def _measure(self, executor: Executor, program: Schedule, step: StepInputs,
                  params: list[nn.Parameter]) -> dict[int, StageSizes]:  # fmt: skip
         """This rank's stages measured on the step's first micro-batch (once per batch shape and program)."""
         copies = optimizer_copies(self.optimizer, params)
@@ -73,7 +87,7 @@ class Tracing:
         sizes = self._sizes.get(key)
         if sizes is not None:
             return sizes
-        sizes, seen = {}, set()
+        sizes, seen, workers = {}, set(), executor.workers
         last = self._num_stages - 1
         split = {op.stage for rank in range(program.num_ranks) for _, op in program.ops(rank)
                  if op.kind is Kind.BACKWARD_INPUT}  # fmt: skip
@@ -94,7 +108,21 @@ class Tracing:
                 worker, inputs, packed, step.targets[0] if s == last else None,  # type: ignore[index]
                 None if s == last else step.boundaries[s], split=s in split,
                 parameter_bytes=sum(p.numel() * p.element_size() for p in mine), optimizer_copies=copies,
+                allocator=self._allocator,
             )  # fmt: skip
+            late = sum(_size(p) for p in mine if p.grad is None and p.requires_grad)  # zero_grad(set_to_none=True)
+            sizes[s] = dataclasses.replace(sizes[s], grads_late=float(late))
+        if self._allocator and sizes:  # the optimizer steps over all of this rank's parameters at once
+            first = min(sizes)
+            sizes[first] = dataclasses.replace(sizes[first], optimizer=optimizer_transient(self.optimizer, params))
+        stream = program.instructions[executor.rank]
+        replicas = executor.syncs.get(Kind.ALL_REDUCE)
+        if isinstance(replicas, ReplicaMean):  # what each stage's AR flattens, to the step's end
+            for s, owned in replicas.owned(stream).items():
+                sizes[s] = dataclasses.replace(sizes[s], sync=float(sum(_size(p) for p in owned)))
+        ties = executor.syncs.get(Kind.TIE_REDUCE)
+        self._tracer.tie_sync = {g: float(sum(_size(p) for p in tie.params)) for g, tie in ties.groups.items()} if (
+            isinstance(ties, TieSum)) else {}  # fmt: skip
         self._sizes[key] = sizes
         return sizes
 
@@ -109,13 +137,15 @@ def measure_stage(
     split: bool,
     parameter_bytes: float,
     optimizer_copies: float,
+    allocator: bool = False,
 ) -> StageSizes:
     """Run a stage's forward and backward once on a sample micro-batch, counting what it holds after each.
 
     The stage's gradients, buffers and random state are as they were afterwards. ``inputs`` are
     the stage input as the executor makes it (leaves needing grad as the boundary says); the
     first stage's input is the user's batch, never counted. ``parameter_bytes``: the stage's
-    parameters not already held by another stage of the rank, for the step-long state.
+    parameters not already held by another stage of the rank, for the step-long state. ``allocator``:
+    watch each compute's allocations too (pipeengine.observe.allocator), for its transient peak.
     """
     params = list(dict.fromkeys(worker.module.parameters()))
     targets = target if isinstance(target, tuple) else (target,)
@@ -124,29 +154,49 @@ def measure_stage(
     grads = [p.grad for p in params]
     buffers = [b.detach().clone() for b in worker.module.buffers()]
     devices = [t.device for t in inputs if t.device.type == "cuda"][:1]
+    device = next((t.device for t in inputs), torch.device("cpu"))
+    transients = [0.0, 0.0, 0.0, 0.0]  # F, B, I, W
+    first = 0.0  # the stage's first B (or W): it makes the parameters' gradients, which later ones add to
+
+    @contextlib.contextmanager
+    def watched(kind: int) -> Iterator[None]:
+        """The compute's peak above its start (its gradient for a parameter is whole before .grad takes it)."""
+        if not allocator:
+            yield
+            return
+        with AllocatorWatch(device) as watch:
+            yield
+        transients[kind] = float(watch.peak)
+
     try:
         for param in params:
             param.grad = None
+        if allocator:  # once without gradients, as the step's first micro-batch finds them, for ``first``
+            with torch.random.fork_rng(devices=devices):
+                _run_stage(worker, inputs, packed, target, output, split, device, watched)
+            first = transients[3] if split else transients[1]
         with torch.random.fork_rng(devices=devices), ledger.watching():
-            with torch.enable_grad():  # the worker keeps what it keeps; nothing else may hold a reference here
+            with torch.enable_grad(), watched(0):  # the worker keeps what it keeps; nothing else holds a reference
                 worker.forward(-1, inputs, packed, train=True, target=target, expected=output)
             activation = ledger.bytes([*inputs, *worker.held()])
             incoming = None
             if output is not None:  # the gradient of the output, as a received buffer
-                device = next((t.device for t in inputs), torch.device("cpu"))
                 incoming = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in output.grad_specs) or None
             outputs = [storage(t)[0] for t in worker.saved[-1][1] if t.numel()]  # by storage: no reference kept
             keeps_output = keeps_input = True
             if split:
-                worker.backward_input(-1, incoming)
+                with watched(2):
+                    worker.backward_input(-1, incoming)
                 held = list(worker.held())
                 after_input = ledger.bytes(held)
                 keeps_output = all(ledger.holds(key, held) for key in outputs)
                 keeps_input = all(ledger.holds(storage(t)[0], held) for t in inputs if t.numel())
                 del held
-                worker.backward_weight(-1)
+                with watched(3):
+                    worker.backward_weight(-1)
             else:
-                worker.backward(-1, incoming)
+                with watched(1):
+                    worker.backward(-1, incoming)
                 after_input = activation
     finally:
         worker.saved.pop(-1, None)
@@ -164,7 +214,54 @@ def measure_stage(
         gradient=float(sum(_bytes(s) for s in output.grad_specs)) if output is not None else 0.0,
         output_after_input=keeps_output,
         input_after_input=keeps_input,
+        transients=(transients[0], transients[1], transients[2], transients[3]),
+        first_transient=first,
     )
+
+
+def _run_stage(worker: StageWorker, inputs: Tensors, packed: bool, target: object, output: Boundary | None,
+               split: bool, device: torch.device, watched: Callable[[int], Any]) -> None:  # fmt: skip
+    """One forward and backward of a stage on a sample micro-batch, each compute watched."""
+    with torch.enable_grad(), watched(0):
+        worker.forward(-1, inputs, packed, train=True, target=target, expected=output)
+    incoming = None
+    if output is not None:
+        incoming = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in output.grad_specs) or None
+    if split:
+        with watched(2):
+            worker.backward_input(-1, incoming)
+        with watched(3):
+            worker.backward_weight(-1)
+    else:
+        with watched(1):
+            worker.backward(-1, incoming)
+
+
+def optimizer_transient(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]) -> float:
+    """The optimizer step's temporaries over ``params``: a second step of a fresh optimizer of the same kind and
+    settings over copies of them (its state made by the first, as in training), watched by the allocator. It holds
+    the copies meanwhile (the parameters, their gradients, the optimizer's state, once more)."""
+    if optimizer is None or not params:
+        return 0.0
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    for copy in copies:
+        copy.grad = torch.zeros_like(copy)
+    probe = type(optimizer)(copies, **settings)
+    probe.step()
+    with AllocatorWatch(copies[0].device) as watch:
+        probe.step()
+    return float(watch.peak)
+
+
+def _size(param: nn.Parameter) -> int:
+    return param.numel() * param.element_size()
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield None
 
 
 def _bytes(spec: object) -> int:

@@ -10,7 +10,18 @@ Per stage (bytes; one number for every stage, or one per stage)::
                  until the F that takes it (then it is part of that stage's activation)
     gradient     the gradient of the stage's output: received (or handed over) until the B or I
                  that takes it; sent upstream, from the B or I that makes it until the send ends
-    transient    extra bytes while one of the stage's computes runs (its temporaries)
+    transient    the most a forward holds above the level it started at, while it runs (its
+                 temporaries and what it keeps; the loss's on the last stage); backward_transient,
+                 input_transient and weight_transient: the same for B, I and W (default: transient)
+    first_transient   the transient of the stage's first B (or W) in the step, which makes the parameter
+                 gradients the later ones add to (None: as the later ones)
+    grads_late   of the state, the parameter gradients that do not exist when the step starts (an
+                 optimizer's zero_grad sets them to None): they arrive with the stage's first B or W
+    sync         what the stage's gradient all-reduce (AR) holds from its start to the step's end
+                 (its flat buffers); tie_sync, per tie group, what its TR holds on each holder
+    optimizer    the optimizer step's temporaries over the stage's parameters, above the state: the
+                 step after the pipeline's is a peak of its own (``optimizer_peak``), and the larger
+                 of the two is what must fit (``required``)
 
 A sent gradient is freed when the send completes: where the transport takes the bytes at once
 (``buffered_sends``: gloo, the in-process loopback), as its rank goes on to its next action
@@ -27,6 +38,7 @@ p - i on rank i, ZB-H1 p at most, ZB-V about 1F1B's peak on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from schedules.ir.dataflow import Dataflow, Message
@@ -53,18 +65,46 @@ class Memory:
     boundary: PerStage = 0.0
     gradient: PerStage = 0.0
     transient: PerStage = 0.0
+    backward_transient: PerStage | None = None
+    input_transient: PerStage | None = None
+    weight_transient: PerStage | None = None
+    first_transient: PerStage | None = None
+    grads_late: PerStage = 0.0
+    sync: PerStage = 0.0
+    tie_sync: tuple[float, ...] = ()
+    optimizer: PerStage = 0.0
     output_after_input: PerStage = 1.0  # 1: a split backward's I leaves the stage's output held until W; 0: lets go
     input_after_input: PerStage = 1.0  # the same for the stage's input
     buffered_sends: bool = False
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
-        names = ("state", "activation", "boundary", "gradient", "transient", "output_after_input", "input_after_input")
+        names = ("state", "activation", "boundary", "gradient", "transient", "output_after_input", "input_after_input",
+                 "sync", "optimizer", "grads_late")  # fmt: skip
         table = {name: expand(f"Memory.{name}", getattr(self, name), num_stages) for name in names}
         after = self.activation if self.after_input is None else self.after_input
         table["after_input"] = expand("Memory.after_input", after, num_stages)
+        for name in ("backward_transient", "input_transient", "weight_transient", "first_transient"):
+            value = getattr(self, name)
+            default = table["backward_transient"] if name == "first_transient" else table["transient"]
+            table[name] = default if value is None else expand(f"Memory.{name}", value, num_stages)
         return table
 
+    def without_transients(self) -> Memory:
+        """What the engine's ledger sees: the sizes between computes, without the peaks inside them."""
+        return dataclasses.replace(self, transient=0.0, backward_transient=None, input_transient=None,
+                                   weight_transient=None, first_transient=None)  # fmt: skip
 
+    def optimizer_peak(self, placement: tuple[int, ...]) -> list[float]:
+        """Per rank, what the optimizer step holds at its peak: the state of its stages and their temporaries."""
+        table = self.per_stage(len(placement))
+        peaks = [0.0] * (max(placement) + 1)
+        for stage, rank in enumerate(placement):
+            peaks[rank] += table["state"][stage] + table["optimizer"][stage]
+        return peaks
+
+
+_TRANSIENT = {Kind.FORWARD: "transient", Kind.BACKWARD: "backward_transient", Kind.BACKWARD_INPUT: "input_transient",
+              Kind.BACKWARD_WEIGHT: "weight_transient"}  # fmt: skip
 Sample = tuple[float, float, Action | None]  # (time, bytes held after it, the action that made the change)
 
 
@@ -89,8 +129,10 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
     for rank, stream in enumerate(streams):
         extra = _shared_boundaries(stream, times[rank], table, local)  # order -> bytes to add at that action's end
         events: list[tuple[float, int, float, Action | None]] = []  # (time, order, delta, action)
-        state = sum(table["state"][s] for s in range(S) if placement[s] == rank)
+        state = sum(table["state"][s] - table["grads_late"][s] for s in range(S) if placement[s] == rank)
         events.append((0.0, -1, state, None))
+        late = {s: table["grads_late"][s] for s in range(S) if placement[s] == rank and table["grads_late"][s]}
+        unmade = {s for s in range(S) if placement[s] == rank}  # stages whose first B or W is still to come
         held: dict[tuple[int, int], float] = {}  # (stage, mb) -> its activation held now on this rank
         for order, (action, (start, end)) in enumerate(zip(stream, times[rank], strict=True)):
             for op in ops_of(action):
@@ -98,11 +140,21 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
                     message = Message.of(op)
                     size = table["gradient" if message.gradient else "boundary"][message.boundary]
                     events.append((start, order, size, action))
+            if isinstance(action, Instruction) and action.kind.is_collective:  # its flat buffers, to the step's end
+                flat = table["sync"][action.stage] if action.kind is Kind.ALL_REDUCE else (
+                    memory.tie_sync[action.tie_group] if action.tie_group < len(memory.tie_sync) else 0.0)  # fmt: skip
+                if flat:
+                    events.append((start, order, flat, action))
             if not (isinstance(action, Instruction) and action.kind.is_compute):
                 continue
             s, mb, kind = action.stage, action.microbatch, action.kind
-            if table["transient"][s]:
-                events += [(start, order, table["transient"][s], action), (end, order, -table["transient"][s], action)]
+            transient = table[_TRANSIENT[kind]][s]
+            if kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT) and s in unmade:
+                unmade.discard(s)
+                if memory.first_transient is not None:
+                    transient = table["first_transient"][s]
+            if transient:
+                events += [(start, order, transient, action), (end, order, -transient, action)]
             delta = 0.0
             needed = flow.consumes(action)
             if needed is not None:  # the input buffer (received, or handed over) is taken
@@ -120,6 +172,7 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
                 held[(s, mb)] = now
             else:  # B or W: the micro-batch is done on this stage
                 delta -= held.pop((s, mb), 0.0)
+                delta += late.pop(s, 0.0)  # the stage's first gradient compute makes its parameters' gradients
             made = flow.produces(action)
             if made is not None and made.gradient:  # for the stage before: held until sent, or until taken here
                 size = table["gradient"][made.boundary]

@@ -105,6 +105,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     if costs.memory is not None:
         timeline.memory = track(schedule, times, costs.memory)
         timeline.sizes = costs.memory
+        timeline.optimizer_peak = costs.memory.optimizer_peak(schedule.placement)
     return timeline
 
 

@@ -51,7 +51,10 @@ class Timeline:
     clock_error: float = 0.0  # measured: how far another rank's span may be off rank 0's clock (half a ping)
     memory: list[list[MemorySample]] | None = None  # per rank, its bytes over the step (simulated or measured)
     sizes: Memory | None = None  # the per-stage bytes behind it (simulated: given; measured: on the step's data)
-    allocated_peak: list[float] | None = None  # measured on CUDA: torch.cuda.max_memory_allocated in the step
+    # measured where the allocator can be watched (CUDA; CPU ranks that are processes): per rank, what was live at
+    # the step's start (weights, gradients, optimizer state) plus the most the step allocated above it
+    allocated_peak: list[float] | None = None
+    optimizer_peak: list[float] | None = None  # per rank, the optimizer step's peak after the step (state, temporaries)
     _compute: list[list[Span]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +125,13 @@ class Timeline:
     def peak_memory(self) -> list[float]:
         """Per rank, the most bytes held at once in the step (an empty list without a memory track)."""
         return [max((b for _, b, _ in samples), default=0.0) for samples in self.memory or []]
+
+    @property
+    def required_memory(self) -> list[float]:
+        """Per rank, what must fit: the step's peak, or the optimizer step's after it, whichever is larger."""
+        step = self.peak_memory
+        after = self.optimizer_peak or [0.0] * len(step)
+        return [max(a, b) for a, b in zip(step, after, strict=True)]
 
     @property
     def peak_actions(self) -> list[Action | None]:

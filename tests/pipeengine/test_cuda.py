@@ -30,7 +30,7 @@ def test_one_cuda_rank_predicts_its_measured_peak_memory(schedule: str, tmp_path
 
     from tests.pipeengine.test_memory import traced_peaks
 
-    path = tmp_path / "peaks.pickle"
-    launch(traced_peaks, 1, args=(schedule, "never", str(path)), device="cuda", timeout=120)
-    measured, predicted, _ = pickle.loads(path.read_bytes())
-    assert abs(predicted[0] - measured[0]) <= 0.10 * measured[0], (predicted, measured)
+    launch(traced_peaks, 1, args=([schedule], "never", str(tmp_path)), device="cuda", timeout=120)
+    measured, predicted, _, allocated, full = pickle.loads((tmp_path / f"{schedule}.pickle").read_bytes())
+    assert abs(predicted[0] - measured[0]) <= 0.10 * measured[0], (predicted, measured)  # the ledger's lifetimes
+    assert allocated is not None and abs(full[0] - allocated[0]) <= 0.10 * allocated[0], (full, allocated)

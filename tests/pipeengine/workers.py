@@ -21,8 +21,13 @@ def close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: st
 
 
 def check_grads(engine: PipelineEngine, reference: nn.Module, what: str) -> int:
-    """Every local gradient equals the reference's under the same name; returns how many were checked."""
+    """Every local gradient equals the reference's under the same name, and every parameter of the reference is held
+    by some rank (one missing everywhere would go unchecked); returns how many were checked here. Every rank calls
+    it."""
     expected = dict(reference.named_parameters())
+    held = {name for names in ranks.all_gather_object([n for n, _ in engine.named_parameters()]) for name in names}
+    missing, unknown = sorted(set(expected) - held), sorted(held - set(expected))
+    assert not missing and not unknown, f"{what}: held by no rank: {missing}, not the model's: {unknown}"
     count = 0
     for name, param in engine.named_parameters():
         assert param.grad is not None, f"{what}: {name} has no gradient on rank {ranks.rank()}"

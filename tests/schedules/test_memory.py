@@ -96,3 +96,22 @@ def test_the_cli_prints_each_ranks_peak() -> None:
 def test_per_stage_sizes_are_checked() -> None:
     with pytest.raises(ValueError, match="Memory.activation has 3 values, the schedule has 2 stages"):
         simulate(build_schedule("1f1b", 2, 2), Costs(memory=Memory(activation=[1, 2, 3])))
+
+
+def test_what_the_allocator_sees_beyond_the_ledger_is_counted() -> None:
+    """Late gradients, the computes' transients (a first B apart), the all-reduce's buffers, the optimizer step."""
+    from schedules import with_gradient_sync
+
+    schedule = build_schedule("1f1b", 2, 2)
+    plain = simulate(schedule, Costs(memory=Memory(state=4.0, activation=1.0)))
+    late = simulate(schedule, Costs(memory=Memory(state=4.0, activation=1.0, grads_late=1.0)))
+    assert [s[0][1] for s in late.memory] == [3.0, 3.0]  # the gradients are not there yet when the step starts
+    assert [s[-1][1] for s in late.memory] == [s[-1][1] for s in plain.memory] == [4.0, 4.0]  # after the first B
+    peaky = simulate(schedule, Costs(memory=Memory(state=4.0, activation=1.0, backward_transient=10.0,
+                                                   first_transient=20.0)))  # fmt: skip
+    assert peaky.peak_memory == [max(plain.peak_memory[r], 4.0 + 1.0 * (2 - r) + 20.0) for r in range(2)]
+    synced = simulate(with_gradient_sync(schedule), Costs(memory=Memory(state=4.0, activation=1.0, sync=5.0)))
+    assert [s[-1][1] for s in synced.memory] == [9.0, 9.0]  # each stage's flat buffer, to the step's end
+    stepped = simulate(schedule, Costs(memory=Memory(state=4.0, activation=1.0, optimizer=30.0)))
+    assert stepped.optimizer_peak == [34.0, 34.0] and stepped.required_memory == [34.0, 34.0]
+    assert plain.required_memory == plain.peak_memory  # no optimizer temporaries: the step's peak

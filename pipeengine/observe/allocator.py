@@ -1,0 +1,96 @@
+"""The allocator's view: every byte torch allocates over a block, not only what the ledger counts.
+
+    with AllocatorWatch(device) as watch:      # CUDA: the caching allocator's peak statistics
+        ...                                    # CPU: torch.profiler's memory events, every allocation and free
+    watch.peak, watch.end                      # bytes above the level at the block's start: the most, and at its end
+
+On CPU the profiler sees one process: in-process (loopback) ranks share one, so there it cannot
+tell ranks apart (``AllocatorWatch.available`` says where it works). ``live_bytes`` is what a set
+of tensors holds (each storage once): the level a watch's deltas sit on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+
+import torch
+
+__all__ = ["AllocatorWatch", "live_bytes"]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Starting and stopping the profiler, kineto writes a line to the process's stderr (fd 2) each time, which no
+    setting silences: send fd 2 to /dev/null for those two calls only."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def live_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind these tensors (None and empty ones skipped)."""
+    sizes: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is not None and tensor.numel():
+            storage = tensor.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+class AllocatorWatch:
+    """The peak and the end level of what torch allocates in a block, above the level at its start (bytes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self.end = 0
+        self._profile: torch.profiler.profile | None = None
+        self._start = 0
+
+    @staticmethod
+    def available(device: torch.device, shared_process: bool) -> bool:
+        """Whether a watch sees this rank's allocations alone (not on ranks that are threads of one process)."""
+        return device.type == "cuda" or (device.type == "cpu" and not shared_process)
+
+    def __enter__(self) -> AllocatorWatch:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)  # fmt: skip
+            with _quiet():
+                self._profile.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.end = torch.cuda.memory_allocated(self.device) - self._start
+            return
+        if self._profile is None:
+            raise RuntimeError("AllocatorWatch exited without being entered")
+        with _quiet():
+            self._profile.__exit__(kind, value, trace)
+        if kind is not None:
+            return
+        events = [e for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+        events.sort(key=lambda e: e.start_ns())
+        level = peak = 0
+        for event in events:
+            if str(event.device_type()).endswith("CPU"):
+                level += event.nbytes()  # type: ignore[union-attr]  # memory events carry it
+                peak = max(peak, level)
+        self.peak, self.end = peak, level

@@ -1,0 +1,133 @@
+"""What the allocator sees that the ledger does not, per layer, measured once, and composed into a stage's.
+
+A compute holds more while it runs than between computes: its temporaries, the loss's, the gradient
+of a parameter before ``.grad`` takes it. Per layer, the allocator (pipeengine.observe.allocator)
+watches each compute on one micro-batch: its peak above the level it started at and its end level,
+F, B, I and W as a stage runs them, a first B and W (no ``.grad`` yet to add to) and later ones, and
+the optimizer step over the layer's parameters (AdamW: its temporaries above its state). A stage runs
+its layers in order (F) or in reverse (B, I, W), so its peak is the largest of a layer's peak on top
+of what the layers before it left::
+
+    F(a..b) = max over l of ( sum end_F(k), k < l ) + peak_F(l)
+    B(a..b) = max over l of ( sum end_B(k) - incoming(k), k >= l ) + peak_B(l)     (I alike; W has no incoming)
+
+The optimizer over a rank's parameters: its largest layer's temporaries, plus the largest tensor it
+holds (torch's for-loop AdamW keeps one tensor's temporary while it works on the next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeengine.core.specs import Tensors, unpack
+from pipeengine.observe.allocator import AllocatorWatch
+from pipeengine.runtime.backward import backward_input
+
+__all__: list[str] = []
+
+COMPUTES = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One layer's computes as the allocator saw them (bytes above the level each started at)."""
+
+    peak: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # F, B, I, W: the most held while it ran
+    end: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # and when it ended
+    first_peak: tuple[float, float] = (0.0, 0.0)  # the first B and W: they make the gradients
+    grads: float = 0.0  # the gradients of its trainable parameters
+    optimizer: float = 0.0  # an AdamW step's temporaries over its parameters
+    largest: float = 0.0  # its largest parameter tensor
+    incoming: float = 0.0  # the gradient of its output it was given: in a stage, freed once its backward used it
+
+
+def measure(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, device: torch.device) -> Allocation:
+    """Watch one layer's computes on one input (``leaves()`` makes fresh leaf inputs). Its gradients are left None."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def forward() -> tuple[Tensors, tuple[torch.Tensor, ...]]:
+        inputs = leaves()
+        with torch.enable_grad():
+            out = unpack(layer(inputs if packed else inputs[0]))
+        return inputs, tuple(o for o in out if o.requires_grad)
+
+    with AllocatorWatch(device) as f:
+        inputs, outputs = forward()  # what it keeps stays referenced here: the watch's end counts it
+    grads = tuple(torch.ones_like(o) for o in outputs)
+    del inputs, outputs
+    watches: dict[str, AllocatorWatch] = {}
+    for steady in (False, True):  # the first finds .grad None (it makes the gradients), the second adds to them
+        inputs, outputs = forward()
+        with AllocatorWatch(device) as watches["B" if steady else "first B"]:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+    layer.zero_grad(set_to_none=True)
+    for steady in (False, True):
+        inputs, outputs = forward()
+        with AllocatorWatch(device) as watches["I"]:
+            weight_pass = backward_input(outputs, grads, inputs, params)[1] if outputs else None
+        with AllocatorWatch(device) as watches["W" if steady else "first W"]:
+            if weight_pass is not None:
+                weight_pass.run()
+        del weight_pass
+    layer.zero_grad(set_to_none=True)
+    size = [p.numel() * p.element_size() for p in params]
+    peak = (f.peak, watches["B"].peak, watches["I"].peak, watches["W"].peak)
+    end = (f.end, watches["B"].end, watches["I"].end, watches["W"].end)
+    return Allocation(
+        tuple(float(x) for x in peak), tuple(float(x) for x in end),  # type: ignore[arg-type]
+        (float(watches["first B"].peak), float(watches["first W"].peak)), float(sum(size)),
+        optimizer_step(params, device), float(max(size, default=0)),
+        float(sum(g.numel() * g.element_size() for g in grads)),
+    )  # fmt: skip
+
+
+def optimizer_step(params: Sequence[nn.Parameter], device: torch.device) -> float:
+    """An AdamW step's temporaries over copies of ``params``, its state made by a first step."""
+    if not params:
+        return 0.0
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    for copy in copies:
+        copy.grad = torch.zeros_like(copy)
+    optimizer = torch.optim.AdamW(copies)
+    optimizer.step()
+    with AllocatorWatch(device) as watch:
+        optimizer.step()
+    return float(watch.peak)
+
+
+def stage(allocations: Sequence[Allocation], a: int, b: int) -> dict[str, float]:
+    """A stage of layers [a, b): the simulator's transients (schedules.sim.memory_model), composed."""
+    layers = allocations[a:b]
+
+    def composed(index: int, backward: bool, peaks: Callable[[Allocation], float] | None = None) -> float:
+        order = list(reversed(layers)) if backward else list(layers)
+        below, top = 0.0, 0.0
+        for position, layer in enumerate(order):
+            # going down a stage, a layer's input gradient is the next one's incoming gradient, freed once its
+            # first node has used it, before the layer's peak; the stage's own incoming gradient (a received
+            # buffer) is held by the executor through the whole compute
+            incoming = layer.incoming if backward and index != 3 and position else 0.0
+            top = max(top, below - incoming + (peaks(layer) if peaks else layer.peak[index]))
+            below += layer.end[index] - incoming
+        return top
+
+    return {
+        "transient": composed(0, False),
+        "backward_transient": composed(1, True),
+        "input_transient": composed(2, True),
+        "weight_transient": composed(3, True),
+        "first_transient": max(composed(1, True, lambda layer: layer.first_peak[0]),
+                               composed(3, True, lambda layer: layer.first_peak[1])),  # fmt: skip
+    }
+
+
+def optimizer(allocations: Sequence[Allocation]) -> float:
+    """The optimizer step's temporaries over every parameter of these layers (one rank's)."""
+    if not allocations:
+        return 0.0
+    return max(layer.optimizer for layer in allocations) + max(layer.largest for layer in allocations)
