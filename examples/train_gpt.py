@@ -3,6 +3,7 @@
     python examples/train_gpt.py                                # 4 CPU ranks, 1F1B, a few minutes on 2 cores
     python examples/train_gpt.py --schedule interleaved --steps 100
     torchrun --nproc-per-node 4 examples/train_gpt.py           # the same, launched by torchrun
+    python examples/train_gpt.py --tensor-parallel 2            # 2 stages, each split over 2 ranks
 
 Two machines, two replicas of a 2-rank pipeline (run on each, with its --node-rank):
 
@@ -51,22 +52,38 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP, each with a residual."""
+    """Pre-norm transformer block: causal self-attention, then an MLP, each with a residual.
+
+    qkv's outputs are laid out head by head (q, k, v of head 0, then of head 1, ...), so that a column shard
+    of it (tensor parallelism: TENSOR_PARALLEL_PLAN) holds whole heads; the heads a rank computes follow from
+    the width it is given, as torchtitan's blocks do.
+    """
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_width = width // heads
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, width // self.heads).unbind(2)
+        batch, length, _ = x.shape
+        qkv = self.qkv(self.norm1(x))
+        heads = qkv.shape[-1] // (3 * self.head_width)  # this rank's heads (all of them without tensor parallelism)
+        q, k, v = qkv.view(batch, length, heads, 3, self.head_width).unbind(3)
         attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)  # (B, H, T, D/H)  # fmt: skip
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+                                                  is_causal=True)  # (B, heads, T, head width)  # fmt: skip
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, heads * self.head_width))
         return x + self.mlp(self.norm2(x))
+
+
+def tensor_parallel_plan() -> dict[str, object]:
+    """Megatron's split of a block: qkv and the MLP's first layer by columns, proj and its second by rows, so
+    each stage's output is whole (replicated) on every rank of its tensor-parallel group."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"*.qkv": ColwiseParallel(), "*.proj": RowwiseParallel(), "*.mlp.0": ColwiseParallel(),
+            "*.mlp.2": RowwiseParallel()}  # fmt: skip
 
 
 class Head(nn.Module):
@@ -155,13 +172,17 @@ def main(args: argparse.Namespace) -> None:
     sample, _ = batch()
     say("building the pipeline: every rank checks it has the same model, rank 0 times each layer on a sample batch "
         "to cut the stages...", flush=True)
+    parallel = {"tensor_parallel": args.tensor_parallel, "tp_plan": tensor_parallel_plan()} if (
+        args.tensor_parallel > 1) else {}  # fmt: skip
     engine = PipelineEngine(model, summed_loss, num_microbatches=args.microbatches, schedule=args.schedule,
-                            sample=sample, data_parallel=args.data_parallel, loss_count=real_tokens)  # fmt: skip
+                            sample=sample, data_parallel=args.data_parallel, loss_count=real_tokens,
+                            **parallel)  # type: ignore[arg-type]  # fmt: skip
     batches.manual_seed(1 + engine.dp_rank)  # the same batches along a pipeline, others on each replica
     if talk:
         print(f"{sum(p.numel() for p in model.parameters()):,} parameters (embedding and head tied), "
               f"{len(docs):,} documents in {data.numel():,} characters of stdlib, "
-              f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline")  # fmt: skip
+              f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline, "
+              f"{args.tensor_parallel} tensor-parallel rank(s) a stage")  # fmt: skip
         print(engine.partition, flush=True)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE) if list(engine.parameters()) else None
     bubble, started, tokens = float("nan"), time.perf_counter(), 0
@@ -216,6 +237,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=RANKS, help="processes on this machine")
     parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks a stage's blocks are split over")
     parser.add_argument("--schedule", default=SCHEDULE, choices=list(SCHEDULES))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--layers", type=int, default=LAYERS, help="transformer blocks")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -42,9 +43,10 @@ class PipelineEngine:
     ``memory_limit``); ``chunks``; ``partition`` "uniform" | "parameters" | "time" | "memory" or the layers
     per stage, measured on ``sample`` (pipeengine.planner.partition); ``data_parallel`` replicas on one grid
     (pipeengine.core.grid); ``checkpoint`` "never" | "always" | "except_last"; ``precision`` "bf16" | "fp16";
-    ``loss_count`` a token-mean loss (loss_fn returns a SUM; pipeengine.train.losses); ``parallelize``
-    fn(stage_module, mesh) -> module, per stage (pipeengine.build.transform); ``timeout`` seconds any wait on
-    a peer may take; ``trace`` record every step (pipeengine.train.tracing); ``group`` a pipeline group.
+    ``loss_count`` a token-mean loss (loss_fn returns a SUM; pipeengine.train.losses); ``tensor_parallel``
+    ranks per stage with ``tp_plan`` {fnmatch pattern of module names: ParallelStyle}, and ``parallelize``
+    fn(stage_module, mesh) -> module (pipeengine.build.transform; ``engine.mesh``); ``timeout`` seconds any
+    wait on a peer may take; ``trace`` record every step (pipeengine.train.tracing); ``group`` a pipeline group.
     """
 
     def __init__(
@@ -67,6 +69,8 @@ class PipelineEngine:
         loss_count: Callable[[object], object] | None = None,
         memory_limit: float | None = None,
         parallelize: Callable[[nn.Module, object], nn.Module] | None = None,
+        tensor_parallel: int = 1,
+        tp_plan: Mapping[str, object] | None = None,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -79,7 +83,7 @@ class PipelineEngine:
             num_microbatches=num_microbatches, schedule=schedule, chunks=chunks, partition=partition,  # type: ignore[arg-type]
             device=torch.device(device) if device is not None else None, timeout=timeout, trace=trace,
             data_parallel=data_parallel, checkpoint=checkpoint, precision=precision, loss_count=loss_count,
-            memory_limit=memory_limit, parallelize=parallelize,
+            memory_limit=memory_limit, parallelize=parallelize, tensor_parallel=tensor_parallel, tp_plan=tp_plan,
         )  # fmt: skip
         if group is not None and data_parallel > 1:
             raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
@@ -98,18 +102,15 @@ class PipelineEngine:
         self.group = self.topology.pipeline.group  # this pipeline's torch.distributed group (None: default)
         pipeline, world, grid = self.topology.pipeline, self.topology.world, self.topology.grid
         self.pp_rank, self.dp_rank, self.data_parallel = self.topology.pp_rank, self.topology.dp_rank, grid.dp
+        self.tp_rank, self.mesh = self.topology.tp_rank, parts.mesh  # torch's DeviceMesh ("dp", "pp", "tp"), or None
         self._layer_names = [name for name, _ in model.named_children()]
         self._model_keys = list(model.state_dict())  # to tell a checkpoint of another model, and its key order
         self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, pipeline)
-        self._calls = Calls(pipeline)
-        self._tracing = Tracing(trace, self.device, pipeline, self.schedule.num_stages)
+        self._calls, self._tracing = Calls(pipeline), Tracing(trace, self.device, pipeline, self.schedule.num_stages)
         self._stepper = stepper = Stepper(parts, self.config, loss_fn, self._calls, self._tracing, self._param_list)
         self.num_microbatches, self.first, self.last = stepper.num_microbatches, stepper.first, stepper.last
         self._aliases = parts.ties.aliases
-
-        def agree_max(found: torch.Tensor) -> None:  # the loss scaler: an overflow anywhere skips the step everywhere
-            world.all_reduce(found, "the loss scaler's overflow check", op="max")
-
+        agree_max = functools.partial(world.all_reduce, what="the loss scaler's overflow check", op="max")
         self.scaler = GradScaler(self.parameters, precision == "fp16", self.device, agree_max)
 
     @property
@@ -163,9 +164,10 @@ class PipelineEngine:
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Write a checkpoint (every rank calls it), loadable into any partition (pipeengine.train.checkpoint)."""
         self._calls.agree(Call.SAVE)
-        state, names = self._params.owned_state()
+        state, names = self._params.owned_state()  # whole tensors (a DTensor gathered over its mesh)
+        writer = self.dp_rank == 0 and self.tp_rank == 0  # one copy: the replicas and tensor ranks hold the same
         return save_checkpoint(directory, state, optimizer, names, layers=self._layer_names, keys=self._model_keys,
-                               aliases=self._aliases, writer=self.dp_rank == 0, pipeline=self.topology.pipeline,
+                               aliases=self._aliases, writer=writer, pipeline=self.topology.pipeline,
                                world=self.topology.world)  # fmt: skip
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:

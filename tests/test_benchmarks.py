@@ -92,3 +92,12 @@ def test_tune_search_times_the_search_per_world_size(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "tune_search.json").read_text())
     assert [r["world_size"] for r in rows] == [2, 3] and all(r["layers"] == 3 for r in rows)
     assert all(r["candidates"] > 0 and r["search_s"] > 0 and r["measure_s"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_vs_torch_tp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path: Path) -> None:
+    out = bench("vs_torch_tp.py", "--schedules", "1f1b", "--width", "64", "--batch", "8", "--rounds", "1",
+                "--steps", "1", out=tmp_path)  # fmt: skip
+    (row,) = json.loads((tmp_path / "vs_torch_tp.json").read_text())
+    assert row["schedule"] == "1f1b" and row["ratio"] > 0 and "x   peak MiB per rank" in out
+    assert len(row["ours_peak_mib"]) == len(row["torch_peak_mib"]) == 4

@@ -33,9 +33,10 @@ def test_plot_schedules_draws_every_schedule(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_train_gpt_trains_samples_and_writes_its_timeline(tmp_path: Path) -> None:
+    # 4 ranks, 2 stages of 2 tensor-parallel ranks each: the README's tensor-parallel command, smaller
     out = run(
-        str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--steps", "6", "--layers", "2", "--batch", "8",
-        "--microbatches", "2", "--sample-chars", "5", "--out", str(tmp_path / "gpt"),
+        str(ROOT / "examples" / "train_gpt.py"), "--ranks", "4", "--tensor-parallel", "2", "--steps", "6",
+        "--layers", "2", "--batch", "8", "--microbatches", "2", "--sample-chars", "5", "--out", str(tmp_path / "gpt"),
     )  # fmt: skip
     lines = out.splitlines()
     said = [line.split(" ")[0] for line in lines if line.endswith("...")]  # never silent while it works

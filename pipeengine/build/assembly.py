@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipeengine.build.transform import device_mesh, transform_stage
+from pipeengine.build.transform import device_mesh, plan_matches, retie, transform_stage
 from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
 from pipeengine.core.bounds import bounds_from_counts, check_counts, stage_module
@@ -98,12 +98,14 @@ class Assembly:
     executor: Executor
     programs: Programs
     meta_layers: list[nn.Module]  # every layer on the meta device: every rank infers every boundary
+    mesh: object | None = None  # torch's DeviceMesh over the grid, where a stage transform needed one
 
 
 def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:
     """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
-    grid = Grid.of(world.size, config.data_parallel)
-    mesh = device_mesh(grid, world) if config.parallelize is not None else None
+    grid = Grid.of(world.size, config.data_parallel, config.tensor_parallel)
+    plan = plan_matches(model, config.tp_plan) if config.tp_plan else {}  # every pattern matches, or none runs
+    mesh = device_mesh(grid, world) if config.needs_mesh else None
     topology = Topology.build(grid, world, mesh)
     lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)  # type: ignore[arg-type]
     # every replica must cut the model alike: the whole world agrees when there are several
@@ -113,10 +115,12 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     lowered = dataclasses.replace(lowered, tied=ties.groups)
     schedule = with_tie_sync(with_gradient_sync(lowered) if config.data_parallel > 1 else lowered)
     num_stages = schedule.num_stages
+    meta = [meta_copy(layer) for layer in model]  # before any transform: boundaries are whole tensors
     stages = {  # cut, then transformed on the mesh (the seam where tensor parallelism and sharding go)
-        s: transform_stage(stage_module(model, *partition.bounds[s]).to(world.device), s, config, mesh)
+        s: transform_stage(stage_module(model, *partition.bounds[s]).to(world.device), s, config, mesh, plan)
         for s in schedule.stages_of(topology.pp_rank)
     }
+    ties = agree_on_ties(ties, stages, topology)
     workers = {
         s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn,
                        checkpointed=config.checkpointed(s, num_stages), precision=config.dtype)
@@ -125,8 +129,29 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     topology.pipeline.open_channels()
     executor = Executor(topology.pp_rank, workers, topology.pipeline, gradient_syncs(ties, lowered, topology, workers))
     programs = Programs(lowered, topology.pipeline, config.data_parallel > 1)
-    meta = [meta_copy(layer) for layer in model]
-    return Assembly(topology, world.device, schedule, partition, ties, stages, workers, executor, programs, meta)
+    return Assembly(topology, world.device, schedule, partition, ties, stages, workers, executor, programs, meta,
+                    mesh)
+
+
+def agree_on_ties(ties: Ties, stages: dict[int, nn.Module], topology: Topology) -> Ties:
+    """The ties after the transform (build.transform.retie): one placement per tied weight on every rank that
+    holds it, or every rank refuses naming it."""
+    ties, placements = retie(ties, stages)
+    if ties.owners:  # every rank knows the ties alike: all or none meet here
+        seen: dict[str, set[str]] = {}
+        for mine in topology.world.all_gather_object(placements, "the placements of the tied weights"):
+            for name, wheres in mine.items():
+                seen.setdefault(name, set()).update(wheres)
+        split = {name: sorted(wheres) for name, wheres in seen.items() if len(wheres) > 1}
+        if split:
+            name, wheres = next(iter(split.items()))
+            raise ValueError(
+                f"the weight tied as {name!r} (with {[a for a, b in ties.aliases.items() if b == name]}) was "
+                f"parallelized differently on the ranks that hold it: {wheres}; a tied weight must have one placement "
+                "in every layer that holds it (e.g. RowwiseParallel on the embedding and ColwiseParallel on the head "
+                "both shard it on dim 0), or none"
+            )
+    return ties
 
 
 def gradient_syncs(

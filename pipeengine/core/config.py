@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,8 @@ class EngineConfig:
     loss_count: Callable[[object], object] | None = None  # units (tokens) in a micro-batch's target: a summed loss
     memory_limit: float | None = None  # bytes per rank that schedule="auto" keeps under
     parallelize: Callable[..., object] | None = None  # fn(stage_module, mesh) -> module, per stage (build.transform)
+    tensor_parallel: int = 1  # ranks per stage, innermost on the grid (core.grid)
+    tp_plan: Mapping[str, object] | None = None  # fnmatch pattern over the model's module names -> a ParallelStyle
 
     def __post_init__(self) -> None:
         if self.num_microbatches is not None or self.schedule != AUTO:
@@ -87,6 +89,8 @@ class EngineConfig:
                 f"memory_limit= is the bound schedule='auto' plans under; with schedule={_shown(self.schedule)} "
                 "nothing reads it: use schedule='auto' (with sample=) to choose under it, or leave memory_limit out"
             )
+        _positive_int("tensor_parallel", self.tensor_parallel)
+        self._check_tensor_parallel()
         if self.parallelize is not None and not callable(self.parallelize):
             raise TypeError(
                 "parallelize must be callable as parallelize(stage_module, mesh) -> module, got "
@@ -97,6 +101,38 @@ class EngineConfig:
                 "loss_count must be callable as loss_count(target) -> the number of units (e.g. tokens) the "
                 f"micro-batch's target holds, got {type(self.loss_count).__name__}"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tp_plan is not None:
+            from torch.distributed.tensor.parallel import ParallelStyle
+
+            if not isinstance(self.tp_plan, Mapping) or not self.tp_plan:
+                raise TypeError("tp_plan must map fnmatch patterns of module names to ParallelStyles, e.g. "
+                                "{'*.mlp.0': ColwiseParallel(), '*.mlp.2': RowwiseParallel()}")  # fmt: skip
+            for pattern, style in self.tp_plan.items():
+                if not isinstance(pattern, str) or not isinstance(style, ParallelStyle):
+                    raise TypeError(
+                        f"tp_plan maps a pattern (str) to a torch ParallelStyle (ColwiseParallel(), "
+                        f"RowwiseParallel(), ...); got {pattern!r}: {type(style).__name__}"
+                    )
+            if self.tensor_parallel == 1:
+                raise ValueError("tp_plan= shards layers over tensor_parallel ranks, but tensor_parallel=1: nothing "
+                                 "reads it; pass tensor_parallel=2 (or more), or leave tp_plan out")  # fmt: skip
+        if self.tensor_parallel > 1 and self.tp_plan is None and self.parallelize is None:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} with neither tp_plan= nor parallelize=: no layer would be "
+                "parallelized, every rank of a stage would compute the same; pass tp_plan={pattern: ParallelStyle}"
+            )
+        if self.tensor_parallel > 1 and self.schedule == AUTO:
+            raise ValueError(
+                "schedule='auto' does not price tensor parallelism (per-layer compute divided by the plan, its "
+                "collectives): name a schedule with tensor_parallel > 1, or tune on tensor_parallel=1"
+            )
+
+    @property
+    def needs_mesh(self) -> bool:
+        """Whether the stages are transformed on torch's DeviceMesh (build.transform)."""
+        return self.parallelize is not None or self.tensor_parallel > 1
 
     @property
     def dtype(self) -> torch.dtype | None:

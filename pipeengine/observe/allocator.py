@@ -19,6 +19,8 @@ from types import TracebackType
 
 import torch
 
+from pipeengine.core.dtensors import local
+
 __all__ = ["AllocatorWatch", "live_bytes"]
 
 
@@ -42,7 +44,7 @@ def live_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     sizes: dict[int, int] = {}
     for tensor in tensors:
         if tensor is not None and tensor.numel():
-            storage = tensor.untyped_storage()
+            storage = local(tensor).untyped_storage()
             sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeengine.core.dtensors import local
+
 __all__: list[str] = []
 
 
 def storage(tensor: torch.Tensor) -> tuple[int, int]:
-    """A tensor's storage: (its address, its bytes); what the ledger counts once."""
-    storage = tensor.untyped_storage()
+    """A tensor's storage: (its address, its bytes); what the ledger counts once (a DTensor's: its shard's)."""
+    storage = local(tensor).untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 
 
@@ -118,12 +120,12 @@ class StageSizes:
 def optimizer_copies(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]) -> float:
     """How many copies of its parameters an optimizer keeps (AdamW: 2), from its state; 2 without one yet."""
     params = list(params)
-    size = sum(p.numel() * p.element_size() for p in params)
+    size = sum(local(p).numel() * p.element_size() for p in params)
     if optimizer is None or not size:
         return 2.0
     held = 0
     for param in params:
         for value in optimizer.state.get(param, {}).values():
             if isinstance(value, torch.Tensor) and value.numel() > 1:
-                held += value.numel() * value.element_size()
+                held += local(value).numel() * value.element_size()
     return held / size if held else 2.0

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pipeengine.comm.base import Pending, Transport
+from pipeengine.core.dtensors import is_dtensor, local
 from pipeengine.errors import PipelineError
 from pipeengine.observe.trace import Tracer
 from pipeengine.runtime.stage import StageWorker
@@ -79,8 +80,8 @@ class GradientSync(abc.ABC):
                 divisor: int) -> None:  # fmt: skip
         """Start a sum of ``grads`` over ``transport``, one flat buffer per dtype."""
         buckets: dict[torch.dtype, list[torch.Tensor]] = {}
-        for grad in grads:
-            buckets.setdefault(grad.dtype, []).append(grad)
+        for grad in grads:  # a DTensor's shard: the replicas hold the same shard, at the same tensor index
+            buckets.setdefault(grad.dtype, []).append(local(grad))
         for bucket in buckets.values():
             flat = torch.cat([g.reshape(-1) for g in bucket])
             self.started.append(Reduction(op, transport.start_all_reduce(flat, what), flat, bucket, divisor))
@@ -98,7 +99,7 @@ class ReplicaMean(GradientSync):
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
         with tracer.span(op):
             params = self.owned(stream)[op.stage]
-            grads = [p.grad for p in params if p.grad is not None]  # the same on every replica: the same graph
+            grads = [_aligned(p) for p in params if p.grad is not None]  # the same on every replica: the same graph
             what = f"the gradient all-reduce of stage {op.stage} over the data-parallel replicas"
             self._reduce(op, grads, self.data, what, self.data.size if average else 1)
 
@@ -144,7 +145,7 @@ class TieSum(GradientSync):
             for param in tie.params:
                 if param.grad is None:  # unused here this step: its share of the sum is zero
                     param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
+                grads.append(_aligned(param))
             what = f"the sum of tie group {op.tie_group}'s gradients over the ranks that hold it"
             self._reduce(op, grads, tie.transport, what, tie.replicas if average else 1)
 
@@ -152,3 +153,12 @@ class TieSum(GradientSync):
     def params(self) -> set[int]:
         """id() of every parameter it synchronises."""
         return {id(p) for tie in self.groups.values() for p in tie.params}
+
+
+def _aligned(param: nn.Parameter) -> torch.Tensor:
+    """A parameter's gradient placed as the parameter is (a DTensor's gradient may come replicated where the
+    parameter is sharded, an embedding's for one): every holder then reduces the same shard."""
+    grad = param.grad
+    if is_dtensor(grad) and tuple(grad.placements) != tuple(param.placements):  # type: ignore[union-attr, attr-defined]
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[union-attr, attr-defined]
+    return grad  # type: ignore[return-value]

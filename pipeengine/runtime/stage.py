@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeengine.core.dtensors import is_dtensor
 from pipeengine.core.specs import Boundary, Tensors, map_tensors, pack, unpack
 from pipeengine.runtime.backward import WeightPass, backward_input
 from pipeengine.runtime.precision import autocast
@@ -141,8 +142,23 @@ class StageWorker:
             g.shape == e.shape and g.dtype == e.dtype and (not train or g.requires_grad == e.requires_grad)
             for g, e in zip(got.specs, expected.specs, strict=True)
         )
+        if any(is_dtensor(t) for t in unpack(value)):  # type: ignore[arg-type]
+            raise ValueError(
+                f"stage {self.index} produced a DTensor ({got}); a stage boundary crosses as plain tensors, each rank "
+                "of a stage sending its own to its peer: end the stage with a style whose output is a plain, "
+                "replicated tensor (RowwiseParallel, use_local_output=True)"
+            )
         if not same:
             hint = ""
+            if len(got.specs) == len(expected.specs) and any(
+                g.shape[:-1] == e.shape[:-1] and g.shape[-1:] != e.shape[-1:]
+                for g, e in zip(got.specs, expected.specs, strict=True)
+            ):
+                hint = (
+                    "; it looks like this rank's shard of the output: a stage that ends in a layer sharding its "
+                    "output (ColwiseParallel, SequenceParallel) sends a shard, and the next stage expects the whole "
+                    "tensor: end each stage with a replicated output (RowwiseParallel after ColwiseParallel)"
+                )
             if [s.requires_grad for s in got.specs] != [s.requires_grad for s in expected.specs]:
                 hint = (
                     "; whether it needs a gradient differs: set requires_grad before building the PipelineEngine "

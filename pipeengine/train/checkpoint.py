@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipeengine.comm.base import Transport
+from pipeengine.core.dtensors import spread, whole
 
 __all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
 
@@ -51,9 +52,9 @@ def save_checkpoint(
     number = torch.tensor([_latest_number(root) + 1 if world.rank == 0 else 0], device=world.device)
     world.broadcast(number, 0, "the number of the new checkpoint")  # every rank writes into the same one
     target = root / f"checkpoint-{int(number.item())}"
+    named = _named_optimizer_state(optimizer, names) if optimizer is not None else None  # every rank: DTensors gather
     if writer:
         target.mkdir(parents=True, exist_ok=True)
-        named = _named_optimizer_state(optimizer, names) if optimizer is not None else None
         payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "optimizer": named}
         _write_atomically(target / f"part-{rank}.pt", lambda path: torch.save(payload, path))
         listed = pipeline.all_gather_object(list(state), "the names each rank saves")  # in the stages' order
@@ -93,8 +94,9 @@ def load_checkpoint(
     modules = list(modules)
     wanted = {tied.get(key, key) for module in modules for key in module.state_dict()}
     model_state, optimizer_state, groups = _read(target, meta, wanted)
-    for module in modules:  # a tied weight's every name reads the one stored copy
-        module.load_state_dict({key: model_state[tied.get(key, key)] for key in module.state_dict()})
+    for module in modules:  # a tied weight's every name reads the one stored copy; a DTensor takes its part
+        mine = module.state_dict(keep_vars=True)
+        module.load_state_dict({key: spread(model_state[tied.get(key, key)], value) for key, value in mine.items()})
     if optimizer is not None:
         _load_named_optimizer_state(optimizer, names, optimizer_state, groups, target)
     return target
@@ -139,8 +141,10 @@ def _named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int,
     weight that another rank writes) are left out."""
     state = optimizer.state_dict()
     by_index = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    wholes = {i: {key: whole(v) if isinstance(v, torch.Tensor) else v for key, v in value.items()}
+              for i, value in state["state"].items()}  # fmt: skip  (every rank gathers: the collective is the mesh's)
     return {
-        "state": {by_index[i]: value for i, value in state["state"].items() if by_index[i] is not None},
+        "state": {by_index[i]: value for i, value in wholes.items() if by_index[i] is not None},
         "param_groups": [
             {**g, "params": [by_index[i] for i in g["params"] if by_index[i] is not None]}
             for g in state["param_groups"]
@@ -162,7 +166,12 @@ def _load_named_optimizer_state(
         raise ValueError(f"{target} holds no optimizer state for {_few(absent)}: was it saved with optimizer=?")
     for group in current["param_groups"]:
         group.update(groups[by_index[group["params"][0]]])  # the hyperparameters saved with these parameters
-    current["state"] = {i: states[name] for i, name in enumerate(by_index) if name in states}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    current["state"] = {
+        i: {key: spread(v, params[i]) if isinstance(v, torch.Tensor) and v.dim() else v
+            for key, v in states[name].items()}  # a DTensor parameter's state: its part (step counts stay whole)
+        for i, name in enumerate(by_index) if name in states
+    }  # fmt: skip
     optimizer.load_state_dict(current)
 
 

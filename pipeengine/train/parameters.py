@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from pipeengine.comm.base import Transport
+from pipeengine.core import dtensors
+from pipeengine.core.dtensors import whole
 from pipeengine.core.ties import Ties
 
 __all__: list[str] = []
@@ -36,12 +38,14 @@ class Parameters:
                     yield self.ties.names[id(param)], param
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's state under the model's names; a tied weight once, under its first name."""
+        """This rank's state under the model's names; a tied weight once, under its first name; whole tensors (a
+        DTensor gathered over its mesh: every rank of the mesh calls this)."""
         state: dict[str, torch.Tensor] = {}
         for module in self.stages.values():
             for key, value in module.state_dict(keep_vars=True).items():
                 name = self.ties.names.get(id(value), key) if isinstance(value, nn.Parameter) else key
-                state.setdefault(name, value.detach())
+                if name not in state:
+                    state[name] = whole(value.detach())
         return state
 
     def owned_state(self) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
@@ -61,8 +65,8 @@ class Parameters:
         named = [(name, p.grad) for name, p in self.named() if p.grad is not None]
         counted = [grad for name, grad in named if name not in self.elsewhere]
         local = torch.zeros((), dtype=torch.float32, device=self.pipeline.device)
-        if counted:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float() for g in counted])
+        if counted:  # a DTensor's norm is reduced over its mesh (whole)
+            norms = torch.stack([whole(torch.linalg.vector_norm(g, norm_type)).float() for g in counted])
             local = norms.max() if norm_type == math.inf else (norms**norm_type).sum()
         reduce = "max" if norm_type == math.inf else "sum"
         self.pipeline.all_reduce(local, "the gradient norms of the other stages", op=reduce)
@@ -74,5 +78,5 @@ class Parameters:
             )
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for _, grad in named:
-            grad.mul_(scale.to(grad.dtype))
+            dtensors.local(grad).mul_(scale.to(grad.dtype))  # a DTensor's shard, in place
         return total

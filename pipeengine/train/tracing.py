@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pipeengine.comm.base import Transport
+from pipeengine.core.dtensors import local_bytes
 from pipeengine.core.specs import Boundary, Tensors, unpack
 from pipeengine.observe.allocator import AllocatorWatch, live_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies, storage
@@ -107,7 +108,7 @@ class Tracing:
             sizes[s] = measure_stage(
                 worker, inputs, packed, step.targets[0] if s == last else None,  # type: ignore[index]
                 None if s == last else step.boundaries[s], split=s in split,
-                parameter_bytes=sum(p.numel() * p.element_size() for p in mine), optimizer_copies=copies,
+                parameter_bytes=sum(_size(p) for p in mine), optimizer_copies=copies,
                 allocator=self._allocator,
             )  # fmt: skip
             late = sum(_size(p) for p in mine if p.grad is None and p.requires_grad)  # zero_grad(set_to_none=True)
@@ -256,7 +257,7 @@ def optimizer_transient(optimizer: torch.optim.Optimizer | None, params: list[nn
 
 
 def _size(param: nn.Parameter) -> int:
-    return param.numel() * param.element_size()
+    return local_bytes(param)  # a DTensor's shard
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipeengine import PipelineEngine
+from pipeengine.core.dtensors import whole
 from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
 
@@ -16,7 +17,8 @@ RTOL, ATOL = 1e-5, 4e-5
 
 
 def close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str) -> None:
-    actual, expected = torch.as_tensor(actual).cpu(), torch.as_tensor(expected).cpu()
+    """Within the suite's float32 tolerance; a DTensor is compared whole (every rank of its mesh calls this)."""
+    actual, expected = whole(torch.as_tensor(actual)).cpu(), whole(torch.as_tensor(expected)).cpu()
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 

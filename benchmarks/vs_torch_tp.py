@@ -1,0 +1,182 @@
+"""Tensor parallel inside the pipeline, side by side with torch.distributed.pipelining: pp=2 x tp=2 on 4 gloo ranks.
+
+    python benchmarks/vs_torch_tp.py                       # 1f1b and gpipe, GPT blocks of width 256, m=8
+    python benchmarks/vs_torch_tp.py --schedules 1f1b --rounds 9
+
+torch's side is torchtitan's recipe: each stage module (the same layers this engine's partition gives the
+rank) parallelized with parallelize_module on the tensor-parallel sub-mesh with the same plan, then a
+PipelineStage over the pipeline group and torch's schedule. Both start from the same weights; their losses
+are checked equal, then they are timed in alternating rounds (medians) so both see the same machine, and
+each rank's peak memory in a step is watched by the allocator (what was live at its start, plus the most it
+allocated). Reports the step-time ratio (torch / pipeengine: above 1.0, this engine is faster) and the
+peaks. Writes out/bench/vs_torch_tp.{json,txt}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+import torch.distributed as dist
+from common import OUT, median, run_point, save_row, timed, write_json
+from torch import nn
+from torch.nn import functional as F
+
+from pipeengine import PipelineEngine
+
+RANKS, THREADS, WIDTH, HEADS, BLOCKS, LENGTH, VOCAB, BATCH, MICROBATCHES, ROUNDS, STEPS = (
+    4, 1, 256, 8, 4, 64, 96, 32, 8, 7, 2)  # fmt: skip
+SCHEDULES = ["gpipe", "1f1b"]
+
+
+class Block(nn.Module):
+    """A GPT block whose qkv is laid out head by head, so a column shard holds whole heads."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.head_width = width // heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(self.norm1(x))
+        heads = qkv.shape[-1] // (3 * self.head_width)
+        q, k, v = qkv.view(b, t, heads, 3, self.head_width).unbind(3)
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True)  # fmt: skip
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, heads * self.head_width))
+        return x + self.mlp(self.norm2(x))
+
+
+class Embed(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, width), nn.Embedding(LENGTH, width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1]))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(width), nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def gpt(args: argparse.Namespace) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(args.width), *[Block(args.width, HEADS) for _ in range(args.blocks)], Head(args.width))
+
+
+def plan() -> dict[str, object]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"*.qkv": ColwiseParallel(), "*.proj": RowwiseParallel(), "*.mlp.0": ColwiseParallel(),
+            "*.mlp.2": RowwiseParallel()}  # fmt: skip
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def torch_pipeline(schedule: str, engine: PipelineEngine, model: nn.Sequential, args: argparse.Namespace) -> object:
+    """torchtitan's recipe over the same stages: parallelize_module, then PipelineStage and torch's schedule."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from pipeengine.build.transform import plan_matches
+    from pipeengine.core.bounds import stage_module
+
+    stage = engine.pp_rank
+    module = stage_module(model, *engine.bounds[stage])  # the model's names, as the engine's stages have them
+    names = {name for name, _ in module.named_modules()}
+    mine = {name: style for name, style in plan_matches(model, plan()).items() if name in names}
+    parallelize_module(module, engine.mesh["tp"], mine)  # type: ignore[index, arg-type]
+    pipe = PipelineStage(module, stage, len(engine.bounds), torch.device("cpu"), group=engine.group)
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe, args.microbatches, loss_fn=loss_fn)
+
+
+def peak(step: object, params: list[torch.Tensor]) -> float:
+    """The allocator's peak in one step: what was live at its start (weights, gradients), plus the most it took."""
+    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
+
+    live = live_bytes([*params, *(p.grad for p in params if p.grad is not None)])  # type: ignore[union-attr]
+    with AllocatorWatch(torch.device("cpu")) as watch:
+        step()  # type: ignore[operator]
+    return float(live + watch.peak)
+
+
+def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
+    model = gpt(args)
+    theirs_model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (args.batch, LENGTH), generator=generator)
+    y = torch.randint(0, VOCAB, (args.batch, LENGTH), generator=generator)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=args.microbatches, schedule=schedule,
+                            partition="uniform", tensor_parallel=2, tp_plan=plan())  # fmt: skip
+    theirs = torch_pipeline(schedule, engine, theirs_model, args)
+    mine = list(engine.parameters())
+    their_params = [p for p in theirs._stage.submod.parameters()]  # type: ignore[attr-defined]
+
+    def ours() -> float:
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        engine.zero_grad()
+        return loss
+
+    def torch_step() -> float | None:
+        losses: list[torch.Tensor] = []
+        if engine.first:
+            theirs.step(x)  # type: ignore[attr-defined]
+        elif engine.last:
+            theirs.step(target=y, losses=losses)  # type: ignore[attr-defined]
+        theirs._stage.submod.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+        return float(torch.stack(losses).detach().mean()) if losses else None
+
+    ours_loss, their_loss = ours(), torch_step()
+    if their_loss is not None and abs(ours_loss - their_loss) > 1e-4 * abs(ours_loss):
+        raise AssertionError(f"{schedule}: this engine's loss {ours_loss} differs from torch's {their_loss}")
+    for _ in range(2):
+        ours(), torch_step()
+    mine_ms, theirs_ms = [], []
+    for _ in range(args.rounds):
+        mine_ms += [timed(ours) for _ in range(args.steps)]
+        theirs_ms += [timed(torch_step) for _ in range(args.steps)]
+    peaks = [peak(ours, mine), peak(torch_step, their_params)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, peaks)
+    if dist.get_rank() == 0:
+        save_row(path, {"schedule": schedule, "ours_ms": 1e3 * median(mine_ms), "torch_ms": 1e3 * median(theirs_ms),
+                        "ratio": median(theirs_ms) / median(mine_ms), "ours_peak_mib": [p[0] / 2**20 for p in everyone],  # type: ignore[index]
+                        "torch_peak_mib": [p[1] / 2**20 for p in everyone]})  # type: ignore[index]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
+    for flag, default in (("width", WIDTH), ("blocks", BLOCKS), ("batch", BATCH), ("microbatches", MICROBATCHES),
+                          ("rounds", ROUNDS), ("steps", STEPS), ("threads", THREADS)):  # fmt: skip
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    args = parser.parse_args()
+    rows, lines = [], []
+    for schedule in args.schedules:
+        row = run_point(worker, RANKS, (schedule, args), args.threads)
+        rows.append(row)
+        line = (f"{schedule:6} pipeengine {row['ours_ms']:7.1f} ms  torch.distributed.pipelining "
+                f"{row['torch_ms']:7.1f} ms  -> {row['ratio']:.2f}x   peak MiB per rank, pipeengine "
+                f"{' '.join(f'{p:.1f}' for p in row['ours_peak_mib'])}, torch "
+                f"{' '.join(f'{p:.1f}' for p in row['torch_peak_mib'])}")  # fmt: skip
+        lines.append(line)
+        print(line, flush=True)
+    write_json("vs_torch_tp", rows)
+    (OUT / "vs_torch_tp.txt").write_text("\n".join(lines) + "\n")
+    print(f"wrote {OUT / 'vs_torch_tp.json'} and vs_torch_tp.txt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Tensors that may be DTensors (a stage parallelized on its tensor-parallel mesh): this rank's part, and the whole.
+
+    local(t)    the tensor this rank holds (a DTensor's local shard; a plain tensor itself)
+    whole(t)    the full tensor (a DTensor gathered over its mesh: every rank of the mesh calls it)
+    spread(t, like)   a full tensor cut as ``like`` is (its mesh and placements), with no communication
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_dtensor", "local", "local_bytes", "spread", "whole"]
+
+
+def is_dtensor(tensor: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def spread(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` as a DTensor placed as ``like`` (every rank holds ``full``: each keeps its part, nothing is sent)."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements,  # type: ignore[attr-defined]
+                             src_data_rank=None)  # fmt: skip
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of a tensor."""
+    mine = local(tensor)
+    return mine.numel() * mine.element_size()

@@ -1,0 +1,286 @@
+"""Tensor parallel inside the pipeline: dp x pp x tp on one grid, each stage parallelized with torch's own
+parallelize_module on its tensor-parallel sub-mesh, trained exactly like one process (real gloo processes: DTensor
+collectives need torch.distributed)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeengine import PipelineEngine, launch
+from tests.pipeengine import ranks
+from tests.pipeengine.models import SEEDED
+from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+
+VOCAB, WIDTH, HEAD_DIM, LENGTH, IGNORE = 32, 16, 4, 6, -100  # 4 heads: 2 per rank at tp=2
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, WIDTH)
+        self.position = nn.Parameter(torch.randn(LENGTH, WIDTH) * 0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tokens(tokens) + self.position
+
+
+class Block(nn.Module):
+    """Pre-norm causal attention and MLP. qkv is laid out head by head ([heads][q, k, v][head_dim]), so that a
+    column shard holds whole heads; the head count is the local width's (torchtitan's blocks do the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(self.norm1(x))
+        heads = qkv.shape[-1] // (3 * HEAD_DIM)  # this rank's heads
+        q, k, v = qkv.view(b, t, heads, 3, HEAD_DIM).unbind(3)
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True)  # fmt: skip
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, heads * HEAD_DIM))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def gpt(tied: bool = False, blocks: int = 4) -> nn.Sequential:
+    with SEEDED:
+        torch.manual_seed(0)
+        embed, head = Embed(), Head()
+        if tied:
+            head.out.weight = embed.tokens.weight
+        return nn.Sequential(embed, *[Block() for _ in range(blocks)], head)
+
+
+def plan(tied: bool = False) -> dict[str, object]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, object] = {"*.qkv": ColwiseParallel(), "*.proj": RowwiseParallel(),
+                                 "*.mlp.0": ColwiseParallel(), "*.mlp.2": RowwiseParallel()}  # fmt: skip
+    if tied:  # the tie holds with one placement on both sides: the vocabulary dim, sharded
+        from torch.distributed.tensor import Replicate
+
+        styles["0.tokens"] = RowwiseParallel(input_layouts=Replicate())
+        styles["*.out"] = ColwiseParallel(use_local_output=False)  # gathered below: the loss takes whole logits
+    return styles
+
+
+def token_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def token_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def count(targets: torch.Tensor) -> torch.Tensor:
+    return (targets != IGNORE).sum()
+
+
+def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3000 + seed)
+    tokens = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
+    targets = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
+    targets[: size // 2, -2:] = IGNORE  # padding in some rows
+    return tokens, targets
+
+
+def parity(schedule: str, data_parallel: int = 1, options: dict[str, object] | None = None, tied: bool = False,
+           steps: int = 2) -> None:  # fmt: skip
+    """Loss, every gradient (gathered whole) and the weights after AdamW steps equal one process's token mean."""
+    options = options or {}
+    model = gpt(tied)
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, token_sum, num_microbatches=4, schedule=schedule, data_parallel=data_parallel,
+                            tensor_parallel=2, tp_plan=plan(tied), loss_count=count, **options)  # type: ignore[arg-type]  # fmt: skip
+    assert engine.mesh is not None and engine.mesh.mesh_dim_names == ("dp", "pp", "tp")  # type: ignore[attr-defined]
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    what = f"tp=2 {schedule} dp={data_parallel} {options} tied={tied}"
+    for step in range(steps):
+        parts = [batch(8, seed=10 * step + r) for r in range(data_parallel)]
+        x, y = parts[engine.dp_rank]
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        union_x, union_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        expected = token_mean(reference(union_x), union_y)
+        expected.backward()
+        close(loss, expected.item(), f"{what} step {step}: loss")
+        check_grads(engine, reference, f"{what} step {step}")
+        step_both(optimizer, reference_optimizer)
+    check_weights(engine, reference, f"{what} after {steps} steps")
+
+
+def every_schedule() -> None:
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+        parity(schedule)
+    parity("1f1b", options={"checkpoint": "always"})
+    parity("zb-v", tied=True)  # the embedding and the head on rank 0 of the V: one tensor again after the transform
+    parity("1f1b", tied=True)  # and on two ranks: summed over the holders, each shard with its own
+
+
+@pytest.mark.timeout(240)
+def test_dp2_pp2_tp2_on_8_ranks_trains_like_one_process() -> None:
+    launch(parity, 8, args=("1f1b", 2), timeout=150)
+
+
+def save_plain(directory: str) -> None:
+    """tp=1 (in-process ranks): a step, then a checkpoint and the one-process reference beside it."""
+    model = gpt()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, token_sum, num_microbatches=2, loss_count=count, partition=[2, 4])
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x, y = batch(8, seed=50)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    token_mean(reference(x), y).backward()
+    step_both(optimizer, reference_optimizer)
+    engine.save(directory, optimizer)
+    if ranks.rank() == 0:
+        torch.save({"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict()},
+                   Path(directory) / "reference.pt")  # fmt: skip
+
+
+def continue_from(directory: str, engine: PipelineEngine, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """Load a checkpoint and its reference; one more step of both must agree, AdamW's moments included."""
+    engine.load(directory, optimizer)
+    saved = torch.load(Path(directory) / "reference.pt", weights_only=False)
+    reference = gpt()
+    reference.load_state_dict(saved["model"])
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    reference_optimizer.load_state_dict(saved["optimizer"])
+    check_weights(engine, reference, "after load")
+    x, y = batch(8, seed=seed)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    expected = token_mean(reference(x), y)
+    expected.backward()
+    close(loss, expected.item(), "loss after load")
+    step_both(optimizer, reference_optimizer)
+    check_weights(engine, reference, "one step after load")
+
+
+def around_the_engine(plain: str, sharded: str) -> None:
+    """At tp=2: a tp=1 checkpoint loads and training goes on exactly; clipping equals torch's on one process; eval
+    and a traced step (its timeline, its memory as ledger and allocator see it) work; then a checkpoint for tp=1."""
+    every_schedule()
+    engine = PipelineEngine(gpt(), token_sum, num_microbatches=4, tensor_parallel=2, tp_plan=plan(), loss_count=count)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    continue_from(plain, engine, optimizer, seed=51)
+    reference = gpt()  # one process at the same weights: every stage's state, whole tensors
+    everyone = ranks.all_gather_object(engine.state_dict())
+    reference.load_state_dict({k: v for state in everyone for k, v in state.items()})
+    engine.zero_grad()
+    x, y = batch(8, seed=52)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    token_mean(reference(x), y).backward()
+    for norm_type, max_norm in ((2.0, 0.05), (float("inf"), 0.01)):
+        total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
+        close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type), "norm")
+        check_grads(engine, reference, f"clipped ({norm_type}-norm)")
+    out = engine.eval_step(x if engine.first else None)
+    with torch.no_grad():
+        expected = reference(x)
+    if engine.last:
+        close(out, expected, "eval")
+    with engine.tracing(optimizer):
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+    timeline = engine.timeline()
+    if ranks.rank() == 0:
+        assert timeline is not None and timeline.spans and max(timeline.peak_memory) > 0
+        assert timeline.allocated_peak is not None and min(timeline.allocated_peak) >= min(timeline.peak_memory) * 0.5
+    optimizer.step()
+    engine.save(sharded, optimizer)
+    gathered = ranks.all_gather_object(engine.state_dict())
+    if ranks.rank() == 0:  # what the tp=1 ranks that load it must hold
+        torch.save({"engine": {k: v for s in gathered for k, v in s.items()}}, Path(sharded) / "state.pt")
+
+
+def load_plain(sharded: str) -> None:
+    """tp=1, another partition (in-process ranks): the tp=2 checkpoint holds whole tensors under the model's names."""
+    engine = PipelineEngine(gpt(), token_sum, num_microbatches=2, loss_count=count, partition=[3, 3])
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    engine.load(sharded, optimizer)
+    saved = torch.load(Path(sharded) / "state.pt", weights_only=False)["engine"]
+    for name, value in engine.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in engine.parameters())
+
+
+@pytest.mark.timeout(300)
+def test_pp2_tp2_trains_like_one_process_and_checkpoints_cross_tensor_parallel_sizes(tmp_path: Path) -> None:
+    """Every schedule, checkpointing, ties (on one rank, and across two) on pp=2 x tp=2; a tp=1 checkpoint loads at
+    tp=2 and one saved at tp=2 loads at tp=1 on another partition; clipping, eval and a traced step work."""
+    from pipeengine import consolidate
+
+    plain, sharded = str(tmp_path / "plain"), str(tmp_path / "sharded")
+    launch(save_plain, 2, args=(plain,), timeout=60, in_process=True)
+    launch(around_the_engine, 4, args=(plain, sharded), timeout=120)
+    launch(load_plain, 2, args=(sharded,), timeout=60, in_process=True)
+    state = consolidate(sharded)
+    assert list(state) == list(gpt().state_dict()) and state["1.qkv.weight"].shape == (3 * WIDTH, WIDTH)
+
+
+def refused(case: str) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if case == "pattern":
+        nowhere = {"*.nowhere": ColwiseParallel()}
+        PipelineEngine(gpt(), token_sum, num_microbatches=2, tensor_parallel=2, tp_plan=nowhere)
+    elif case == "in_process":
+        PipelineEngine(gpt(), token_sum, num_microbatches=2, tensor_parallel=2, tp_plan=plan())
+    elif case == "grid":
+        PipelineEngine(gpt(), token_sum, num_microbatches=2, tensor_parallel=3, tp_plan=plan())
+    else:  # stage 0 ends in a column shard: its output is this rank's part of what one process computes
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+        engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, tensor_parallel=2,
+                                tp_plan={"1": ColwiseParallel()}, partition=[2, 2])  # fmt: skip
+        x, y = torch.randn(4, 16), torch.randn(4, 4)
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("pattern", r"tp_plan pattern '\*\.nowhere' matches no module of the model; its modules are named 0, 0\."),
+        ("in_process", r"tensor_parallel=2 runs DTensor collectives, which need torch.distributed: in-process ranks"),
+        ("grid", r"a world of 4 ranks does not split into data_parallel=1 equal pipelines of tensor_parallel=3"),
+    ],
+)
+def test_what_tensor_parallelism_cannot_do_is_refused_naming_it(case: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        launch(refused, 4, args=(case,), timeout=30, in_process=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_that_ends_in_a_shard_is_refused_before_it_is_sent() -> None:
+    with pytest.raises(Exception, match=r"stage 0 produced float32\[2, 8\].*expects float32\[2, 16\].*looks like "
+                                        r"this rank's shard of the output"):  # fmt: skip
+        launch(refused, 4, args=("shard",), timeout=60)
+
+
+def test_schedule_auto_and_a_plan_without_tensor_parallelism_are_refused() -> None:
+    from pipeengine import EngineConfig
+
+    with pytest.raises(ValueError, match="schedule='auto' does not price tensor parallelism"):
+        EngineConfig(schedule="auto", tensor_parallel=2, tp_plan=plan())
+    with pytest.raises(ValueError, match="tensor_parallel=1: nothing reads it"):
+        EngineConfig(num_microbatches=2, tp_plan=plan())
