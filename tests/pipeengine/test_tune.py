@@ -184,15 +184,22 @@ def test_the_planners_peaks_hold_against_the_allocator(tmp_path: Path) -> None:
     schedule, the first cut by a method other than time."""
     x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
     planned = tune(activation_heavy(), nn.functional.mse_loss, x, 2, target=y, microbatches=[8], repeats=1)
+    choices = []
     for schedule in ("1f1b", "zb-v"):
         mine = [c for c in planned.rows if c.schedule == schedule and set(c.methods) - {"time"}]
-        choice = min(mine, key=lambda c: (c.chunks, c.partition))
-        path = tmp_path / "peaks.pickle"
-        launch(traced_step, 2, args=(choice.engine_kwargs(), str(path)), timeout=60)
-        *_, allocated, stepped = pickle.loads(path.read_bytes())
+        choices.append(min(mine, key=lambda c: (c.chunks, c.partition)))
+    paths = [str(tmp_path / f"peaks{index}.pickle") for index in range(len(choices))]
+    launch(traced_steps, 2, args=([c.engine_kwargs() for c in choices], paths), timeout=60)  # one process group
+    for choice, path in zip(choices, paths, strict=True):
+        *_, allocated, stepped = pickle.loads(Path(path).read_bytes())
         required = [max(a, b) for a, b in zip(allocated, stepped, strict=True)]
         for rank, (m, p) in enumerate(zip(required, choice.peak_memory, strict=True)):
             assert abs(p - m) <= 0.10 * m, (choice.engine_kwargs(), rank, p, m)
+
+
+def traced_steps(every: list[dict[str, object]], paths: list[str]) -> None:
+    for kwargs, path in zip(every, paths, strict=True):
+        traced_step(kwargs, path)
 
 
 @pytest.mark.timeout(120)
