@@ -1,0 +1,1 @@
+"""Construction: from a model, a loss and an EngineConfig, what one rank runs."""
