@@ -49,7 +49,7 @@ def model(kind: str, blocks: int, scale: int) -> tuple[nn.Sequential, int, int]:
 def worker(kind: str, schedule: str, checkpoint: str, args: argparse.Namespace, path: str) -> None:
     import torch.distributed as dist
 
-    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
+    from pipeengine.observe.allocator import optimizer_step_peak
     from schedules import Costs, simulate
 
     network, width, batch = model(kind, args.blocks, args.scale)
@@ -62,13 +62,8 @@ def worker(kind: str, schedule: str, checkpoint: str, args: argparse.Namespace, 
     optimizer.zero_grad()
     with engine.tracing(optimizer):
         engine.train_step(x if engine.first else None, y if engine.last else None)
-    params = list(engine.parameters())
-    state = [v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
-    live = live_bytes([*params, *(p.grad for p in params), *state])
-    with AllocatorWatch(torch.device("cpu")) as watch:
-        optimizer.step()
     stepped = [None] * dist.get_world_size()
-    dist.all_gather_object(stepped, live + watch.peak)
+    dist.all_gather_object(stepped, optimizer_step_peak(optimizer, engine.parameters()))
     timeline = engine.timeline()
     if timeline is not None and timeline.sizes is not None and timeline.allocated_peak is not None:
         predicted = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]

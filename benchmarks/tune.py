@@ -75,7 +75,7 @@ def worker(name: str, width: int, candidates: list[Candidate], rounds: int, path
         for k in range(len(engines)):
             index = (k + r) % len(engines)  # a rotated order: no candidate always runs first
             times[index].append(timed(lambda engine=engines[index]: step(engine)))
-    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
+    from pipeengine.observe.allocator import optimizer_step_peak
 
     peaks = []
     for engine in engines:
@@ -86,13 +86,8 @@ def worker(name: str, width: int, candidates: list[Candidate], rounds: int, path
         optimizer.zero_grad()  # gradients None, as training leaves them between steps
         with engine.tracing(optimizer):
             step(engine)
-        params = list(engine.parameters())  # the optimizer step after it, as the allocator sees it
-        state = [v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
-        live = live_bytes([*params, *(p.grad for p in params), *state])
-        with AllocatorWatch(torch.device("cpu")) as watch:
-            optimizer.step()
-        stepped = [0.0] * dist.get_world_size()
-        dist.all_gather_object(stepped, live + watch.peak)
+        stepped = [0.0] * dist.get_world_size()  # the optimizer step after it, as the allocator sees it
+        dist.all_gather_object(stepped, optimizer_step_peak(optimizer, engine.parameters()))
         timeline = engine.timeline()  # the allocator's: the larger of the step's peak and the optimizer step's
         if timeline is not None and timeline.allocated_peak is not None:
             peaks.append([max(a, b) for a, b in zip(timeline.allocated_peak, stepped, strict=True)])

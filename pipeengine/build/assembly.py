@@ -241,6 +241,6 @@ def resolve_schedule(schedule: str | Schedule, world: int, num_microbatches: int
             f"the schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
             f"but the world has {world} ranks and num_microbatches={num_microbatches}"
         )
-    schedule = lowered(schedule)  # a compute-only schedule (a compiler's output, a hand-written order) gets its messages
+    schedule = lowered(schedule)  # a compute-only schedule (a compiler's output, a hand-written order): its messages
     validate(schedule)
     return schedule

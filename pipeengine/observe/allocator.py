@@ -21,7 +21,7 @@ import torch
 
 from pipeengine.core.dtensors import local
 
-__all__ = ["AllocatorWatch", "live_bytes"]
+__all__ = ["AllocatorWatch", "live_bytes", "optimizer_step_peak"]
 
 
 @contextlib.contextmanager
@@ -96,3 +96,14 @@ class AllocatorWatch:
                 level += event.nbytes()  # type: ignore[union-attr]  # memory events carry it
                 peak = max(peak, level)
         self.peak, self.end = peak, level
+
+
+def optimizer_step_peak(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> float:
+    """Run ``optimizer.step()`` watched: what it holds at its peak (its parameters, their gradients and its state
+    live at its start, plus the most it allocates), the figure to set beside a step's ``allocated_peak``."""
+    params = list(params)
+    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    live = live_bytes([*params, *(p.grad for p in params), *state])
+    with AllocatorWatch(local(params[0]).device if params else torch.device("cpu")) as watch:
+        optimizer.step()
+    return float(live + watch.peak)

@@ -104,7 +104,7 @@ def on_processes(schedules: list[str], directory: str) -> None:
 
 def state_heavy(schedules: list[str], path: str) -> None:
     """Weights, gradients and AdamW's moments outweigh the activations: the optimizer step is a peak of its own."""
-    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
+    from pipeengine.observe.allocator import optimizer_step_peak
 
     rows = []
     for schedule in schedules:
@@ -120,12 +120,7 @@ def state_heavy(schedules: list[str], path: str) -> None:
         optimizer.zero_grad()
         with engine.tracing(optimizer):
             engine.train_step(x if engine.first else None, y if engine.last else None)
-        params = list(engine.parameters())
-        state = [v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
-        live = live_bytes([*params, *(p.grad for p in params), *state])
-        with AllocatorWatch(torch.device("cpu")) as watch:
-            optimizer.step()
-        stepped = ranks.all_gather_object(live + watch.peak)
+        stepped = ranks.all_gather_object(optimizer_step_peak(optimizer, engine.parameters()))
         timeline = engine.timeline()
         if timeline is not None:
             assert timeline.allocated_peak is not None

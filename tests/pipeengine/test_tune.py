@@ -111,19 +111,6 @@ def test_schedule_auto_without_a_sample_says_so_on_every_rank() -> None:
         launch(without_sample, 2, timeout=30, in_process=True)
 
 
-def optimizer_step_peak(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> float | None:
-    """What the optimizer step holds at its peak, as the allocator sees it (None where it cannot be watched)."""
-    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
-
-    if not AllocatorWatch.available(torch.device("cpu"), shared_process=ranks.world().shared_clock):
-        return None
-    state = [v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
-    live = live_bytes([*params, *(p.grad for p in params), *state])
-    with AllocatorWatch(torch.device("cpu")) as watch:
-        optimizer.step()
-    return live + watch.peak
-
-
 def traced_step(kwargs: dict[str, object], path: str) -> None:
     """Rank 0 saves a traced AdamW step's measured peaks, the simulator's peaks fed its sizes, and those sizes."""
     engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, **kwargs)  # type: ignore[arg-type]
@@ -134,7 +121,11 @@ def traced_step(kwargs: dict[str, object], path: str) -> None:
     optimizer.zero_grad()
     with engine.tracing(optimizer):
         engine.train_step(x if engine.first else None, y if engine.last else None)
-    stepped = optimizer_step_peak(optimizer, list(engine.parameters()))  # the allocator's, after the step's
+    from pipeengine.observe.allocator import AllocatorWatch, optimizer_step_peak
+
+    shared = ranks.world().shared_clock  # in-process ranks share one process: the allocator cannot tell them apart
+    stepped = None if not AllocatorWatch.available(torch.device("cpu"), shared) else (
+        optimizer_step_peak(optimizer, engine.parameters()))  # fmt: skip
     stepped_everywhere = ranks.all_gather_object(stepped)
     timeline = engine.timeline()
     if timeline is not None:
