@@ -14,20 +14,11 @@ from torch.nn import functional as F
 
 from pipeengine import PipelineEngine, launch
 from tests.pipeengine import ranks
+from tests.pipeengine.gpt_workers import IGNORE, LENGTH, VOCAB, WIDTH, Embed, Head
 from tests.pipeengine.models import SEEDED
-from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+from tests.pipeengine.workers import check_grads, check_weights, close, step_both, train_replicas_like_one_process
 
-VOCAB, WIDTH, HEAD_DIM, LENGTH, IGNORE = 32, 16, 4, 6, -100  # 4 heads: 2 per rank at tp=2
-
-
-class Embed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, WIDTH)
-        self.position = nn.Parameter(torch.randn(LENGTH, WIDTH) * 0.1)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tokens(tokens) + self.position
+HEAD_DIM = 4  # 4 heads of the width: 2 per rank at tp=2
 
 
 class Block(nn.Module):
@@ -49,15 +40,6 @@ class Block(nn.Module):
                                                   is_causal=True)  # fmt: skip
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, heads * HEAD_DIM))
         return x + self.mlp(self.norm2(x))
-
-
-class Head(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.out = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
 
 
 def gpt(tied: bool = False, blocks: int = 4) -> nn.Sequential:
@@ -112,19 +94,12 @@ def parity(schedule: str, data_parallel: int = 1, options: dict[str, object] | N
     engine = PipelineEngine(model, token_sum, num_microbatches=4, schedule=schedule, data_parallel=data_parallel,
                             tensor_parallel=2, tp_plan=plan(tied), loss_count=count, **options)  # type: ignore[arg-type]  # fmt: skip
     assert engine.mesh is not None and engine.mesh.mesh_dim_names == ("dp", "pp", "tp")  # type: ignore[attr-defined]
-    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2))
     what = f"tp=2 {schedule} dp={data_parallel} {options} tied={tied}"
-    for step in range(steps):
-        parts = [batch(8, seed=10 * step + r) for r in range(data_parallel)]
-        x, y = parts[engine.dp_rank]
-        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        union_x, union_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        expected = token_mean(reference(union_x), union_y)
-        expected.backward()
-        close(loss, expected.item(), f"{what} step {step}: loss")
-        check_grads(engine, reference, f"{what} step {step}")
-        step_both(optimizer, reference_optimizer)
+    train_replicas_like_one_process(
+        engine, reference, optimizers, token_mean, steps, what,
+        lambda step: [batch(8, seed=10 * step + r) for r in range(data_parallel)],
+    )  # fmt: skip
     check_weights(engine, reference, f"{what} after {steps} steps")
 
 
