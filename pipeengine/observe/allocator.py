@@ -21,7 +21,7 @@ import torch
 
 from pipeengine.core.dtensors import local
 
-__all__ = ["AllocatorWatch", "live_bytes", "optimizer_step_peak"]
+__all__ = ["AllocatorWatch", "live_bytes", "optimizer_step_peak", "training_bytes"]
 
 
 @contextlib.contextmanager
@@ -98,12 +98,19 @@ class AllocatorWatch:
         self.peak, self.end = peak, level
 
 
+def training_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> int:
+    """What training holds of these parameters now: them, their gradients and the optimizer's state for them."""
+    params = list(params)
+    state = optimizer.state if optimizer is not None else {}
+    held = [v for p in params for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return live_bytes([*params, *(p.grad for p in params), *held])
+
+
 def optimizer_step_peak(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> float:
     """Run ``optimizer.step()`` watched: what it holds at its peak (its parameters, their gradients and its state
     live at its start, plus the most it allocates), the figure to set beside a step's ``allocated_peak``."""
     params = list(params)
-    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    live = live_bytes([*params, *(p.grad for p in params), *state])
+    live = training_bytes(params, optimizer)
     with AllocatorWatch(local(params[0]).device if params else torch.device("cpu")) as watch:
         optimizer.step()
     return float(live + watch.peak)

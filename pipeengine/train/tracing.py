@@ -23,7 +23,7 @@ from torch import nn
 from pipeengine.comm.base import Transport
 from pipeengine.core.dtensors import local_bytes
 from pipeengine.core.specs import Boundary, Tensors, unpack
-from pipeengine.observe.allocator import AllocatorWatch, live_bytes
+from pipeengine.observe.allocator import AllocatorWatch, training_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies, storage
 from pipeengine.observe.trace import NULL_TRACER, Tracer
 from pipeengine.runtime.executor import Executor, StepInputs, StepResult
@@ -67,18 +67,12 @@ class Tracing:
             batch += [t for target in (step.targets or ()) for t in unpack(target) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
             ledger = Ledger(ignore=[*params, *batch])  # the user's batch is theirs, not the engine's
             self._tracer.begin(ledger, sum(s.state for s in sizes.values()), sizes)
-            live = live_bytes([*params, *(p.grad for p in params), *self._optimizer_state(params)])
+            live = training_bytes(params, self.optimizer)
             with ledger.watching(), AllocatorWatch(self._tracer.device) if self._allocator else _nothing() as watch:
                 result = executor.run(program, step, self._tracer)
             self._tracer.allocated = live + watch.peak if watch is not None else None
         self.timeline = self._tracer.gather(f"{program.name} measured", self._pipeline, self._num_stages)
         return result
-
-    def _optimizer_state(self, params: list[nn.Parameter]) -> Iterator[torch.Tensor]:
-        for param in params:
-            for value in (self.optimizer.state.get(param, {}) if self.optimizer is not None else {}).values():
-                if isinstance(value, torch.Tensor):
-                    yield value
 
     def _measure(self, executor: Executor, program: Schedule, step: StepInputs,
                  params: list[nn.Parameter]) -> dict[int, StageSizes]:  # fmt: skip

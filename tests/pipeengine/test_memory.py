@@ -14,6 +14,7 @@ from pipeengine import PipelineEngine, launch
 from schedules import Costs, Timeline, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.models import SEEDED
+from tests.pipeengine.workers import step_then_trace
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 
@@ -115,11 +116,7 @@ def state_heavy(schedules: list[str], path: str) -> None:
                                 partition="uniform")  # fmt: skip
         x, y = torch.randn(64, 256), torch.randn(64, 256)
         optimizer = torch.optim.AdamW(engine.parameters())
-        engine.train_step(x if engine.first else None, y if engine.last else None)
-        optimizer.step()
-        optimizer.zero_grad()
-        with engine.tracing(optimizer):
-            engine.train_step(x if engine.first else None, y if engine.last else None)
+        step_then_trace(engine, x, y, optimizer)
         stepped = ranks.all_gather_object(optimizer_step_peak(optimizer, engine.parameters()))
         timeline = engine.timeline()
         if timeline is not None:

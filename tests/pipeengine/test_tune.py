@@ -20,7 +20,7 @@ from schedules import SCHEDULES, Costs, registration, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.models import batch, mlp, mse
 from tests.pipeengine.test_memory import activation_heavy
-from tests.pipeengine.workers import check_grads, close
+from tests.pipeengine.workers import check_grads, close, step_then_trace
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -116,11 +116,7 @@ def traced_step(kwargs: dict[str, object], path: str) -> None:
     engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, **kwargs)  # type: ignore[arg-type]
     x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
     optimizer = torch.optim.AdamW(engine.parameters())
-    engine.train_step(x if engine.first else None, y if engine.last else None)
-    optimizer.step()
-    optimizer.zero_grad()
-    with engine.tracing(optimizer):
-        engine.train_step(x if engine.first else None, y if engine.last else None)
+    step_then_trace(engine, x, y, optimizer)
     from pipeengine.observe.allocator import AllocatorWatch, optimizer_step_peak
 
     shared = ranks.world().shared_clock  # in-process ranks share one process: the allocator cannot tell them apart

@@ -369,3 +369,12 @@ def save_that_crashes(directory: str) -> None:
 def load_foreign(directory: str) -> None:
     build, loss_fn = MODELS["mlp"]
     PipelineEngine(build(), loss_fn, num_microbatches=2).load(directory)
+
+
+def step_then_trace(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """One step and an optimizer step (its state exists), gradients set to None, then one traced step."""
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    optimizer.step()
+    optimizer.zero_grad()
+    with engine.tracing(optimizer):
+        engine.train_step(x if engine.first else None, y if engine.last else None)
