@@ -16,12 +16,15 @@ Fresh gloo ranks per point train one step with AdamW (its two moments exist), ze
 
 Two models: "activations" (the issue's blocks, 8 of Linear(256, 1024), GELU, Linear(1024, 256), batch
 4096), where activations dominate, and "state" (8 blocks of Linear(1024, 1024), Tanh, batch 512), where
-the weights, gradients and AdamW's moments do. Writes out/bench/memory.{json,txt,png}.
+the weights, gradients and AdamW's moments do. Writes out/bench/memory.{json,txt,png,md} (md: the README's
+tables; `--tables out/bench/memory.json` prints them again without a run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 from common import OUT, run_point, save_row, write_json
@@ -102,6 +105,25 @@ def plot(rows: list[dict[str, object]], path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def tables(rows: list[dict[str, object]], ranks: int = 4) -> str:
+    """The README's tables: per model, schedule and checkpointing, each rank's allocator / predicted MiB."""
+    out = []
+    for kind in MODELS:
+        mine = [r for r in rows if r["model"] == kind and r["ranks"] == ranks]
+        if not mine:
+            continue
+        out += [f"{kind}:", "", '| schedule | no checkpointing | `checkpoint="always"` |', "|-|-|-|"]
+        for schedule in dict.fromkeys(str(r["schedule"]) for r in mine):
+            cells = []
+            for checkpoint in CHECKPOINTING:
+                row = next((r for r in mine if r["schedule"] == schedule and r["checkpoint"] == checkpoint), None)
+                cells.append(" ".join(f"{a / 2**20:.1f}/{p / 2**20:.1f}" for a, p in  # type: ignore[call-overload]
+                                      zip(row["allocator"], row["predicted"], strict=True)) if row else "")  # type: ignore[index]  # fmt: skip
+            out.append(f"| {schedule} | {cells[0]} | {cells[1]} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -112,7 +134,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=BLOCKS)
     parser.add_argument("--scale", type=int, default=1, help="divide widths and batch by this (a quick run)")
     parser.add_argument("--threads", type=int, default=THREADS)
+    parser.add_argument("--tables", metavar="JSON", help="print the README's tables from a run's memory.json; no run")
     args = parser.parse_args()
+    if args.tables:
+        print(tables(json.loads(Path(args.tables).read_text())))
+        return
     rows, lines = [], []
     header = (f"{'model':11} {'schedule':12} {'ranks':>5} {'ckpt':>6}  per rank MiB: ledger / allocator / predicted "
               "(predicted / allocator)")  # fmt: skip
@@ -134,7 +160,10 @@ def main() -> None:
     summary = f"predicted / allocator over {len(ratios)} rank peaks: {min(ratios):.3f} .. {max(ratios):.3f}"
     print(summary)
     write_json("memory", rows)
+    within = sum(abs(r - 1) <= 0.05 for r in ratios)
+    summary += f"; {within} within 5%"
     (OUT / "memory.txt").write_text("\n".join([header, *lines, summary]) + "\n")
+    (OUT / "memory.md").write_text(tables(rows))
     plot(rows, str(OUT / "memory.png"))
     print(f"wrote {OUT / 'memory.json'}, memory.txt and memory.png")
 

@@ -89,7 +89,9 @@ class StageWorker:
             )
         scaled = loss.float() * (loss_weight * loss_scale)  # e.g. 1/m each: the mean over micro-batches
         self.saved[mb] = (inputs, (scaled,))
-        return (), loss.detach().float()
+        # a copy: a loss's scalar can sit on a larger storage (CPU mse_loss reduces in its elementwise buffer and
+        # returns a 0-d view of it, a micro-batch's output in size), which the step's losses would keep alive
+        return (), loss.detach().float().clone()
 
     def held(self) -> Iterator[torch.Tensor]:
         """What this worker keeps between its computes: inputs and outputs for backward, W's kept gradients."""

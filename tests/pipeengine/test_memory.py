@@ -159,3 +159,17 @@ def test_the_state_is_the_weights_their_gradients_and_the_optimizers_copies(tmp_
     assert sizes.state == [4 * weights, 4 * weights] and sizes.grads_late == [weights, weights]
     assert at_start == [3 * weights]
     assert sizes.boundary == [4 * 16 * 4, 0.0]  # one micro-batch of 4 rows of 16 floats leaves stage 0
+
+
+def test_the_loss_a_step_keeps_per_micro_batch_holds_one_number() -> None:
+    """CPU mse_loss returns a 0-d view of its elementwise buffer (a micro-batch's output in size): the losses a step
+    keeps to report must not keep those buffers alive (the allocator saw 0.5 MiB per micro-batch more than the model
+    on the last stage, and the ledger, which sees no such view, could not count it)."""
+    from pipeengine.runtime.stage import StageWorker
+
+    worker = StageWorker(0, nn.Linear(64, 64), is_last=True, loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(128, 64, requires_grad=True), torch.randn(128, 64)
+    assert nn.functional.mse_loss(x, y).untyped_storage().nbytes() == x.numel() * 4  # the view, as torch gives it
+    _, loss = worker.forward(0, (x,), False, train=True, target=y)
+    assert loss is not None and loss.untyped_storage().nbytes() == 4
+    assert loss.item() == pytest.approx(nn.functional.mse_loss(worker.module(x), y).item(), rel=1e-6)
