@@ -54,8 +54,9 @@ class WeightPass:
             values = [g for g in kept if g is not None]
             targets = [GradientEdge(_node(p), 0) for p in params]  # type: ignore[arg-type]
             last = index == len(self.roots) - 1
-            grads = torch.autograd.grad(edges, targets, values, retain_graph=not last, allow_unused=True)
-            self._accumulate(params, grads)
+            # not bound to a name: the next root's gradients must not be made while these are still held
+            self._accumulate(params, torch.autograd.grad(edges, targets, values, retain_graph=not last,
+                                                         allow_unused=True))  # fmt: skip
         self.roots, self.fallback = [], None
 
     @staticmethod
