@@ -91,7 +91,7 @@ def launch(
         _join_torchrun(fn, nprocs, args, device, timeout)
         return
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
     reports: multiprocessing.Queue[Outcome] = context.Queue()
     children = [
@@ -156,10 +156,21 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
-def die_with_parent(parent: int) -> None:
-    """Have the kernel kill this process when its parent (the launcher) dies, by any signal (Linux).
+def _context() -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
+    """How ranks start: from a fork server that imported torch once (each rank would otherwise spend about a second
+    of CPU importing it), where there is one (Linux, macOS); else spawned. Either way a rank starts as a fresh
+    interpreter would: it imports the caller's main module (guard it with `if __name__ == "__main__":`)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pipeengine"])
+    return multiprocessing.get_context("forkserver")
 
-    The parent may already be gone between the fork and this call: then exit at once. Elsewhere
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent dies, by any signal (Linux): the launcher, or the fork
+    server it started, which exits when the launcher does.
+
+    The launcher may already be gone between the fork and this call: then exit at once. Elsewhere
     (no prctl) nothing is set, and the ranks' timeouts stop them once the launcher is gone.
     """
     try:
@@ -168,8 +179,12 @@ def die_with_parent(parent: int) -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:
+    try:
+        os.kill(parent, 0)  # the launcher is alive (its fork server, our parent, would follow it out)
+    except ProcessLookupError:
         os._exit(1)
+    except PermissionError:
+        pass
 
 
 def _child(
