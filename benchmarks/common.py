@@ -131,3 +131,67 @@ def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup
         "peak_mb": max(last.peak_memory) / 2**20,
         "predicted_peak_mb": max(memory.peak_memory) / 2**20,
     }
+
+
+def side_by_side(engine: object, theirs: object, x: object, y: object, first: bool, last: bool
+                 ) -> tuple[Callable[[], float], Callable[[], float | None]]:  # fmt: skip
+    """One training step of this engine and one of torch.distributed.pipelining's schedule ``theirs`` on the same
+    batch, each zeroing its gradients after: (ours, torch's). ``first`` / ``last``: whether this rank holds torch's
+    first / last stage. Ours returns the mean loss; torch's its mean loss on the last stage's rank, else None."""
+
+    def ours() -> float:
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)  # type: ignore[attr-defined]
+        engine.zero_grad()  # type: ignore[attr-defined]
+        return loss  # type: ignore[no-any-return]
+
+    def torch_step() -> float | None:
+        losses: list[torch.Tensor] = []
+        if first:
+            theirs.step(x, target=y, losses=losses) if last else theirs.step(x)  # type: ignore[attr-defined]
+        elif last:
+            theirs.step(target=y, losses=losses)  # type: ignore[attr-defined]
+        else:
+            theirs.step()  # type: ignore[attr-defined]
+        for stage in getattr(theirs, "_stages", [getattr(theirs, "_stage", None)]):
+            if stage is not None:
+                stage.submod.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if losses else None
+
+    return ours, torch_step
+
+
+def allocator_peak(step: Callable[[], object], params: list[torch.Tensor]) -> float:
+    """The allocator's peak in one step: what was live at its start (weights, gradients), plus the most it took."""
+    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
+
+    live = live_bytes([*params, *(p.grad for p in params if p.grad is not None)])
+    with AllocatorWatch(torch.device("cpu")) as watch:
+        step()
+    return float(live + watch.peak)
+
+
+def time_and_watch(ours: Callable[[], object], torch_step: Callable[[], object], mine: list[torch.Tensor],
+                   theirs: list[torch.Tensor], rounds: int, steps: int) -> dict[str, object]:  # fmt: skip
+    """After 2 warm-up steps each: ``rounds`` rounds of ``steps`` steps of ours then torch's (medians), then one
+    step of each under the allocator; every rank calls it, the figures (ms, MiB per rank) come back on all."""
+    for _ in range(2):
+        ours(), torch_step()
+    mine_ms: list[float] = []
+    theirs_ms: list[float] = []
+    for _ in range(rounds):
+        mine_ms += [timed(ours) for _ in range(steps)]
+        theirs_ms += [timed(torch_step) for _ in range(steps)]
+    peaks = [allocator_peak(ours, mine), allocator_peak(torch_step, theirs)]
+    everyone: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, peaks)
+    return {"ours_ms": 1e3 * median(mine_ms), "torch_ms": 1e3 * median(theirs_ms),
+            "ratio": median(theirs_ms) / median(mine_ms), "ours_peak_mib": [p[0] / 2**20 for p in everyone],
+            "torch_peak_mib": [p[1] / 2**20 for p in everyone]}  # fmt: skip
+
+
+def side_by_side_line(label: str, row: dict[str, object]) -> str:
+    """One printed line of a side-by-side row: both step times, the ratio, each rank's peaks."""
+    return (f"{label}  pipeengine {row['ours_ms']:7.1f} ms  torch.distributed.pipelining {row['torch_ms']:7.1f} ms  "
+            f"-> {row['ratio']:.2f}x   peak MiB per rank, pipeengine "
+            f"{' '.join(f'{p:.1f}' for p in row['ours_peak_mib'])}, torch "  # type: ignore[attr-defined]
+            f"{' '.join(f'{p:.1f}' for p in row['torch_peak_mib'])}")  # type: ignore[attr-defined]  # fmt: skip

@@ -17,12 +17,18 @@ Fresh gloo ranks per point train one step with AdamW (its two moments exist), ze
 Two models: "activations" (the issue's blocks, 8 of Linear(256, 1024), GELU, Linear(1024, 256), batch
 4096), where activations dominate, and "state" (8 blocks of Linear(1024, 1024), Tanh, batch 512), where
 the weights, gradients and AdamW's moments do. Writes out/bench/memory.{json,txt,png,md} (md: the README's
-tables; `--tables out/bench/memory.json` prints them again without a run).
+tables; `--tables out/bench/memory.json` prints them again without a run). With --data-parallel 2 and
+--sharding none fsdp fsdp-reshard, the first replica's pipeline reports (out/bench/memory_dp.{json,txt}), with
+each rank's state (weights, gradients, AdamW's moments: sharded with fsdp):
+
+    python benchmarks/memory.py --models state --scale 4 --ranks 4 --data-parallel 2 --checkpoint never \
+        --schedules 1f1b zb-h1 --sharding none fsdp fsdp-reshard
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -49,8 +55,10 @@ def model(kind: str, blocks: int, scale: int) -> tuple[nn.Sequential, int, int]:
     return nn.Sequential(*body), width, batch
 
 
-def worker(kind: str, schedule: str, checkpoint: str, args: argparse.Namespace, path: str) -> None:
-    import torch.distributed as dist
+SHARDING = {"none": {}, "fsdp": {"fsdp": True}, "fsdp-reshard": {"fsdp": True, "reshard_after_forward": True}}
+
+
+def worker(kind: str, schedule: str, checkpoint: str, sharding: str, args: argparse.Namespace, path: str) -> None:
 
     from pipeengine.observe.allocator import optimizer_step_peak
     from schedules import Costs, simulate
@@ -58,20 +66,22 @@ def worker(kind: str, schedule: str, checkpoint: str, args: argparse.Namespace, 
     network, width, batch = model(kind, args.blocks, args.scale)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     engine = PipelineEngine(network, nn.functional.mse_loss, num_microbatches=args.microbatches, schedule=schedule,
-                            partition="uniform", checkpoint=checkpoint)  # fmt: skip
+                            partition="uniform", checkpoint=checkpoint, data_parallel=args.data_parallel,
+                            **SHARDING[sharding])  # type: ignore[arg-type]  # fmt: skip
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     engine.train_step(x if engine.first else None, y if engine.last else None)
     optimizer.step()
     optimizer.zero_grad()
     with engine.tracing(optimizer):
         engine.train_step(x if engine.first else None, y if engine.last else None)
-    stepped = [None] * dist.get_world_size()
-    dist.all_gather_object(stepped, optimizer_step_peak(optimizer, engine.parameters()))
+    stepped = engine.topology.pipeline.all_gather_object(optimizer_step_peak(optimizer, engine.parameters()),
+                                                         "the optimizer step's peak")  # this pipeline's ranks
     timeline = engine.timeline()
-    if timeline is not None and timeline.sizes is not None and timeline.allocated_peak is not None:
+    if timeline is not None and timeline.sizes is not None and timeline.allocated_peak is not None and (
+            engine.dp_rank == 0):  # fmt: skip  (the first replica's pipeline reports)
         predicted = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]
         allocator = [max(a, b) for a, b in zip(timeline.allocated_peak, stepped, strict=True)]  # type: ignore[type-var]
-        save_row(path, {"model": kind, "schedule": schedule, "ranks": engine.schedule.num_ranks,
+        save_row(path, {"model": kind, "schedule": schedule, "ranks": engine.schedule.num_ranks, "sharding": sharding,
                         "checkpoint": checkpoint, "ledger": timeline.peak_memory, "allocator": allocator,
                         "predicted": predicted.required_memory, "step_allocator": timeline.allocated_peak,
                         "optimizer_allocator": stepped, "state": [sum(timeline.sizes.state[s]  # type: ignore[index]
@@ -134,6 +144,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=BLOCKS)
     parser.add_argument("--scale", type=int, default=1, help="divide widths and batch by this (a quick run)")
     parser.add_argument("--threads", type=int, default=THREADS)
+    parser.add_argument("--data-parallel", type=int, default=1, help="replicas: --ranks counts them all")
+    parser.add_argument("--sharding", nargs="+", default=["none"], choices=list(SHARDING),
+                        help="with --data-parallel 2 or more: fsdp=True, and with reshard_after_forward")
     parser.add_argument("--tables", metavar="JSON", help="print the README's tables from a run's memory.json; no run")
     args = parser.parse_args()
     if args.tables:
@@ -143,29 +156,31 @@ def main() -> None:
     header = (f"{'model':11} {'schedule':12} {'ranks':>5} {'ckpt':>6}  per rank MiB: ledger / allocator / predicted "
               "(predicted / allocator)")  # fmt: skip
     print(header, flush=True)
-    for kind in args.models:
-        for ranks in args.ranks:
-            for checkpoint in args.checkpoint:
-                for schedule in args.schedules:
-                    row = run_point(worker, ranks, (kind, schedule, checkpoint, args), args.threads)
-                    rows.append(row)
-                    cells = "  ".join(
-                        f"{g / 2**20:5.1f} / {a / 2**20:5.1f} / {p / 2**20:5.1f} ({p / a:.3f})"
-                        for g, a, p in zip(row["ledger"], row["allocator"], row["predicted"], strict=True)  # type: ignore[index]
-                    )
-                    line = f"{kind:11} {schedule:12} {ranks:5d} {checkpoint:>6}  {cells}"
-                    lines.append(line)
-                    print(line, flush=True)
+    name = "memory" if args.data_parallel == 1 else "memory_dp"
+    for kind, ranks, checkpoint, sharding, schedule in itertools.product(args.models, args.ranks, args.checkpoint,
+                                                                           args.sharding, args.schedules):
+        row = run_point(worker, ranks, (kind, schedule, checkpoint, sharding, args), args.threads)
+        rows.append(row)
+        cells = "  ".join(
+            f"{g / 2**20:5.1f} / {a / 2**20:5.1f} / {p / 2**20:5.1f} ({p / a:.3f})"
+            for g, a, p in zip(row["ledger"], row["allocator"], row["predicted"], strict=True)  # type: ignore[index]
+        )
+        state = " ".join(f"{v / 2**20:.2f}" for v in row["state"])  # type: ignore[index]
+        shown = "" if args.data_parallel == 1 else f" {sharding} state {state}"
+        line = f"{kind:11} {schedule:12} {ranks:5d} {checkpoint:>6}  {cells}{shown}"
+        lines.append(line)
+        print(line, flush=True)
     ratios = [p / a for row in rows for a, p in zip(row["allocator"], row["predicted"], strict=True)]  # type: ignore[index]
     summary = f"predicted / allocator over {len(ratios)} rank peaks: {min(ratios):.3f} .. {max(ratios):.3f}"
     print(summary)
-    write_json("memory", rows)
+    write_json(name, rows)
     within = sum(abs(r - 1) <= 0.05 for r in ratios)
     summary += f"; {within} within 5%"
-    (OUT / "memory.txt").write_text("\n".join([header, *lines, summary]) + "\n")
-    (OUT / "memory.md").write_text(tables(rows))
-    plot(rows, str(OUT / "memory.png"))
-    print(f"wrote {OUT / 'memory.json'}, memory.txt and memory.png")
+    (OUT / f"{name}.txt").write_text("\n".join([header, *lines, summary]) + "\n")
+    if name == "memory":
+        (OUT / "memory.md").write_text(tables(rows))
+        plot(rows, str(OUT / "memory.png"))
+    print(f"wrote {OUT / name}.json and {name}.txt")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import arguments, median, mlp, run_point, save_row, timed, write_json
+from common import arguments, median, mlp, run_point, save_row, side_by_side, timed, write_json
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -67,23 +67,7 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     theirs = torch_pipeline(schedule, args, engine.bounds, engine.schedule.placement)
     first, last = rank == 0, rank == engine.schedule.placement[-1]
 
-    def ours() -> float:
-        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        engine.zero_grad()
-        return loss
-
-    def torch_step() -> float | None:
-        losses: list[torch.Tensor] = []
-        if first:
-            theirs.step(x, target=y, losses=losses) if last else theirs.step(x)  # type: ignore[attr-defined]
-        elif last:
-            theirs.step(target=y, losses=losses)  # type: ignore[attr-defined]
-        else:
-            theirs.step()  # type: ignore[attr-defined]
-        for stage in getattr(theirs, "_stages", [getattr(theirs, "_stage", None)]):
-            if stage is not None:
-                stage.submod.zero_grad(set_to_none=True)
-        return float(torch.stack(losses).detach().mean()) if losses else None
+    ours, torch_step = side_by_side(engine, theirs, x, y, first, last)
 
     # the same work: the same mean loss on the last rank
     ours_loss, their_loss = ours(), torch_step()

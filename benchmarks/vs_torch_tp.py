@@ -19,7 +19,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-from common import OUT, median, run_point, save_row, timed, write_json
+from common import OUT, run_point, save_row, side_by_side, side_by_side_line, time_and_watch, write_json
 from torch import nn
 from torch.nn import functional as F
 
@@ -102,16 +102,6 @@ def torch_pipeline(schedule: str, engine: PipelineEngine, model: nn.Sequential, 
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe, args.microbatches, loss_fn=loss_fn)
 
 
-def peak(step: object, params: list[torch.Tensor]) -> float:
-    """The allocator's peak in one step: what was live at its start (weights, gradients), plus the most it took."""
-    from pipeengine.observe.allocator import AllocatorWatch, live_bytes
-
-    live = live_bytes([*params, *(p.grad for p in params if p.grad is not None)])  # type: ignore[union-attr]
-    with AllocatorWatch(torch.device("cpu")) as watch:
-        step()  # type: ignore[operator]
-    return float(live + watch.peak)
-
-
 def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     model = gpt(args)
     theirs_model = copy.deepcopy(model)
@@ -124,36 +114,14 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     mine = list(engine.parameters())
     their_params = [p for p in theirs._stage.submod.parameters()]  # type: ignore[attr-defined]
 
-    def ours() -> float:
-        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        engine.zero_grad()
-        return loss
-
-    def torch_step() -> float | None:
-        losses: list[torch.Tensor] = []
-        if engine.first:
-            theirs.step(x)  # type: ignore[attr-defined]
-        elif engine.last:
-            theirs.step(target=y, losses=losses)  # type: ignore[attr-defined]
-        theirs._stage.submod.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
-        return float(torch.stack(losses).detach().mean()) if losses else None
+    ours, torch_step = side_by_side(engine, theirs, x, y, engine.first, engine.last)
 
     ours_loss, their_loss = ours(), torch_step()
     if their_loss is not None and abs(ours_loss - their_loss) > 1e-4 * abs(ours_loss):
         raise AssertionError(f"{schedule}: this engine's loss {ours_loss} differs from torch's {their_loss}")
-    for _ in range(2):
-        ours(), torch_step()
-    mine_ms, theirs_ms = [], []
-    for _ in range(args.rounds):
-        mine_ms += [timed(ours) for _ in range(args.steps)]
-        theirs_ms += [timed(torch_step) for _ in range(args.steps)]
-    peaks = [peak(ours, mine), peak(torch_step, their_params)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, peaks)
+    row = time_and_watch(ours, torch_step, mine, their_params, args.rounds, args.steps)
     if dist.get_rank() == 0:
-        save_row(path, {"schedule": schedule, "ours_ms": 1e3 * median(mine_ms), "torch_ms": 1e3 * median(theirs_ms),
-                        "ratio": median(theirs_ms) / median(mine_ms), "ours_peak_mib": [p[0] / 2**20 for p in everyone],  # type: ignore[index]
-                        "torch_peak_mib": [p[1] / 2**20 for p in everyone]})  # type: ignore[index]  # fmt: skip
+        save_row(path, {"schedule": schedule, **row})
 
 
 def main() -> None:
@@ -167,10 +135,7 @@ def main() -> None:
     for schedule in args.schedules:
         row = run_point(worker, RANKS, (schedule, args), args.threads)
         rows.append(row)
-        line = (f"{schedule:6} pipeengine {row['ours_ms']:7.1f} ms  torch.distributed.pipelining "
-                f"{row['torch_ms']:7.1f} ms  -> {row['ratio']:.2f}x   peak MiB per rank, pipeengine "
-                f"{' '.join(f'{p:.1f}' for p in row['ours_peak_mib'])}, torch "
-                f"{' '.join(f'{p:.1f}' for p in row['torch_peak_mib'])}")  # fmt: skip
+        line = side_by_side_line(f"{schedule:6}", row)
         lines.append(line)
         print(line, flush=True)
     write_json("vs_torch_tp", rows)

@@ -43,9 +43,10 @@ class PipelineEngine:
     ``memory_limit``); ``chunks``; ``partition`` "uniform" | "parameters" | "time" | "memory" or the layers
     per stage, measured on ``sample`` (pipeengine.planner.partition); ``data_parallel`` replicas on one grid
     (pipeengine.core.grid); ``checkpoint`` "never" | "always" | "except_last"; ``precision`` "bf16" | "fp16";
-    ``loss_count`` a token-mean loss (loss_fn returns a SUM; pipeengine.train.losses); ``tensor_parallel``
-    ranks per stage with ``tp_plan`` {fnmatch pattern of module names: ParallelStyle}, and ``parallelize``
-    fn(stage_module, mesh) -> module (pipeengine.build.transform; ``engine.mesh``); ``timeout`` seconds any
+    ``loss_count`` a token-mean loss (loss_fn returns a SUM; pipeengine.train.losses); ``tensor_parallel`` ranks
+    per stage with ``tp_plan`` {fnmatch pattern of module names: ParallelStyle}, ``parallelize`` fn(stage_module,
+    mesh) -> module, ``fsdp`` FSDP2 over the replicas, ``reshard_after_forward`` (build.transform; ``engine.mesh``);
+    ``timeout`` seconds any
     wait on a peer may take; ``trace`` record every step (pipeengine.train.tracing); ``group`` a pipeline group.
     """
 
@@ -71,6 +72,7 @@ class PipelineEngine:
         parallelize: Callable[[nn.Module, object], nn.Module] | None = None,
         tensor_parallel: int = 1,
         tp_plan: Mapping[str, object] | None = None,
+        fsdp: bool = False, reshard_after_forward: bool = False,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -84,6 +86,7 @@ class PipelineEngine:
             device=torch.device(device) if device is not None else None, timeout=timeout, trace=trace,
             data_parallel=data_parallel, checkpoint=checkpoint, precision=precision, loss_count=loss_count,
             memory_limit=memory_limit, parallelize=parallelize, tensor_parallel=tensor_parallel, tp_plan=tp_plan,
+            fsdp=fsdp, reshard_after_forward=reshard_after_forward,
         )  # fmt: skip
         if group is not None and data_parallel > 1:
             raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
@@ -107,7 +110,8 @@ class PipelineEngine:
         self._model_keys = list(model.state_dict())  # to tell a checkpoint of another model, and its key order
         self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, pipeline)
         self._calls, self._tracing = Calls(pipeline), Tracing(trace, self.device, pipeline, self.schedule.num_stages)
-        self._stepper = stepper = Stepper(parts, self.config, loss_fn, self._calls, self._tracing, self._param_list)
+        self._stepper = stepper = Stepper(parts, self.config, loss_fn, self._calls, self._tracing,
+                                          lambda: list(self.parameters()))
         self.num_microbatches, self.first, self.last = stepper.num_microbatches, stepper.first, stepper.last
         self._aliases = parts.ties.aliases
         agree_max = functools.partial(world.all_reduce, what="the loss scaler's overflow check", op="max")
@@ -143,9 +147,6 @@ class PipelineEngine:
     def parameters(self) -> Iterator[nn.Parameter]:
         return (param for _, param in self._params.named())
 
-    def _param_list(self) -> list[nn.Parameter]:
-        return list(self.parameters())
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's state under the model's names; a tied weight once, under its first name."""
         return self._params.state_dict()
@@ -164,11 +165,11 @@ class PipelineEngine:
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Write a checkpoint (every rank calls it), loadable into any partition (pipeengine.train.checkpoint)."""
         self._calls.agree(Call.SAVE)
-        state, names = self._params.owned_state()  # whole tensors (a DTensor gathered over its mesh)
+        state, names = self._params.owned_state(gather=not self.config.fsdp)  # whole tensors, or each rank's shards
         writer = self.dp_rank == 0 and self.tp_rank == 0  # one copy: the replicas and tensor ranks hold the same
         return save_checkpoint(directory, state, optimizer, names, layers=self._layer_names, keys=self._model_keys,
                                aliases=self._aliases, writer=writer, pipeline=self.topology.pipeline,
-                               world=self.topology.world)  # fmt: skip
+                               world=self.topology.world, sharded=self.config.fsdp)  # fmt: skip
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Load the latest checkpoint in ``directory`` (and the optimizer's state), whatever partition saved it."""

@@ -101,3 +101,12 @@ def test_vs_torch_tp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path:
     (row,) = json.loads((tmp_path / "vs_torch_tp.json").read_text())
     assert row["schedule"] == "1f1b" and row["ratio"] > 0 and "x   peak MiB per rank" in out
     assert len(row["ours_peak_mib"]) == len(row["torch_peak_mib"]) == 4
+
+
+@pytest.mark.timeout(300)
+def test_vs_torch_fsdp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path: Path) -> None:
+    out = bench("vs_torch_fsdp.py", "--schedules", "1f1b", "--modes", "fsdp", "--width", "64", "--batch", "16",
+                "--rounds", "1", "--steps", "1", out=tmp_path)  # fmt: skip
+    (row,) = json.loads((tmp_path / "vs_torch_fsdp.json").read_text())
+    assert row["schedule"] == "1f1b" and row["fsdp"] and row["ratio"] > 0 and "x   peak MiB per rank" in out
+    assert len(row["ours_peak_mib"]) == len(row["torch_peak_mib"]) == 4

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipeengine.build.transform import device_mesh, plan_matches, retie, transform_stage
+from pipeengine.build.transform import check_shardable, device_mesh, plan_matches, retie, transform_stage
 from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
 from pipeengine.core.bounds import bounds_from_counts, check_counts, stage_module
@@ -32,7 +32,7 @@ from pipeengine.core.ties import Ties, find_ties
 from pipeengine.planner.partition import Partition, method_costs, solve
 from pipeengine.planner.profiler import LayerCosts, measure
 from pipeengine.runtime.executor import Executor
-from pipeengine.runtime.gradsync import GradientSync, ReplicaMean, TieGroup, TieSum
+from pipeengine.runtime.gradsync import GradientSync, ReplicaMean, ShardedReduce, TieGroup, TieSum
 from pipeengine.runtime.stage import LossFn, StageWorker
 from schedules import (
     Kind,
@@ -105,13 +105,16 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
     grid = Grid.of(world.size, config.data_parallel, config.tensor_parallel)
     plan = plan_matches(model, config.tp_plan) if config.tp_plan else {}  # every pattern matches, or none runs
-    mesh = device_mesh(grid, world) if config.needs_mesh else None
+    mesh = device_mesh(grid, world, config.fsdp) if config.needs_mesh else None
     topology = Topology.build(grid, world, mesh)
     lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)  # type: ignore[arg-type]
     # every replica must cut the model alike: the whole world agrees when there are several
     agreeing = topology.world if world.size > topology.pipeline.size else topology.pipeline
     partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device)
     ties = find_ties(model, partition.bounds, lowered.placement)
+    if config.fsdp:
+        check_shardable(model)
+        refuse_shared_units(ties, lowered.placement)
     lowered = dataclasses.replace(lowered, tied=ties.groups)
     schedule = with_tie_sync(with_gradient_sync(lowered) if config.data_parallel > 1 else lowered)
     num_stages = schedule.num_stages
@@ -127,7 +130,8 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
         for s, module in stages.items()
     }  # fmt: skip
     topology.pipeline.open_channels()
-    executor = Executor(topology.pp_rank, workers, topology.pipeline, gradient_syncs(ties, lowered, topology, workers))
+    syncs = gradient_syncs(ties, lowered, topology, workers, config.fsdp, config.reshard_after_forward)
+    executor = Executor(topology.pp_rank, workers, topology.pipeline, syncs)
     programs = Programs(lowered, topology.pipeline, config.data_parallel > 1)
     return Assembly(topology, world.device, schedule, partition, ties, stages, workers, executor, programs, meta,
                     mesh)
@@ -154,29 +158,56 @@ def agree_on_ties(ties: Ties, stages: dict[int, nn.Module], topology: Topology) 
     return ties
 
 
+def refuse_shared_units(ties: Ties, placement: Sequence[int]) -> None:
+    """fsdp=True: FSDP2 shards a parameter within one root; a weight two stages of one rank share would be two."""
+    for group, stages in enumerate(ties.groups):
+        ranks = [placement[s] for s in stages]
+        shared = sorted({r for r in ranks if ranks.count(r) > 1})
+        if shared:
+            raise ValueError(
+                f"fsdp=True: the weight tied as {list(ties.members[group])} is used by stages "
+                f"{[s for s in stages if placement[s] == shared[0]]}, both on pipeline rank {shared[0]}; FSDP2 shards "
+                "each stage on its own (one fully_shard root per stage) and cannot shard one parameter in two. Use a "
+                "schedule that places those stages on different ranks (e.g. '1f1b', 'interleaved'), or fsdp=False"
+            )
+
+
 def gradient_syncs(
-    ties: Ties, schedule: Schedule, topology: Topology, workers: dict[int, StageWorker]
+    ties: Ties, schedule: Schedule, topology: Topology, workers: dict[int, StageWorker], fsdp: bool = False,
+    reshard_after_forward: bool = False,
 ) -> dict[Kind, GradientSync]:
-    """What this rank's AR and TR instructions start: the replicas' mean, and the tied weights' sum."""
+    """What this rank's AR and TR instructions start: the replicas' mean (FSDP2's reduce-scatter with fsdp), and
+    the tied weights' sum; finished in this order (AR, then TR: with FSDP the tie sum adds reduced shards)."""
     syncs: dict[Kind, GradientSync] = {}
-    tied = TieSum(tie_groups(ties, schedule, topology, {s: w.module for s, w in workers.items()}))
+    tied = TieSum(tie_groups(ties, schedule, topology, {s: w.module for s, w in workers.items()}, fsdp),
+                  after_shards=fsdp)  # fmt: skip
+    if topology.data is not None and fsdp:
+        syncs[Kind.ALL_REDUCE] = ShardedReduce({s: w.module for s, w in workers.items()}, topology.data.size,
+                                               sum_only=topology.world.device.type != "cuda",
+                                               reshard_after_forward=reshard_after_forward)
+    elif topology.data is not None:
+        syncs[Kind.ALL_REDUCE] = ReplicaMean(topology.data, workers, exclude=tied.params)
     if tied.groups:
         syncs[Kind.TIE_REDUCE] = tied
-    if topology.data is not None:
-        syncs[Kind.ALL_REDUCE] = ReplicaMean(topology.data, workers, exclude=tied.params)
     return syncs
 
 
-def tie_groups(ties: Ties, schedule: Schedule, topology: Topology, stages: dict[int, nn.Module]) -> dict[int, TieGroup]:
+def tie_groups(
+    ties: Ties, schedule: Schedule, topology: Topology, stages: dict[int, nn.Module], fsdp: bool = False
+) -> dict[int, TieGroup]:
     """Per tie group that spans ranks and that this rank holds: the group of its holders in every replica (and of
-    this tensor-parallel index), taken from the grid; every rank makes every group, in one order."""
+    this tensor-parallel index), taken from the grid; every rank makes every group, in one order. With fsdp each
+    replica holds its own shard: one group per replica, and nothing to average (the reduce-scatter did)."""
     mine = {ties.names[id(p)]: p for module in stages.values() for p in module.parameters()}
     grid, groups = topology.grid, {}
+    replicas = [[d] for d in range(grid.dp)] if fsdp else [None]
     for group in ties.spanning(schedule.placement):
-        for t in range(grid.tp):
-            transport = topology.subgroup(grid.select(pp=tie_ranks(schedule, group), tp=[t]))
-            if transport is not None:
-                groups[group] = TieGroup(transport, [mine[name] for name in ties.members[group]], grid.dp)
+        for dp in replicas:
+            for t in range(grid.tp):
+                transport = topology.subgroup(grid.select(dp=dp, pp=tie_ranks(schedule, group), tp=[t]))
+                if transport is not None:
+                    params = [mine[name] for name in ties.members[group]]
+                    groups[group] = TieGroup(transport, params, 1 if fsdp else grid.dp)
     return groups
 
 

@@ -3,10 +3,14 @@
     stage_module(model, a, b) ──► transform_stage(module, stage, config, mesh) ──► StageWorker
                                     1. tensor parallel: tp_plan, torch's parallelize_module on mesh["tp"]
                                     2. parallelize=fn: fn(stage_module, mesh) -> module, what a plan cannot say
+                                    3. fsdp=True: FSDP2's fully_shard on mesh["dp"], each layer, then the stage
 
 as torchtitan orders them (TP first; sharding, FSDP, after). The mesh is torch's DeviceMesh over the
 grid (dims "dp", "pp", "tp"), built only where a transform needs one; the in-process (loopback)
-ranks have no torch.distributed: they get None, and tensor parallelism is refused there. A
+ranks have no torch.distributed: they get None, and tensor parallelism and FSDP are refused there.
+FSDP: each layer of the stage with parameters is a unit (gathered and freed together; a layer sharing
+a parameter with another is left to the stage's unit), the stage module the root, whose gradient sync
+runs once per step (runtime.gradsync.ShardedReduce). A
 ``tp_plan`` pattern (fnmatch over the model's own module names, e.g. ``"*.mlp.0"``) that matches
 no module is refused naming it. Parallelizing replaces a module's parameters (DTensors now):
 ``retie`` makes a weight tied across stages of one rank one tensor again, and refuses a tie whose
@@ -27,15 +31,16 @@ from pipeengine.core.dtensors import is_dtensor
 from pipeengine.core.grid import DIMS, Grid
 from pipeengine.core.ties import Ties
 
-__all__ = ["device_mesh", "plan_matches", "retie", "transform_stage"]
+__all__ = ["check_shardable", "device_mesh", "plan_matches", "retie", "shard_stage", "transform_stage"]
 
 
-def device_mesh(grid: Grid, world: Transport) -> object | None:
+def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
     """torch's DeviceMesh over the grid (every rank calls it: it makes a process group per dim); None in-process."""
     if world.name == "loopback":
-        if grid.tp > 1:
+        if grid.tp > 1 or fsdp:
+            what = f"tensor_parallel={grid.tp}" if grid.tp > 1 else "fsdp=True"
             raise ValueError(
-                f"tensor_parallel={grid.tp} runs DTensor collectives, which need torch.distributed: in-process ranks "
+                f"{what} runs DTensor collectives, which need torch.distributed: in-process ranks "
                 "(launch(..., in_process=True)) cannot host them; launch processes (launch(fn, n)) or use torchrun"
             )
         return None
@@ -44,7 +49,7 @@ def device_mesh(grid: Grid, world: Transport) -> object | None:
     if world.size != grid.size or world.ranks != tuple(range(world.size)):
         raise ValueError(
             f"a device mesh spans the default process group: the engine's group holds ranks {list(world.ranks)}; "
-            "build the engine on the default group (no group=) to use parallelize="
+            "build the engine on the default group (no group=) to use parallelize=, tensor_parallel or fsdp"
         )
     return DeviceMesh(world.device.type, grid.nested(), mesh_dim_names=DIMS)
 
@@ -67,23 +72,66 @@ def plan_matches(model: nn.Module, plan: Mapping[str, object]) -> dict[str, obje
 
 
 def transform_stage(
-    module: nn.Sequential, stage: int, config: EngineConfig, mesh: object | None, plan: Mapping[str, object]
+    module: nn.Module, stage: int, config: EngineConfig, mesh: object | None, plan: Mapping[str, object]
 ) -> nn.Module:
-    """The stage's module as its worker runs it: tensor parallel (``plan``: resolved names), then parallelize=."""
+    """The stage's module as its worker runs it: tensor parallel (``plan``: resolved names), parallelize=, FSDP."""
     mine = {name: style for name, style in plan.items() if _has(module, name)}
     if mine:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, mesh["tp"], mine)  # type: ignore[index, arg-type]
-    if config.parallelize is None:
-        return module
-    made = config.parallelize(module, mesh)
+    if config.parallelize is not None:
+        module = _user(module, stage, config, mesh)
+    if config.fsdp:
+        module = shard_stage(module, stage, mesh, config.reshard_after_forward)
+    return module
+
+
+def _user(module: nn.Module, stage: int, config: EngineConfig, mesh: object | None) -> nn.Module:
+    made = config.parallelize(module, mesh)  # type: ignore[misc]
     if not isinstance(made, nn.Module):
         raise TypeError(
             f"parallelize(stage_module, mesh) must return the module to run (an nn.Module); for stage {stage} it "
             f"returned {type(made).__name__}"
         )
     return made
+
+
+def check_shardable(model: nn.Sequential) -> None:
+    """fsdp=True: every layer's parameters are floating and of one dtype (FSDP2 gathers a unit's parameters as one
+    flat buffer); checked on the whole model, so every rank refuses alike, before any stage is built."""
+    for name, layer in model.named_children():
+        dtypes = {p.dtype for p in layer.parameters()}
+        if len(dtypes) > 1 or any(not d.is_floating_point for d in dtypes):
+            shown = sorted(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(
+                f"fsdp=True: layer {name} ({type(layer).__name__}) holds parameters of dtypes {shown}; FSDP2 shards "
+                "a layer's parameters as one buffer of one floating dtype. Give the layer one dtype (e.g. .float()), "
+                "make integer state a buffer, or train with fsdp=False"
+            )
+
+
+def shard_stage(module: nn.Module, stage: int, mesh: object, reshard_after_forward: bool) -> nn.Module:
+    """FSDP2 over the mesh's "dp" dim: each layer with parameters of its own a unit, then the stage module."""
+    from torch.distributed.fsdp import fully_shard
+
+    users: dict[int, int] = {}
+    for layer in module.children():
+        for param in set(layer.parameters()):
+            users[id(param)] = users.get(id(param), 0) + 1
+    units = [(f"layer {name}", layer) for name, layer in module.named_children()
+             if [*layer.parameters()] and all(users[id(p)] == 1 for p in layer.parameters())]  # fmt: skip
+    where = "the stage module"
+    try:
+        for where, layer in [*units, ("the stage module", module)]:  # noqa: B007  (read in the except clause)
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)  # type: ignore[index]
+    except Exception as error:
+        raise ValueError(
+            f"fsdp=True: FSDP2 (fully_shard) could not shard {where} of stage {stage}: {type(error).__name__}: "
+            f"{error}. Every parameter must be a floating tensor FSDP can shard on dim 0; train this model with "
+            "fsdp=False (replicas all-reduce their gradients)"
+        ) from error
+    return module
 
 
 def _has(module: nn.Module, name: str) -> bool:

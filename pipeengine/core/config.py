@@ -41,6 +41,8 @@ class EngineConfig:
     parallelize: Callable[..., object] | None = None  # fn(stage_module, mesh) -> module, per stage (build.transform)
     tensor_parallel: int = 1  # ranks per stage, innermost on the grid (core.grid)
     tp_plan: Mapping[str, object] | None = None  # fnmatch pattern over the model's module names -> a ParallelStyle
+    fsdp: bool = False  # FSDP2 over the data-parallel replicas: each holds 1/dp of weights, gradients, optimizer state
+    reshard_after_forward: bool = False  # fsdp: free the gathered weights after each forward (gather again in B)
 
     def __post_init__(self) -> None:
         if self.num_microbatches is not None or self.schedule != AUTO:
@@ -91,6 +93,7 @@ class EngineConfig:
             )
         _positive_int("tensor_parallel", self.tensor_parallel)
         self._check_tensor_parallel()
+        self._check_fsdp()
         if self.parallelize is not None and not callable(self.parallelize):
             raise TypeError(
                 "parallelize must be callable as parallelize(stage_module, mesh) -> module, got "
@@ -129,10 +132,24 @@ class EngineConfig:
                 "collectives): name a schedule with tensor_parallel > 1, or tune on tensor_parallel=1"
             )
 
+    def _check_fsdp(self) -> None:
+        for name in ("fsdp", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.fsdp and self.data_parallel < 2:
+            raise ValueError(
+                f"fsdp=True shards each stage's weights, gradients and optimizer state over the data-parallel "
+                f"replicas, but data_parallel={self.data_parallel}: there is nothing to shard over; pass "
+                "data_parallel=2 (or more), or leave fsdp out"
+            )
+        if self.reshard_after_forward and not self.fsdp:
+            raise ValueError("reshard_after_forward=True frees FSDP's gathered weights after each forward; without "
+                             "fsdp=True nothing is gathered: pass fsdp=True, or leave it out")  # fmt: skip
+
     @property
     def needs_mesh(self) -> bool:
         """Whether the stages are transformed on torch's DeviceMesh (build.transform)."""
-        return self.parallelize is not None or self.tensor_parallel > 1
+        return self.parallelize is not None or self.tensor_parallel > 1 or self.fsdp
 
     @property
     def dtype(self) -> torch.dtype | None:

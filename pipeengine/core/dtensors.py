@@ -27,8 +27,9 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def spread(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``full`` as a DTensor placed as ``like`` (every rank holds ``full``: each keeps its part, nothing is sent)."""
-    if not is_dtensor(like):
+    """``full`` as a DTensor placed as ``like`` (every rank holds ``full``: each keeps its part, nothing is sent); a
+    DTensor already (read shard by shard) as it is."""
+    if not is_dtensor(like) or is_dtensor(full):
         return full
     from torch.distributed.tensor import distribute_tensor
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +40,10 @@ class _Held:
 class Ledger:
     """The bytes alive of the tensors autograd saved (while a step runs under watching()) and of those shown."""
 
-    def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, ignore: Iterable[torch.Tensor] = (),
+                 ignore_live: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:  # fmt: skip
         self.ignore = {storage(t)[0] for t in ignore if t.numel()}
+        self.ignore_live = ignore_live  # tensors whose storage moves (FSDP's gathered parameters): looked up when saved
         self.saved: dict[int, list[int]] = {}  # storage -> [bytes, holders alive]
         self.lock = threading.Lock()
 
@@ -49,7 +51,8 @@ class Ledger:
         if not tensor.numel() or tensor.device.type == "meta":
             return tensor
         key, size = storage(tensor)
-        if key in self.ignore:
+        if key in self.ignore or (self.ignore_live is not None and
+                                  key in {storage(t)[0] for t in self.ignore_live() if t.numel()}):  # fmt: skip
             return tensor
         with self.lock:
             entry = self.saved.setdefault(key, [size, 0])
@@ -115,6 +118,8 @@ class StageSizes:
     sync: float = 0.0  # the flat buffers of the stage's gradient all-reduce, from the AR to the step's end
     grads_late: float = 0.0  # of the state, the gradients that were None when the step began (made by its first B/W)
     optimizer: float = 0.0  # the optimizer step's temporaries over the stage's parameters
+    gathered: float = 0.0  # FSDP: the stage's parameters gathered whole (from its first F to its AR)
+    gathered_grads: float = 0.0  # FSDP: its whole gradients (from its first B or W to its AR)
 
 
 def optimizer_copies(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]) -> float:

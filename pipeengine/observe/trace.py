@@ -79,6 +79,9 @@ class Tracer:
         self.ledger, self.sizes, self.allocated = ledger, sizes or {}, None
         self.late = {s: size.grads_late for s, size in self.sizes.items() if size.grads_late}  # not made yet
         self.state = state - sum(self.late.values())
+        self.ungathered = {s for s, size in self.sizes.items() if size.gathered}  # FSDP: gathered by the first F
+        self.sharded = {s for s, size in self.sizes.items() if size.gathered_grads}  # FSDP: whole grads until AR
+        self.grads_made: set[int] = set()
         self.origin = self.mark()
         if ledger is not None:
             self.samples.append((self.origin, self.state, None))
@@ -86,9 +89,26 @@ class Tracer:
     def sample(self, action: Action, held: Iterable[torch.Tensor]) -> None:
         """The bytes held now (after ``action``): the step-long state and every storage alive."""
         if self.ledger is not None:  # the executor samples only with one
-            if isinstance(action, Instruction) and action.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
-                self.state += self.late.pop(action.stage, 0.0)  # its first gradient compute made the gradients
+            if isinstance(action, Instruction):
+                self.state += self._state_change(action)
             self.samples.append((self.mark(), self.state + self.ledger.bytes(held), action))
+
+    def _state_change(self, action: Instruction) -> float:
+        """What the step-long state gained with this instruction: the gradients a stage's first B or W made; with
+        FSDP the parameters its first compute gathered, and at its AR the shards for the whole tensors."""
+        s, kind, change = action.stage, action.kind, 0.0
+        if kind.is_compute and s in self.ungathered:
+            self.ungathered.discard(s)
+            change += self.sizes[s].gathered
+        if kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+            if s not in self.sharded:
+                change += self.late.pop(s, 0.0)  # its first gradient compute made the gradients
+            elif s not in self.grads_made:
+                self.grads_made.add(s)
+                change += self.sizes[s].gathered_grads
+        if kind is Kind.ALL_REDUCE and s in self.sharded:
+            change += self.late.pop(s, 0.0) - self.sizes[s].gathered - self.sizes[s].gathered_grads
+        return change
 
     def mark(self) -> Mark:
         if not self.cuda:
@@ -173,6 +193,7 @@ def _sizes(
         input_transient=[s.transients[2] for s in table], weight_transient=[s.transients[3] for s in table],
         sync=[s.sync for s in table], tie_sync=tuple(tie_sync), optimizer=[s.optimizer for s in table],
         grads_late=[s.grads_late for s in table], first_transient=[s.first_transient for s in table],
+        gathered=[s.gathered for s in table], gathered_grads=[s.gathered_grads for s in table],
     )  # fmt: skip
 
 

@@ -68,7 +68,7 @@ class LayerProfile:
     def stage_costs(
         self, bounds: Sequence[tuple[int, int]], *, overhead: float = 0.0, latency: float = 0.0,
         per_byte: float = 0.0, optimizer_copies: int = 2, buffered_sends: bool = True,
-        placement: Sequence[int] | None = None, data_parallel: int = 1,
+        placement: Sequence[int] | None = None, data_parallel: int = 1, fsdp: bool = False,
     ) -> Costs:  # fmt: skip
         """The simulator's Costs (time and memory) for stages of these layers (``bounds``: [start, end) each).
 
@@ -78,6 +78,8 @@ class LayerProfile:
         With the allocator's measurements: each compute's transient peak, the gradients made by a stage's first
         B or W (an optimizer's zero_grad sets them to None), the all-reduce's flat buffers (``data_parallel``
         > 1) and the optimizer step over each rank's parameters (AdamW), as the simulator's memory model has them.
+        ``fsdp``: the state sharded over the ``data_parallel`` replicas, the parameters gathered whole from a
+        stage's first F to its AR and its whole gradients from its first B or W to the AR.
         """
 
         def total(values: Sequence[float], a: int, b: int) -> float:
@@ -105,6 +107,13 @@ class LayerProfile:
                         input_after_input=keeps_in)  # fmt: skip
         if self.allocations:
             memory = self._allocated(memory, bounds, placement, state, optimizer_copies, data_parallel)
+        if fsdp:
+            whole = [s / (2 + optimizer_copies) for s in state]  # each stage's parameters, gathered
+            memory = dataclasses.replace(
+                memory, state=[s / data_parallel for s in state], gathered=whole, gathered_grads=whole, sync=0.0,
+                grads_late=[g / data_parallel for g in whole] if self.allocations else 0.0,
+                optimizer=[o / data_parallel for o in memory.optimizer] if self.allocations else 0.0,  # type: ignore[union-attr]
+            )  # fmt: skip
         return Costs(
             forward=[total(self.forward, a, b) + overhead for a, b in bounds],
             backward=[total(self.backward, a, b) + overhead for a, b in bounds],

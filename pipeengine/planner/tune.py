@@ -62,12 +62,15 @@ class Candidate:
     bubble: float
     peak_memory: tuple[float, ...]  # bytes per rank that must fit: the step's peak or the optimizer step's after it
     data_parallel: int = 1  # replicas of the pipeline it was priced for
+    fsdp: bool = False  # priced with each stage's state sharded over the replicas
 
     def engine_kwargs(self) -> dict[str, object]:
         """The PipelineEngine options that build exactly what was priced:
         ``PipelineEngine(model, loss_fn, **c.engine_kwargs())``."""
-        return {"schedule": self.schedule, "num_microbatches": self.num_microbatches, "chunks": self.chunks,
-                "partition": list(self.partition), "data_parallel": self.data_parallel}  # fmt: skip
+        kwargs: dict[str, object] = {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
+                                     "chunks": self.chunks, "partition": list(self.partition),
+                                     "data_parallel": self.data_parallel}  # fmt: skip
+        return {**kwargs, "fsdp": True} if self.fsdp else kwargs
 
     def fits(self, limit: float | None) -> bool:
         return limit is None or max(self.peak_memory) <= limit
@@ -135,6 +138,7 @@ def tune(
     target: torch.Tensor | Tensors | None = None,
     memory_limit: float | None = None,
     data_parallel: int = 1,
+    fsdp: bool = False,
     schedules: Sequence[str] | None = None,
     microbatches: Sequence[int] | None = None,
     methods: Sequence[str] = ("time", "memory", "parameters", "uniform"),
@@ -175,6 +179,9 @@ def tune(
                          *(("each of microbatches", m) for m in microbatches or ())):  # fmt: skip
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
+    if fsdp and data_parallel < 2:
+        raise ValueError(f"fsdp=True shards the state over the data-parallel replicas, but data_parallel="
+                         f"{data_parallel}: pass data_parallel=2 (or more), or leave fsdp out")  # fmt: skip
     if world_size % data_parallel:
         raise ValueError(f"world_size={world_size} does not split into data_parallel={data_parallel} pipelines")
     transport = backend_named(backend)  # its program, and whether a sent buffer is free once posted (buffered)
@@ -230,7 +237,8 @@ def tune(
                         continue
                     seen[key] = len(candidates)
                     candidates.append(_price(name, m, chunks, method, bounds, program, profile, buffered,
-                                             optimizer_copies, overhead, latency, per_byte, data_parallel))  # fmt: skip
+                                             optimizer_copies, overhead, latency, per_byte, data_parallel,
+                                             fsdp))  # fmt: skip
     if not candidates:
         why = "; ".join(f"{name}: {reason}" for name, reason in refusals.items())
         raise ValueError(
@@ -255,7 +263,7 @@ def choose(
         try:
             if sample is None:
                 raise ValueError("schedule='auto' needs sample= (an input batch) on the first stage's rank to tune on")
-            result = tune(model, loss_fn, sample, world.size, data_parallel=config.data_parallel,  # type: ignore[arg-type]
+            result = tune(model, loss_fn, sample, world.size, data_parallel=config.data_parallel, fsdp=config.fsdp,  # type: ignore[arg-type]
                           microbatches=[config.num_microbatches] if config.num_microbatches else None,
                           memory_limit=config.memory_limit, backend=world.name,
                           device=config.device)  # fmt: skip
@@ -273,15 +281,15 @@ def choose(
 def _price(
     name: str, m: int, chunks: int, method: str, bounds: list[tuple[int, int]], program: Schedule,
     profile: LayerProfile, buffered: bool, optimizer_copies: int, overhead: float, latency: float, per_byte: float,
-    data_parallel: int,
+    data_parallel: int, fsdp: bool,
 ) -> Candidate:  # fmt: skip
     # stage s runs layers bounds[s]; the schedule's stages are in model order
     costs = profile.stage_costs(bounds, overhead=overhead, latency=latency, per_byte=per_byte,
                                 optimizer_copies=optimizer_copies, buffered_sends=buffered,
-                                placement=program.placement, data_parallel=data_parallel)  # fmt: skip
+                                placement=program.placement, data_parallel=data_parallel, fsdp=fsdp)  # fmt: skip
     timeline = simulate(program, costs)
     return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), timeline.makespan,
-                     timeline.bubble_fraction, tuple(timeline.required_memory), data_parallel)  # fmt: skip
+                     timeline.bubble_fraction, tuple(timeline.required_memory), data_parallel, fsdp)  # fmt: skip
 
 
 def _check_problem(model: object, sample: object, target: object) -> None:

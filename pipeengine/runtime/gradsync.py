@@ -4,12 +4,19 @@ synchronises (schedules.passes.sync places it), finished before the step returns
     GradientSync.start(op, stream, average)   at AR (stage s's gradients) or TR (tie group g's weights)
     GradientSync.finish()                     at the step's end: wait, and write the result back
 
-Two implementations, each reducing flat buffers (one per dtype) asynchronously:
+Three implementations; the first two reduce flat buffers (one per dtype) asynchronously:
 
     ReplicaMean   AR: a stage's gradients averaged over the data-parallel replicas (a weight shared by two
                   stages of this rank goes with the stage whose AR comes last, when all its gradient is in)
     TieSum        TR: a tied weight's gradient summed over the ranks that hold a copy (every replica's), then
                   averaged over the replicas
+    ShardedReduce AR with fsdp=True: FSDP2's reduce-scatter of the stage's gradients, once per step (each
+                  micro-batch's backward only accumulates: set_requires_gradient_sync(False) until then), as
+                  torch.distributed.pipelining's stage does it (perform_reduce_grad): its flags on, the
+                  post-backward of every parameter group, the root's final callback, the flags off again
+
+Finished in the order AR, then TR: with FSDP a tie sum adds shards, so it starts when they are reduced
+(TieSum(after_shards=True) defers its start to its finish) and spans the holders of one replica.
 
 ``average=False`` (a token-mean loss over the global count) sums over replicas instead of averaging:
 each replica's share already carries its weight.
@@ -31,7 +38,7 @@ from pipeengine.observe.trace import Tracer
 from pipeengine.runtime.stage import StageWorker
 from schedules import Action, Instruction, Kind
 
-__all__ = ["GradientSync", "ReplicaMean", "TieGroup", "TieSum"]
+__all__ = ["GradientSync", "ReplicaMean", "ShardedReduce", "TieGroup", "TieSum"]
 
 
 @dataclass
@@ -121,6 +128,56 @@ class ReplicaMean(GradientSync):
         return owners
 
 
+@dataclass
+class ShardedReduce(GradientSync):
+    """AR with fsdp=True: FSDP2 reduce-scatters stage ``op.stage``'s gradients into its sharded parameters."""
+
+    roots: dict[int, nn.Module]  # stage -> its module, fully_shard'ed (an FSDPModule)
+    replicas: int  # FSDP2 divides by this unless the step sums (a global token count)
+    sum_only: bool = False  # the backend reduces with SUM alone (gloo): FSDP2 divides after, not in the collective
+    reshard_after_forward: bool = False  # the units free their gathered parameters after each forward
+    _begun: list[nn.Module] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        for root in self.roots.values():
+            self.accumulate(root)
+
+    @staticmethod
+    def accumulate(root: nn.Module) -> None:
+        """Micro-batches' backwards add into the unsharded gradients: no reduce-scatter, parameters kept gathered."""
+        root.set_is_last_backward(False)  # type: ignore[operator]
+        root.set_reshard_after_backward(False)  # type: ignore[operator]
+        root.set_requires_gradient_sync(False)  # type: ignore[operator]
+
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        root = self.roots[op.stage]
+        with tracer.span(op):
+            root.set_is_last_backward(True)  # type: ignore[operator]
+            root.set_reshard_after_backward(True)  # type: ignore[operator]
+            root.set_requires_gradient_sync(True)  # type: ignore[operator]
+            for unit in root.modules():  # each unit's own (these setters do not recurse)
+                if isinstance(unit, FSDPModule):
+                    unit.set_gradient_divide_factor(float(self.replicas if average else 1))
+                    unit.set_force_sum_reduction_for_comms(self.sum_only)  # gloo has no PREMUL_SUM
+            for state in fully_shard.state(root)._state_ctx.all_states:  # type: ignore[attr-defined]
+                for group in state._fsdp_param_groups:
+                    group.post_backward()  # the reduce-scatter into the sharded .grad; the parameters resharded
+            self._begun.append(root)
+
+    def held(self) -> Iterator[torch.Tensor]:
+        return iter(())
+
+    def finish(self, tracer: Tracer) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        begun, self._begun = self._begun, []
+        for root in begun:
+            fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]
+            self.accumulate(root)
+
+
 @dataclass(frozen=True)
 class TieGroup:
     """A tie group this rank holds: the group of ranks that hold it, and this rank's copies of its weights."""
@@ -135,8 +192,22 @@ class TieSum(GradientSync):
     """TR: each tie group's gradients summed over the ranks that hold it."""
 
     groups: dict[int, TieGroup]  # tie group -> what this rank sums for it
+    after_shards: bool = False  # FSDP: start at the finish, after the AR's reduce-scatter made the shards
+    _deferred: list[tuple[Instruction, bool]] = field(default_factory=list, init=False)
 
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+        if self.after_shards:
+            self._deferred.append((op, average))
+            return
+        self._sum(op, average, tracer)
+
+    def finish(self, tracer: Tracer) -> None:
+        deferred, self._deferred = self._deferred, []
+        for op, average in deferred:
+            self._sum(op, average, tracer)
+        super().finish(tracer)
+
+    def _sum(self, op: Instruction, average: bool, tracer: Tracer) -> None:
         tie = self.groups.get(op.tie_group)
         if tie is None:
             raise PipelineError(f"{op}: this rank holds no weights of tie group {op.tie_group}")

@@ -9,7 +9,9 @@
 A save writes a new checkpoint-N (each file to a temporary name, then renamed), waits for
 every rank, then points `latest` at it and removes the older ones: a crash mid-save
 leaves the previous checkpoint intact and `latest` pointing at it. Only the first
-data-parallel replica writes. The directory must be shared by all ranks.
+data-parallel replica writes whole tensors; with fsdp=True every rank writes its own shards
+instead (format 2, pipeengine.train.sharded). Either loads into any partition, replica count
+and sharding. The directory must be shared by all ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from pipeengine.comm.base import Transport
 from pipeengine.core.dtensors import spread, whole
+from pipeengine.train import sharded as sharded_checkpoint
 
 __all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
 
@@ -45,22 +48,30 @@ def save_checkpoint(
     writer: bool,
     pipeline: Transport,
     world: Transport,
+    sharded: bool = False,
 ) -> Path:
-    """Write this rank's part of a new checkpoint; every rank of the world must call it."""
+    """Write this rank's part of a new checkpoint; every rank of the world must call it. ``sharded``: ``state`` and
+    the optimizer's hold DTensors, each rank's shards written as they are (``writer`` lists the names)."""
     root = Path(directory)
     rank = pipeline.rank
     number = torch.tensor([_latest_number(root) + 1 if world.rank == 0 else 0], device=world.device)
     world.broadcast(number, 0, "the number of the new checkpoint")  # every rank writes into the same one
     target = root / f"checkpoint-{int(number.item())}"
-    named = _named_optimizer_state(optimizer, names) if optimizer is not None else None  # every rank: DTensors gather
+    # every rank: DTensors gather, unless each writes its shards
+    named = _named_optimizer_state(optimizer, names, gather=not sharded) if optimizer is not None else None
+    if sharded:
+        sharded_checkpoint.write(target, state, named)  # every rank, collectively; the folder is DCP's
     if writer:
         target.mkdir(parents=True, exist_ok=True)
-        payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "optimizer": named}
-        _write_atomically(target / f"part-{rank}.pt", lambda path: torch.save(payload, path))
+        if not sharded:
+            payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "optimizer": named}
+            _write_atomically(target / f"part-{rank}.pt", lambda path: torch.save(payload, path))
         listed = pipeline.all_gather_object(list(state), "the names each rank saves")  # in the stages' order
         if rank == 0:
-            parts = {f"part-{r}.pt": held for r, held in enumerate(listed)}
-            meta = {"format": 1, "layers": layers, "keys": keys, "tied": dict(aliases), "parts": parts}
+            form = "shards/pp-{}" if sharded else "part-{}.pt"
+            parts = {form.format(r): held for r, held in enumerate(listed)}
+            meta = {"format": 2 if sharded else 1, "layers": layers, "keys": keys, "tied": dict(aliases),
+                    "parts": parts}  # fmt: skip
             _write_atomically(target / "meta.json", lambda path: Path(path).write_text(json.dumps(meta, indent=1)))
     world.barrier("the other ranks to finish writing their parts")  # every part is on disk before `latest` moves
     if world.rank == 0:
@@ -92,8 +103,15 @@ def load_checkpoint(
             "load a checkpoint saved from the same nn.Sequential"
         )
     modules = list(modules)
-    wanted = {tied.get(key, key) for module in modules for key in module.state_dict()}
-    model_state, optimizer_state, groups = _read(target, meta, wanted)
+    if meta.get("format", 1) == 2:  # shards: each read as this rank places it
+        placed = {tied.get(key, key): value for module in modules
+                  for key, value in module.state_dict(keep_vars=True).items()}  # fmt: skip
+        params = {name: p for group in (optimizer.param_groups if optimizer else []) for p in group["params"]
+                  if (name := names.get(id(p))) is not None}  # fmt: skip
+        model_state, optimizer_state, groups = sharded_checkpoint.read(target, placed, params)
+    else:
+        wanted = {tied.get(key, key) for module in modules for key in module.state_dict()}
+        model_state, optimizer_state, groups = _read(target, meta, wanted)
     for module in modules:  # a tied weight's every name reads the one stored copy; a DTensor takes its part
         mine = module.state_dict(keep_vars=True)
         module.load_state_dict({key: spread(model_state[tied.get(key, key)], value) for key, value in mine.items()})
@@ -108,7 +126,10 @@ def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     meta = json.loads((target / "meta.json").read_text())
     stored = [key for part in meta["parts"].values() for key in part]
     tied: dict[str, str] = meta.get("tied", {})
-    state, _, _ = _read(target, meta, set(stored))
+    if meta.get("format", 1) == 2:
+        state = sharded_checkpoint.read(target, dict.fromkeys(stored), {})[0]
+    else:
+        state, _, _ = _read(target, meta, set(stored))
     if "keys" in meta:  # the model's own order, tied weights under each of their names
         return {key: state[tied.get(key, key)] for key in meta["keys"]}
     layer = {name: i for i, name in enumerate(meta["layers"])}
@@ -136,12 +157,13 @@ def _read(
     return model, states, groups
 
 
-def _named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
+def _named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str], gather: bool = True
+                           ) -> dict[str, Any]:  # fmt: skip
     """An optimizer's state_dict with parameter names in place of indices; parameters without a name here (a tied
-    weight that another rank writes) are left out."""
+    weight that another rank writes) are left out. ``gather``: DTensors whole (else as they are)."""
     state = optimizer.state_dict()
     by_index = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
-    wholes = {i: {key: whole(v) if isinstance(v, torch.Tensor) else v for key, v in value.items()}
+    wholes = {i: {key: whole(v) if isinstance(v, torch.Tensor) and gather else v for key, v in value.items()}
               for i, value in state["state"].items()}  # fmt: skip  (every rank gathers: the collective is the mesh's)
     return {
         "state": {by_index[i]: value for i, value in wholes.items() if by_index[i] is not None},

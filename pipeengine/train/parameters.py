@@ -37,22 +37,22 @@ class Parameters:
                     seen.add(id(param))
                     yield self.ties.names[id(param)], param
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, gather: bool = True) -> dict[str, torch.Tensor]:
         """This rank's state under the model's names; a tied weight once, under its first name; whole tensors (a
-        DTensor gathered over its mesh: every rank of the mesh calls this)."""
+        DTensor gathered over its mesh: every rank of the mesh calls this), or as they are (``gather=False``)."""
         state: dict[str, torch.Tensor] = {}
         for module in self.stages.values():
             for key, value in module.state_dict(keep_vars=True).items():
                 name = self.ties.names.get(id(value), key) if isinstance(value, nn.Parameter) else key
                 if name not in state:
-                    state[name] = whole(value.detach())
+                    state[name] = whole(value.detach()) if gather else value.detach()
         return state
 
-    def owned_state(self) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+    def owned_state(self, gather: bool = True) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
         """What this rank writes to a checkpoint: its state and the names of its parameters, without the tied
         weights another rank owns."""
         names = {id(param): name for name, param in self.named() if name not in self.elsewhere}
-        return {k: v for k, v in self.state_dict().items() if k not in self.elsewhere}, names
+        return {k: v for k, v in self.state_dict(gather).items() if k not in self.elsewhere}, names
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for module in self.stages.values():

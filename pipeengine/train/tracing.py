@@ -22,12 +22,13 @@ from torch import nn
 
 from pipeengine.comm.base import Transport
 from pipeengine.core.dtensors import local_bytes
+from pipeengine.core.sharding import gather, reshard
 from pipeengine.core.specs import Boundary, Tensors, unpack
 from pipeengine.observe.allocator import AllocatorWatch, training_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies, storage
 from pipeengine.observe.trace import NULL_TRACER, Tracer
 from pipeengine.runtime.executor import Executor, StepInputs, StepResult
-from pipeengine.runtime.gradsync import ReplicaMean, TieSum
+from pipeengine.runtime.gradsync import ReplicaMean, ShardedReduce, TieSum
 from pipeengine.runtime.stage import StageWorker
 from schedules import Kind, Schedule, Timeline
 
@@ -65,7 +66,10 @@ class Tracing:
             sizes = self._measure(executor, program, step, params)
             batch = [t for mb in (step.inputs or ()) for t in mb]
             batch += [t for target in (step.targets or ()) for t in unpack(target) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
-            ledger = Ledger(ignore=[*params, *batch])  # the user's batch is theirs, not the engine's
+            gathered = None  # FSDP: the parameters a stage gathers are the state's, not activations, wherever they are
+            if isinstance(executor.syncs.get(Kind.ALL_REDUCE), ShardedReduce):
+                gathered = lambda: [p for w in executor.workers.values() for p in w.module.parameters()]  # noqa: E731
+            ledger = Ledger(ignore=[*params, *batch], ignore_live=gathered)  # the user's batch is theirs
             self._tracer.begin(ledger, sum(s.state for s in sizes.values()), sizes)
             live = training_bytes(params, self.optimizer)
             with ledger.watching(), AllocatorWatch(self._tracer.device) if self._allocator else _nothing() as watch:
@@ -87,6 +91,9 @@ class Tracing:
         split = {op.stage for rank in range(program.num_ranks) for _, op in program.ops(rank)
                  if op.kind is Kind.BACKWARD_INPUT}  # fmt: skip
         device = self._tracer.device
+        fsdp = executor.syncs.get(Kind.ALL_REDUCE)
+        sharded = isinstance(fsdp, ShardedReduce)
+        regathered = sharded and fsdp.reshard_after_forward  # type: ignore[union-attr]
         for s, worker in sorted(workers.items()):
             mine = [p for p in dict.fromkeys(worker.module.parameters()) if id(p) not in seen]
             seen |= {id(p) for p in mine}  # a weight shared by two stages of this rank is held once
@@ -99,6 +106,8 @@ class Tracing:
                     for spec in boundary.specs
                 )
                 packed = boundary.is_tuple
+            if sharded:  # measured on the gathered parameters; the step then starts sharded, as untraced ones do
+                gather(worker.module, keep=True)
             sizes[s] = measure_stage(
                 worker, inputs, packed, step.targets[0] if s == last else None,  # type: ignore[index]
                 None if s == last else step.boundaries[s], split=s in split,
@@ -107,6 +116,15 @@ class Tracing:
             )  # fmt: skip
             late = sum(_size(p) for p in mine if p.grad is None and p.requires_grad)  # zero_grad(set_to_none=True)
             sizes[s] = dataclasses.replace(sizes[s], grads_late=float(late))
+            if sharded:  # whole: gathered from the first F, gradients from the first B or W; the AR's flat input (the
+                # whole gradients) comes after FSDP2 reshards the parameters, so it never tops the level before the AR.
+                # reshard_after_forward frees them between a forward and the next backward (then gathered again): the
+                # model holds them from the first F to the AR as without it (an upper bound, by at most their size)
+                whole = float(sum(p.numel() * p.element_size() for p in mine if p.requires_grad))
+                everything = float(sum(p.numel() * p.element_size() for p in mine))
+                sizes[s] = dataclasses.replace(sizes[s], gathered=everything, gathered_grads=whole)
+
+                reshard(worker.module, regathered)
         if self._allocator and sizes:  # the optimizer steps over all of this rank's parameters at once
             first = min(sizes)
             sizes[first] = dataclasses.replace(sizes[first], optimizer=optimizer_transient(self.optimizer, params))

@@ -22,6 +22,10 @@ Per stage (bytes; one number for every stage, or one per stage)::
     optimizer    the optimizer step's temporaries over the stage's parameters, above the state: the
                  step after the pipeline's is a peak of its own (``optimizer_peak``), and the larger
                  of the two is what must fit (``required``)
+    gathered     sharded data parallel (FSDP): the stage's parameters gathered whole, from its first
+                 F until its AR reshards them (state then counts each replica's shards)
+    gathered_grads   FSDP: the stage's whole (unsharded) gradients, made by its first B or W and added
+                 to until its AR reduce-scatters them; its grads_late (the shards) arrive at that AR
 
 A sent gradient is freed when the send completes: where the transport takes the bytes at once
 (``buffered_sends``: gloo, the in-process loopback), as its rank goes on to its next action
@@ -73,13 +77,15 @@ class Memory:
     sync: PerStage = 0.0
     tie_sync: tuple[float, ...] = ()
     optimizer: PerStage = 0.0
+    gathered: PerStage = 0.0
+    gathered_grads: PerStage = 0.0
     output_after_input: PerStage = 1.0  # 1: a split backward's I leaves the stage's output held until W; 0: lets go
     input_after_input: PerStage = 1.0  # the same for the stage's input
     buffered_sends: bool = False
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
         names = ("state", "activation", "boundary", "gradient", "transient", "output_after_input", "input_after_input",
-                 "sync", "optimizer", "grads_late")  # fmt: skip
+                 "sync", "optimizer", "grads_late", "gathered", "gathered_grads")  # fmt: skip
         table = {name: expand(f"Memory.{name}", getattr(self, name), num_stages) for name in names}
         after = self.activation if self.after_input is None else self.after_input
         table["after_input"] = expand("Memory.after_input", after, num_stages)
@@ -133,6 +139,9 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
         events.append((0.0, -1, state, None))
         late = {s: table["grads_late"][s] for s in range(S) if placement[s] == rank and table["grads_late"][s]}
         unmade = {s for s in range(S) if placement[s] == rank}  # stages whose first B or W is still to come
+        ungathered = {s for s in range(S) if placement[s] == rank and table["gathered"][s]}  # FSDP: no F yet
+        sharded = {s for s in range(S) if placement[s] == rank and table["gathered_grads"][s]}
+        grads_made: set[int] = set()
         held: dict[tuple[int, int], float] = {}  # (stage, mb) -> its activation held now on this rank
         for order, (action, (start, end)) in enumerate(zip(stream, times[rank], strict=True)):
             for op in ops_of(action):
@@ -145,9 +154,16 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
                     memory.tie_sync[action.tie_group] if action.tie_group < len(memory.tie_sync) else 0.0)  # fmt: skip
                 if flat:
                     events.append((start, order, flat, action))
+                if action.kind is Kind.ALL_REDUCE and action.stage in sharded:  # FSDP: reduce-scattered, resharded
+                    s = action.stage
+                    freed = table["gathered"][s] + table["gathered_grads"][s]
+                    events.append((end, order, late.pop(s, 0.0) - freed, action))
             if not (isinstance(action, Instruction) and action.kind.is_compute):
                 continue
             s, mb, kind = action.stage, action.microbatch, action.kind
+            if s in ungathered:  # FSDP: the first compute gathers the stage's parameters
+                ungathered.discard(s)
+                events.append((start, order, table["gathered"][s], action))
             transient = table[_TRANSIENT[kind]][s]
             if kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT) and s in unmade:
                 unmade.discard(s)
@@ -172,7 +188,11 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
                 held[(s, mb)] = now
             else:  # B or W: the micro-batch is done on this stage
                 delta -= held.pop((s, mb), 0.0)
-                delta += late.pop(s, 0.0)  # the stage's first gradient compute makes its parameters' gradients
+                if s in sharded:  # FSDP: whole gradients, until the AR reduce-scatters them into the shards
+                    delta += table["gathered_grads"][s] if s not in grads_made else 0.0
+                    grads_made.add(s)
+                else:
+                    delta += late.pop(s, 0.0)  # the stage's first gradient compute makes its parameters' gradients
             made = flow.produces(action)
             if made is not None and made.gradient:  # for the stage before: held until sent, or until taken here
                 size = table["gradient"][made.boundary]

@@ -111,9 +111,14 @@ def every_schedule() -> None:
     parity("1f1b", tied=True)  # and on two ranks: summed over the holders, each shard with its own
 
 
+def dp_and_tp() -> None:
+    parity("1f1b", 2)
+    parity("1f1b", 2, options={"fsdp": True}, tied=True)  # FSDP2 over dp on the TP shards (2-D); tied across ranks
+
+
 @pytest.mark.timeout(240)
-def test_dp2_pp2_tp2_on_8_ranks_trains_like_one_process() -> None:
-    launch(parity, 8, args=("1f1b", 2), timeout=150)
+def test_dp2_pp2_tp2_on_8_ranks_trains_like_one_process_with_and_without_fsdp() -> None:
+    launch(dp_and_tp, 8, timeout=150)
 
 
 def save_plain(directory: str) -> None:

@@ -1,0 +1,84 @@
+"""Checkpoints of sharded stages (fsdp=True): every rank writes its own shards with torch.distributed.checkpoint.
+
+They live inside a checkpoint-N of pipeengine.train.checkpoint (its `latest` and atomic move), meta.json
+saying format 2::
+
+    checkpoint-N/meta.json   the layers, the model's keys, which pipeline rank holds which names, ties
+    checkpoint-N/shards/     DCP: "model.<name>", "optim.<name>.<field>" (AdamW's exp_avg, ...), and
+                             "hparams.<name>" (the hyperparameters of the parameter's optimizer group)
+
+Saving is collective over the world (DCP plans it: each shard written once, by the rank that holds it;
+replicated tensors once). Loading reads what the loading rank holds, each tensor as it is placed
+there: a DTensor its shard, a plain tensor whole; no collective (DCP's no_dist), so a checkpoint saved
+with fsdp=True at dp=2 loads with fsdp=False, at dp=1, on another partition, and into ``consolidate``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeengine.core.dtensors import is_dtensor
+
+__all__: list[str] = []
+
+FOLDER = "shards"
+
+
+def write(target: Path, state: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any] | None) -> None:
+    """This rank's state (DTensors as they are) and its optimizer's, named (every rank of the world calls it)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    flat: dict[str, Any] = {f"model.{name}": value.detach() for name, value in state.items()}
+    if optimizer is not None:
+        for name, fields in optimizer["state"].items():
+            flat.update({f"optim.{name}.{field}": value for field, value in fields.items()})
+        for group in optimizer["param_groups"]:
+            hyper = pickle.dumps({key: value for key, value in group.items() if key != "params"})  # one object:
+            flat.update({f"hparams.{name}": hyper for name in group["params"]})  # DCP would flatten a dict
+    save(flat, storage_writer=FileSystemWriter(str(target / FOLDER)))
+
+
+def read(
+    target: Path, wanted: Mapping[str, torch.Tensor | None], params: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The model tensors in ``wanted`` (name -> the tensor it loads into, placed as it is there; None: a whole
+    plain tensor), the optimizer state and group hyperparameters of ``params`` (name -> parameter)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    reader = FileSystemReader(str(target / FOLDER))
+    stored = reader.read_metadata().state_dict_metadata
+
+    def like(key: str, placed: torch.Tensor | None) -> Any:
+        entry = stored[key]
+        if not isinstance(entry, TensorStorageMetadata):
+            return None  # an object: DCP puts the stored one in its place
+        dtype = entry.properties.dtype
+        if placed is not None and is_dtensor(placed) and tuple(placed.shape) == tuple(entry.size):
+            return torch.zeros_like(placed, dtype=dtype)  # a DTensor placed as the parameter: DCP reads its shard
+        return torch.empty(entry.size, dtype=dtype)
+
+    flat = {f"model.{name}": like(f"model.{name}", placed) for name, placed in wanted.items()}
+    fields: dict[str, list[str]] = {}
+    for key in stored:
+        if key.startswith("optim."):
+            name, _, field = key.removeprefix("optim.").rpartition(".")
+            if name in params:
+                fields.setdefault(name, []).append(field)
+                flat[key] = like(key, params[name])
+    flat.update({f"hparams.{name}": None for name in params if f"hparams.{name}" in stored})
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": so it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(flat, storage_reader=reader, no_dist=True)
+    model = {name: flat[f"model.{name}"] for name in wanted}
+    states = {name: {field: flat[f"optim.{name}.{field}"] for field in mine} for name, mine in fields.items()}
+    groups = {name: pickle.loads(flat[f"hparams.{name}"]) for name in params if f"hparams.{name}" in flat}
+    return model, states, groups
