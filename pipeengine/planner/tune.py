@@ -342,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("problem", help="module:function returning (model, loss_fn, sample): the model to plan for")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--data-parallel", type=int, default=1)
+    parser.add_argument("--fsdp", action="store_true", help="shard each stage's state over the replicas (FSDP2)")
     parser.add_argument("--memory-limit", type=parse_bytes, help="bytes per rank, e.g. 512MB")
     parser.add_argument("--schedules", nargs="+")
     parser.add_argument("--microbatches", type=int, nargs="+")
@@ -350,8 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, loss_fn, sample = _problem(parser, args.problem)
     try:
         result = tune(model, loss_fn, sample, args.world_size, memory_limit=args.memory_limit,
-                      data_parallel=args.data_parallel, schedules=args.schedules, microbatches=args.microbatches,
-                      backend=args.backend)  # fmt: skip
+                      data_parallel=args.data_parallel, fsdp=args.fsdp, schedules=args.schedules,
+                      microbatches=args.microbatches, backend=args.backend)  # fmt: skip
         print(result)
         print(f"best: PipelineEngine(model, loss_fn, **{result.best.engine_kwargs()})")
     except (ValueError, TypeError) as error:

@@ -317,6 +317,10 @@ def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixt
     assert "world_size must be a positive int, got 0" in capsys.readouterr().err
     assert main([problem, "--world-size", "4", "--data-parallel", "2", "--schedules", "1f1b"]) == 0
     assert "'data_parallel': 2}" in capsys.readouterr().out  # the printed engine rebuilds what was priced
+    assert main([problem, "--world-size", "4", "--data-parallel", "2", "--fsdp", "--schedules", "1f1b"]) == 0
+    assert "'data_parallel': 2, 'fsdp': True}" in capsys.readouterr().out
+    assert main([problem, "--world-size", "4", "--fsdp"]) == 2
+    assert "fsdp=True shards the state over the data-parallel replicas, but data_parallel=1" in capsys.readouterr().err
 
 
 def test_small_sizes_print_in_units_that_show_them() -> None:
