@@ -16,6 +16,7 @@ with fsdp=True at dp=2 loads with fsdp=False, at dp=1, on another partition, and
 from __future__ import annotations
 
 import pickle
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ from pipeengine.core.dtensors import is_dtensor
 __all__: list[str] = []
 
 FOLDER = "shards"
+_ONE_AT_A_TIME = threading.Lock()  # in-process ranks load in threads: DCP's loader and warnings' filters are global
 
 
 def write(target: Path, state: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any] | None) -> None:
@@ -75,8 +77,8 @@ def read(
                 fields.setdefault(name, []).append(field)
                 flat[key] = like(key, params[name])
     flat.update({f"hparams.{name}": None for name in params if f"hparams.{name}" in stored})
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": so it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _ONE_AT_A_TIME, warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # process": so it is
         load(flat, storage_reader=reader, no_dist=True)
     model = {name: flat[f"model.{name}"] for name in wanted}
     states = {name: {field: flat[f"optim.{name}.{field}"] for field in mine} for name, mine in fields.items()}
