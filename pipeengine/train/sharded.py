@@ -44,7 +44,15 @@ def write(target: Path, state: Mapping[str, torch.Tensor], optimizer: Mapping[st
         for group in optimizer["param_groups"]:
             hyper = pickle.dumps({key: value for key, value in group.items() if key != "params"})  # one object:
             flat.update({f"hparams.{name}": hyper for name in group["params"]})  # DCP would flatten a dict
-    save(flat, storage_writer=FileSystemWriter(str(target / FOLDER)))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        save(flat, storage_writer=FileSystemWriter(str(target / FOLDER)))
+    except CheckpointException as error:  # every rank gets it: name what failed where (its text is "ranks: ...")
+        causes = "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}" for rank, (cause, _) in
+                           sorted(error.failures.items()))  # fmt: skip
+        raise OSError(f"writing the shards of {target.name} failed ({causes}); the previous checkpoint is intact "
+                      "and 'latest' still points at it") from error
 
 
 def read(

@@ -241,3 +241,17 @@ def memory() -> None:
                 ratios = [p / t for p, t in zip(planned.peak_memory, traced, strict=True)]
                 assert planned.partition == (4, 4) and all(0.9 <= r <= 1.1 for r in ratios), (planned, traced)
     assert held["{'fsdp': True}"] * 2 == held["{}"] == held["{'fsdp': True, 'reshard_after_forward': True}"] * 2, held
+
+
+def save_that_fails(directory: str) -> None:
+    """Rank 1's shards fail to write during a second sharded checkpoint (a planted fault in DCP's file writer)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    build, loss_fn = MODELS["mlp"]
+    engine = PipelineEngine(build(seed=7), loss_fn, num_microbatches=4, data_parallel=DP, fsdp=True)
+    if ranks.rank() == 1:
+        def broken(*args: object, **kwargs: object) -> object:
+            raise OSError("disk full (planted)")
+
+        FileSystemWriter.write_data = broken  # type: ignore[method-assign, assignment]
+    engine.save(directory)
