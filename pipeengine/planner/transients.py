@@ -45,7 +45,6 @@ class Allocation:
     first_peak: tuple[float, float] = (0.0, 0.0)  # the first B and W: they make the gradients
     grads: float = 0.0  # the gradients of its trainable parameters
     optimizer: float = 0.0  # an AdamW step's temporaries over its parameters
-    largest: float = 0.0  # its largest parameter tensor
     incoming: float = 0.0  # the gradient of its output it was given: in a stage, freed once its backward used it
 
 
@@ -85,8 +84,7 @@ def measure(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, devic
     return Allocation(
         tuple(float(x) for x in peak), tuple(float(x) for x in end),  # type: ignore[arg-type]
         (float(watches["first B"].peak), float(watches["first W"].peak)), float(sum(size)),
-        optimizer_step(params, device), float(max(size, default=0)),
-        float(sum(g.numel() * g.element_size() for g in grads)),
+        optimizer_step(params, device), float(sum(g.numel() * g.element_size() for g in grads)),
     )  # fmt: skip
 
 

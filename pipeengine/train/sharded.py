@@ -34,6 +34,7 @@ _ONE_AT_A_TIME = threading.Lock()  # in-process ranks load in threads: DCP's loa
 
 def write(target: Path, state: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any] | None) -> None:
     """This rank's state (DTensors as they are) and its optimizer's, named (every rank of the world calls it)."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -44,8 +45,6 @@ def write(target: Path, state: Mapping[str, torch.Tensor], optimizer: Mapping[st
         for group in optimizer["param_groups"]:
             hyper = pickle.dumps({key: value for key, value in group.items() if key != "params"})  # one object:
             flat.update({f"hparams.{name}": hyper for name in group["params"]})  # DCP would flatten a dict
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         save(flat, storage_writer=FileSystemWriter(str(target / FOLDER)))
     except CheckpointException as error:  # every rank gets it: name what failed where (its text is "ranks: ...")

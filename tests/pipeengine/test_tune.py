@@ -211,7 +211,7 @@ def test_the_first_stages_weight_pass_holds_every_gradient_of_the_stage_at_once(
     from pipeengine.planner.transients import Allocation, optimizer, stage
 
     layer = Allocation(peak=(0.0, 10.0, 3.0, 4.0), end=(0.0, 0.0, 0.0, 0.0), first_peak=(10.0, 4.0), grads=4.0,
-                       optimizer=8.0, largest=4.0)  # fmt: skip
+                       optimizer=8.0)  # fmt: skip
     first, later = stage([layer] * 3, 0, 3), stage([layer] * 4, 1, 4)
     assert first["weight_transient"] == 2 * 4.0 + 10.0 and first["input_transient"] == 0.0
     assert later["weight_transient"] == 4.0 and later["input_transient"] == 3.0
