@@ -17,7 +17,14 @@ from tests.pipeengine import ranks
 from tests.pipeengine.feature_workers import staged_reference
 from tests.pipeengine.gpt_workers import tied_gpt, tied_parity, token_sum
 from tests.pipeengine.models import MODELS, SEEDED, batch
-from tests.pipeengine.workers import check_grads, check_weights, close, train_replicas_like_one_process
+from tests.pipeengine.workers import (
+    check_clipped,
+    check_eval,
+    check_grads,
+    check_weights,
+    close,
+    train_replicas_like_one_process,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 DP = 2
@@ -99,14 +106,8 @@ def clipping() -> None:
         reference.zero_grad()
         engine.train_step(x if engine.first else None, y if engine.last else None)
         loss_fn(reference(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
-        total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
-        close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type), "norm")
-        check_grads(engine, reference, f"fsdp clipped ({norm_type}-norm)")
-    out = engine.eval_step(x if engine.first else None)  # forward only, on the shards gathered
-    with torch.no_grad():
-        expected = reference(x)
-    if engine.last:
-        close(out, expected, "fsdp eval")
+        check_clipped(engine, reference, max_norm, "fsdp", norm_type)
+    check_eval(engine, reference, x, "fsdp eval")  # forward only, on the shards gathered
 
 
 def around_the_engine() -> None:

@@ -14,7 +14,14 @@ from pipeengine import PipelineEngine
 from tests.pipeengine import ranks
 from tests.pipeengine.feature_workers import staged_reference
 from tests.pipeengine.models import SEEDED
-from tests.pipeengine.workers import check_grads, check_weights, close, step_both, train_replicas_like_one_process
+from tests.pipeengine.workers import (
+    check_clipped,
+    check_grads,
+    check_weights,
+    close,
+    step_both,
+    train_replicas_like_one_process,
+)
 
 VOCAB, WIDTH, HEADS, LENGTH, IGNORE = 24, 16, 2, 6, -100
 
@@ -143,9 +150,7 @@ def tied_clipping(schedule: str) -> None:
     x, y = padded_batch(2 * m, seed=3, microbatches=m)
     engine.train_step(x if engine.first else None, y if engine.last else None)
     one_process_loss(reference(x), y).backward()
-    total = engine.clip_grad_norm_(0.05)
-    close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05), "the norm of the tied model")
-    check_grads(engine, reference, "clipped")
+    check_clipped(engine, reference, 0.05, "the tied model")
 
 
 def tied_save(directory: str, schedule: str) -> None:

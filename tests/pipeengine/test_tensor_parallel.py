@@ -13,23 +13,24 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeengine import PipelineEngine, launch
-from tests.pipeengine import ranks
+from tests.pipeengine import gpt_workers, ranks
 from tests.pipeengine.gpt_workers import IGNORE, LENGTH, VOCAB, WIDTH, Embed, Head
 from tests.pipeengine.models import SEEDED
-from tests.pipeengine.workers import check_grads, check_weights, close, step_both, train_replicas_like_one_process
+from tests.pipeengine.workers import (
+    check_clipped,
+    check_eval,
+    check_weights,
+    close,
+    step_both,
+    train_replicas_like_one_process,
+)
 
 HEAD_DIM = 4  # 4 heads of the width: 2 per rank at tp=2
 
 
-class Block(nn.Module):
-    """Pre-norm causal attention and MLP. qkv is laid out head by head ([heads][q, k, v][head_dim]), so that a
-    column shard holds whole heads; the head count is the local width's (torchtitan's blocks do the same)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+class Block(gpt_workers.Block):
+    """gpt_workers' block with qkv laid out head by head ([heads][q, k, v][head_dim]), so that a column shard
+    holds whole heads; the head count is the local width's (torchtitan's blocks do the same)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -171,14 +172,8 @@ def around_the_engine(plain: str, sharded: str) -> None:
     engine.train_step(x if engine.first else None, y if engine.last else None)
     token_mean(reference(x), y).backward()
     for norm_type, max_norm in ((2.0, 0.05), (float("inf"), 0.01)):
-        total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
-        close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type), "norm")
-        check_grads(engine, reference, f"clipped ({norm_type}-norm)")
-    out = engine.eval_step(x if engine.first else None)
-    with torch.no_grad():
-        expected = reference(x)
-    if engine.last:
-        close(out, expected, "eval")
+        check_clipped(engine, reference, max_norm, "tp=2", norm_type)
+    check_eval(engine, reference, x, "eval")
     with engine.tracing(optimizer):
         engine.train_step(x if engine.first else None, y if engine.last else None)
     timeline = engine.timeline()

@@ -38,6 +38,24 @@ def check_grads(engine: PipelineEngine, reference: nn.Module, what: str) -> int:
     return count
 
 
+def check_clipped(engine: PipelineEngine, reference: nn.Module, max_norm: float, what: str,
+                  norm_type: float = 2.0) -> None:  # fmt: skip
+    """clip_grad_norm_ across the engine's stages returns torch's total norm on the reference and clips alike."""
+    total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
+    close(total, torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type), f"{what}: norm")
+    check_grads(engine, reference, f"{what}: clipped to {max_norm} ({norm_type}-norm)")
+
+
+def check_eval(engine: PipelineEngine, reference: nn.Module, x: torch.Tensor, what: str) -> object:
+    """eval_step's output on the last stage's rank equals the reference's forward; returns it (None elsewhere)."""
+    out = engine.eval_step(x if engine.first else None)
+    with torch.no_grad():
+        expected = reference(x)
+    if engine.last:
+        close(out, expected, what)  # type: ignore[arg-type]
+    return out
+
+
 def parity(
     model_name: str,
     schedule: str,
@@ -122,12 +140,8 @@ def accumulate_and_eval(model_name: str, schedule: str, m: int) -> None:
     x0, y0 = batch(model_name, 2 * m, seed=10)
     x1, y1 = batch(model_name, 4 * m, seed=11)
 
-    out = engine.eval_step(x0 if engine.first else None)
-    with torch.no_grad():
-        expected = reference(x0)
-    if engine.last:
-        close(out, expected, "eval before training")
-    else:
+    out = check_eval(engine, reference, x0, "eval before training")
+    if not engine.last:
         assert out is None
 
     for x, y in ((x0, y0), (x1, y1)):  # no zero_grad in between: gradients add up
@@ -135,11 +149,7 @@ def accumulate_and_eval(model_name: str, schedule: str, m: int) -> None:
         loss_fn(reference(x), y).backward()
     check_grads(engine, reference, f"{model_name} {schedule} two accumulated steps")
 
-    out = engine.eval_step(x1 if engine.first else None)
-    with torch.no_grad():
-        expected = reference(x1)
-    if engine.last:
-        close(out, expected, "eval after training")
+    check_eval(engine, reference, x1, "eval after training")
     check_grads(engine, reference, "eval does not touch gradients")
 
 
@@ -292,10 +302,7 @@ def clipping(schedule: str, data_parallel: int = 1) -> None:
         reference.zero_grad()
         engine.train_step(x if engine.first else None, y if engine.last else None)
         loss_fn(reference(x), y).backward()  # every replica had the same batch: the same mean
-        total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
-        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type=norm_type)
-        close(total, expected, f"total {norm_type}-norm")
-        check_grads(engine, reference, f"clipped to {max_norm} ({norm_type}-norm)")
+        check_clipped(engine, reference, max_norm, schedule, norm_type)
 
 
 def train_and_save(directory: str, schedule: str, steps: int, data_parallel: int = 1) -> None:
