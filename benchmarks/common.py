@@ -20,12 +20,13 @@ from torch import nn
 OUT = Path(os.environ.get("PIPEENGINE_BENCH_OUT", "out/bench"))
 
 
-def arguments(doc: str, schedules: list[str], **knobs: int) -> argparse.ArgumentParser:
-    """The command line every benchmark shares: ``--schedules`` and one int flag per knob (its default)."""
+def arguments(doc: str, schedules: list[str], choices: bool = False, **knobs: int) -> argparse.ArgumentParser:
+    """The command line every benchmark shares: ``--schedules`` (``choices``: only those) and one int flag per knob
+    (its default)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     for flag, default in knobs.items():
         parser.add_argument(f"--{flag}", type=int, default=default)
-    parser.add_argument("--schedules", nargs="+", default=schedules)
+    parser.add_argument("--schedules", nargs="+", default=schedules, choices=schedules if choices else None)
     return parser
 
 
@@ -81,6 +82,13 @@ def write_json(name: str, rows: object) -> Path:
     path = OUT / f"{name}.json"
     path.write_text(json.dumps(rows, indent=2))
     return path
+
+
+def write_report(name: str, rows: object, lines: list[str]) -> None:
+    """The rows as OUT/<name>.json and the printed lines as OUT/<name>.txt."""
+    write_json(name, rows)
+    (OUT / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    print(f"wrote {OUT / name}.json and {name}.txt")
 
 
 def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int = 2) -> dict[str, float] | None:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import OUT, write_json
+from common import write_report
 
 from pipeengine.tune import tune
 
@@ -48,8 +48,7 @@ def main() -> None:
                      f"after {measure:.2f} s measuring {len(model)} layers; best {results[0].best.schedule} "
                      f"m={results[0].best.num_microbatches} v={results[0].best.chunks}")  # fmt: skip
         print(lines[-1], flush=True)
-    write_json("tune_search", rows)
-    (OUT / "tune_search.txt").write_text("\n".join(lines) + "\n")
+    write_report("tune_search", rows, lines)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,16 @@ import copy
 
 import torch
 import torch.distributed as dist
-from common import OUT, mlp, run_point, save_row, side_by_side, side_by_side_line, time_and_watch, write_json
+from common import (
+    arguments,
+    mlp,
+    run_point,
+    save_row,
+    side_by_side,
+    side_by_side_line,
+    time_and_watch,
+    write_report,
+)
 from torch import nn
 
 from pipeengine import PipelineEngine
@@ -81,13 +90,10 @@ def worker(schedule: str, fsdp: bool, args: argparse.Namespace, path: str) -> No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
+    parser = arguments(__doc__, SCHEDULES, choices=True, width=WIDTH, layers=LAYERS, batch=BATCH,
+                       microbatches=MICROBATCHES, rounds=ROUNDS, steps=STEPS, threads=THREADS)
     parser.add_argument("--modes", nargs="+", default=["fsdp", "ddp"], choices=["fsdp", "ddp"],
                         help="fsdp: both sides shard (FSDP2); ddp: both replicate (no fsdp; torch's DDP)")
-    for flag, default in (("width", WIDTH), ("layers", LAYERS), ("batch", BATCH), ("microbatches", MICROBATCHES),
-                          ("rounds", ROUNDS), ("steps", STEPS), ("threads", THREADS)):  # fmt: skip
-        parser.add_argument(f"--{flag}", type=int, default=default)
     args = parser.parse_args()
     rows, lines = [], []
     for fsdp in [mode == "fsdp" for mode in args.modes]:
@@ -97,9 +103,7 @@ def main() -> None:
             line = side_by_side_line(f"{schedule:6} {'fsdp' if fsdp else 'ddp ':4}", row)
             lines.append(line)
             print(line, flush=True)
-    write_json("vs_torch_fsdp", rows)
-    (OUT / "vs_torch_fsdp.txt").write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT / 'vs_torch_fsdp.json'} and vs_torch_fsdp.txt")
+    write_report("vs_torch_fsdp", rows, lines)
 
 
 if __name__ == "__main__":

@@ -16,69 +16,30 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import OUT, run_point, save_row, side_by_side, side_by_side_line, time_and_watch, write_json
+from common import arguments, run_point, save_row, side_by_side, side_by_side_line, time_and_watch, write_report
 from torch import nn
 from torch.nn import functional as F
 
 from pipeengine import PipelineEngine
 
-RANKS, THREADS, WIDTH, HEADS, BLOCKS, LENGTH, VOCAB, BATCH, MICROBATCHES, ROUNDS, STEPS = (
-    4, 1, 256, 8, 4, 64, 96, 32, 8, 7, 2)  # fmt: skip
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+import train_gpt  # noqa: E402  (the example's GPT: its blocks lay qkv out head by head, and its TP plan)
+from train_gpt import Block, Embed, Head, tensor_parallel_plan  # noqa: E402
+
+RANKS, THREADS, WIDTH, HEADS, BLOCKS, LENGTH, BATCH, MICROBATCHES, ROUNDS, STEPS = 4, 1, 256, 8, 4, 64, 32, 8, 7, 2
+VOCAB = len(train_gpt.VOCAB)
 SCHEDULES = ["gpipe", "1f1b"]
-
-
-class Block(nn.Module):
-    """A GPT block whose qkv is laid out head by head, so a column shard holds whole heads."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.head_width = width // heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        qkv = self.qkv(self.norm1(x))
-        heads = qkv.shape[-1] // (3 * self.head_width)
-        q, k, v = qkv.view(b, t, heads, 3, self.head_width).unbind(3)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)  # fmt: skip
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, heads * self.head_width))
-        return x + self.mlp(self.norm2(x))
-
-
-class Embed(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(VOCAB, width), nn.Embedding(LENGTH, width)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1]))
-
-
-class Head(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm, self.out = nn.LayerNorm(width), nn.Linear(width, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
 
 
 def gpt(args: argparse.Namespace) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(Embed(args.width), *[Block(args.width, HEADS) for _ in range(args.blocks)], Head(args.width))
-
-
-def plan() -> dict[str, object]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {"*.qkv": ColwiseParallel(), "*.proj": RowwiseParallel(), "*.mlp.0": ColwiseParallel(),
-            "*.mlp.2": RowwiseParallel()}  # fmt: skip
+    return nn.Sequential(Embed(args.width, LENGTH), *[Block(args.width, HEADS) for _ in range(args.blocks)],
+                         Head(args.width))  # fmt: skip
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -96,7 +57,7 @@ def torch_pipeline(schedule: str, engine: PipelineEngine, model: nn.Sequential, 
     stage = engine.pp_rank
     module = stage_module(model, *engine.bounds[stage])  # the model's names, as the engine's stages have them
     names = {name for name, _ in module.named_modules()}
-    mine = {name: style for name, style in plan_matches(model, plan()).items() if name in names}
+    mine = {name: style for name, style in plan_matches(model, tensor_parallel_plan()).items() if name in names}
     parallelize_module(module, engine.mesh["tp"], mine)  # type: ignore[index, arg-type]
     pipe = PipelineStage(module, stage, len(engine.bounds), torch.device("cpu"), group=engine.group)
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe, args.microbatches, loss_fn=loss_fn)
@@ -109,7 +70,7 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     x = torch.randint(0, VOCAB, (args.batch, LENGTH), generator=generator)
     y = torch.randint(0, VOCAB, (args.batch, LENGTH), generator=generator)
     engine = PipelineEngine(model, loss_fn, num_microbatches=args.microbatches, schedule=schedule,
-                            partition="uniform", tensor_parallel=2, tp_plan=plan())  # fmt: skip
+                            partition="uniform", tensor_parallel=2, tp_plan=tensor_parallel_plan())  # fmt: skip
     theirs = torch_pipeline(schedule, engine, theirs_model, args)
     mine = list(engine.parameters())
     their_params = [p for p in theirs._stage.submod.parameters()]  # type: ignore[attr-defined]
@@ -125,12 +86,8 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
-    for flag, default in (("width", WIDTH), ("blocks", BLOCKS), ("batch", BATCH), ("microbatches", MICROBATCHES),
-                          ("rounds", ROUNDS), ("steps", STEPS), ("threads", THREADS)):  # fmt: skip
-        parser.add_argument(f"--{flag}", type=int, default=default)
-    args = parser.parse_args()
+    args = arguments(__doc__, SCHEDULES, choices=True, width=WIDTH, blocks=BLOCKS, batch=BATCH,
+                     microbatches=MICROBATCHES, rounds=ROUNDS, steps=STEPS, threads=THREADS).parse_args()
     rows, lines = [], []
     for schedule in args.schedules:
         row = run_point(worker, RANKS, (schedule, args), args.threads)
@@ -138,9 +95,7 @@ def main() -> None:
         line = side_by_side_line(f"{schedule:6}", row)
         lines.append(line)
         print(line, flush=True)
-    write_json("vs_torch_tp", rows)
-    (OUT / "vs_torch_tp.txt").write_text("\n".join(lines) + "\n")
-    print(f"wrote {OUT / 'vs_torch_tp.json'} and vs_torch_tp.txt")
+    write_report("vs_torch_tp", rows, lines)
 
 
 if __name__ == "__main__":
