@@ -3,6 +3,7 @@
 The package in layers, each importing only from those below it (tests/test_layout.py holds it to this):
 
     engine.py      the facade, PipelineEngine
+    hf/            Hugging Face causal LMs in and out (beside train/: it uses an engine, never imports one)
     train/         a step, the loss, parameters, checkpoints, traced steps
     build/         what one rank runs: grid, schedule, partition, ties, stages (and their transform), workers
     planner/       the layer profiler, the partitioner, the planner (tune)

@@ -20,7 +20,7 @@ from pipeengine.core.config import AUTO, DEFAULT_TIMEOUT, EngineConfig
 from pipeengine.core.specs import Tensors
 from pipeengine.runtime.precision import GradScaler
 from pipeengine.runtime.stage import LossFn
-from pipeengine.train.checkpoint import load_checkpoint, save_checkpoint
+from pipeengine.train.checkpoint import Checkpoints
 from pipeengine.train.parameters import Parameters
 from pipeengine.train.stepping import Stepper
 from pipeengine.train.tracing import Tracing
@@ -106,14 +106,12 @@ class PipelineEngine:
         pipeline, world, grid = self.topology.pipeline, self.topology.world, self.topology.grid
         self.pp_rank, self.dp_rank, self.data_parallel = self.topology.pp_rank, self.topology.dp_rank, grid.dp
         self.tp_rank, self.mesh = self.topology.tp_rank, parts.mesh  # torch's DeviceMesh ("dp", "pp", "tp"), or None
-        self._layer_names = [name for name, _ in model.named_children()]
-        self._model_keys = list(model.state_dict())  # to tell a checkpoint of another model, and its key order
         self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, pipeline)
+        self._checkpoints = Checkpoints(model, self._params, self.topology, self.config.fsdp)
         self._calls, self._tracing = Calls(pipeline), Tracing(trace, self.device, pipeline, self.schedule.num_stages)
         self._stepper = stepper = Stepper(parts, self.config, loss_fn, self._calls, self._tracing,
                                           lambda: list(self.parameters()))
         self.num_microbatches, self.first, self.last = stepper.num_microbatches, stepper.first, stepper.last
-        self._aliases = parts.ties.aliases
         agree_max = functools.partial(world.all_reduce, what="the loss scaler's overflow check", op="max")
         self.scaler = GradScaler(self.parameters, precision == "fp16", self.device, agree_max)
 
@@ -165,17 +163,18 @@ class PipelineEngine:
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Write a checkpoint (every rank calls it), loadable into any partition (pipeengine.train.checkpoint)."""
         self._calls.agree(Call.SAVE)
-        state, names = self._params.owned_state(gather=not self.config.fsdp)  # whole tensors, or each rank's shards
-        writer = self.dp_rank == 0 and self.tp_rank == 0  # one copy: the replicas and tensor ranks hold the same
-        return save_checkpoint(directory, state, optimizer, names, layers=self._layer_names, keys=self._model_keys,
-                               aliases=self._aliases, writer=writer, pipeline=self.topology.pipeline,
-                               world=self.topology.world, sharded=self.config.fsdp)  # fmt: skip
+        return self._checkpoints.save(directory, optimizer)
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
         """Load the latest checkpoint in ``directory`` (and the optimizer's state), whatever partition saved it."""
         self._calls.agree(Call.LOAD)
-        names = {id(param): name for name, param in self.named_parameters()}
-        return load_checkpoint(directory, self.stages.values(), optimizer, names, expected=set(self._model_keys))
+        return self._checkpoints.load(directory, optimizer)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict on world rank 0, None elsewhere (every rank calls it): whole CPU tensors under
+        the model's own keys, in its order, a tied weight under each of its names (what hf.save_pretrained writes)."""
+        self._calls.agree(Call.EXPORT)
+        return self._checkpoints.full_state()
 
     def train(self, mode: bool = True) -> PipelineEngine:
         """Set the training mode of this rank's stages (dropout, batch norm), as nn.Module.train."""

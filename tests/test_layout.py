@@ -14,7 +14,7 @@ ROOT = Path(__file__).parent.parent
 LAYERS = {
     "schedules": [["ir"], ["proof"], ["sim"], ["passes"], ["compilers"], [""]],
     "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["runtime"], ["planner"], ["build"],
-                   ["train"], [""]],  # fmt: skip
+                   ["train", "hf"], [""]],  # fmt: skip
 }
 
 

@@ -104,7 +104,8 @@ class Assembly:
 def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:
     """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
     grid = Grid.of(world.size, config.data_parallel, config.tensor_parallel)
-    plan = plan_matches(model, config.tp_plan) if config.tp_plan else {}  # every pattern matches, or none runs
+    # every pattern matches (or none runs), at a degree every style can run at
+    plan = plan_matches(model, config.tp_plan, config.tensor_parallel) if config.tp_plan else {}
     mesh = device_mesh(grid, world, config.fsdp) if config.needs_mesh else None
     topology = Topology.build(grid, world, mesh)
     lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)  # type: ignore[arg-type]

@@ -54,9 +54,10 @@ def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | No
     return DeviceMesh(world.device.type, grid.nested(), mesh_dim_names=DIMS)
 
 
-def plan_matches(model: nn.Module, plan: Mapping[str, object]) -> dict[str, object]:
+def plan_matches(model: nn.Module, plan: Mapping[str, object], degree: int = 1) -> dict[str, object]:
     """The tp_plan resolved to the model's module names (the later pattern wins a name two match); a pattern that
-    matches none is refused, naming it."""
+    matches none is refused, naming it. A style with a ``check_degree(degree)`` (pipeengine.hf's attention, which
+    splits by heads) refuses a degree it cannot run at, on every rank, before any stage is cut."""
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, object] = {}
     for pattern, style in plan.items():
@@ -68,6 +69,10 @@ def plan_matches(model: nn.Module, plan: Mapping[str, object]) -> dict[str, obje
                 "(model.named_modules(); '*' matches within and across dots, e.g. '*.mlp.0')"
             )
         resolved.update(dict.fromkeys(found, style))
+    for style in {id(style): style for style in resolved.values()}.values():
+        check = getattr(style, "check_degree", None)
+        if check is not None:
+            check(degree)
     return resolved
 
 

@@ -40,9 +40,11 @@ class Call(enum.IntEnum):
     SAVE = 3
     LOAD = 4
     CLIP = 5
+    EXPORT = 6
 
     def __str__(self) -> str:
-        return {1: "train_step", 2: "eval_step", 3: "save", 4: "load", 5: "clip_grad_norm_"}[self.value]
+        names = {1: "train_step", 2: "eval_step", 3: "save", 4: "load", 5: "clip_grad_norm_", 6: "full_state_dict"}
+        return names[self.value]
 
 
 class Status(enum.IntEnum):
@@ -83,7 +85,8 @@ class Calls:
         self.transport, self.made = transport, 0
 
     def agree(self, call: Call) -> None:
-        """save, load, clip_grad_norm_: every rank is making the same call, or every rank raises CallMismatch."""
+        """save, load, clip_grad_norm_, full_state_dict: every rank is making the same call, or every rank raises
+        CallMismatch."""
         self.made += 1
         agree(call, self.made, self.transport)
 

@@ -1,6 +1,6 @@
 """Tensors that may be DTensors (a stage parallelized on its tensor-parallel mesh): this rank's part, and the whole.
 
-    local(t)    the tensor this rank holds (a DTensor's local shard; a plain tensor itself)
+    local(t)    the tensor this rank holds (a DTensor's local shard, an async collective's result; a plain tensor)
     whole(t)    the full tensor (a DTensor gathered over its mesh: every rank of the mesh calls it)
     spread(t, like)   a full tensor cut as ``like`` is (its mesh and placements), with no communication
 """
@@ -19,7 +19,13 @@ def is_dtensor(tensor: object) -> bool:
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    """This rank's tensor: a DTensor's shard; the tensor inside an AsyncCollectiveTensor (what RowwiseParallel's
+    output is until first used), whose own storage cannot be read."""
+    if is_dtensor(tensor):
+        return tensor.to_local()  # type: ignore[attr-defined, no-any-return]
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.elem if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,19 @@
     units(module)     its fully_shard'ed modules (the stage's root among them); none without FSDP
     gather(module)    every unit all-gathered: the module's parameters are the whole ones now
     reshard(module)   every unit back to its shard
+    stage_output(module)   a block in which FSDP2 does not warn that the stage's output is a view
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+import warnings
+from collections.abc import Iterator
+
 from torch import nn
 
-__all__ = ["gather", "reshard", "units"]
+__all__ = ["gather", "reshard", "stage_output", "units"]
 
 
 def units(module: nn.Module) -> list[nn.Module]:
@@ -36,3 +42,16 @@ def reshard(module: nn.Module, after_forward: bool = False) -> None:
         unit.reshard()  # type: ignore[operator]
         if after_forward:
             unit.set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def stage_output(module: nn.Module) -> Iterator[None]:
+    """Run a sharded stage module without FSDP2's warning that it (or its last layer, whose output is the stage's)
+    returned a view: its warning is about an in-place op on that view in a later module, and the engine, which takes
+    the stage's output, makes none (it casts, sends, backpropagates). The other units still warn."""
+    children = list(module.children())
+    names = {type(module).__name__, *([type(children[-1]).__name__] if children else [])}
+    pattern = rf"FSDP2-wrapped module \(({'|'.join(map(re.escape, names))})\) returned a view tensor"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=pattern)
+        yield

@@ -110,32 +110,93 @@ def infer_boundaries(
     spec also says whether it requires grad, and each boundary whether a gradient comes back
     across it: its tensors require grad, the next stage's outputs depend on them through
     autograd, and a gradient comes back to that stage (it computes the loss, or its own output
-    boundary needs one). Behind a frozen stage or a detached output, none does.
+    boundary needs one). Behind a frozen stage or a detached output, none does. A stage whose
+    layers cannot run on the meta device (a kernel with no meta form for its dtypes, such as
+    grouped_mm's in a mixture of experts) runs for real instead, on the CPU with copies of its
+    layers, twice (zeros, then ones): its shapes must not follow the values. The copies are freed.
     """
     outputs: list[Boundary] = []
     reaches: list[bool] = []  # per stage: whether its outputs depend on its inputs through autograd
-    value = inputs.meta_leaves()
+    received = inputs
     with torch.enable_grad():
         for stage, (start, end) in enumerate(bounds):
-            leaves = unpack(value)
-            for index in range(start, end):
-                try:
-                    value = meta_layers[index](value)
-                except Exception as error:
-                    raise RuntimeError(
-                        f"could not infer the shapes leaving layer {index} (stage {stage}) on the meta device: "
-                        f"{type(error).__name__}: {str(error).rstrip('.')}. Every layer's output shape must follow "
-                        "from its input shape (no data-dependent shapes, no .item())"
-                    ) from error
+            layers = meta_layers[start:end]
+            leaves = unpack(received.meta_leaves())
+            try:
+                value = _run(layers, pack(leaves, received.is_tuple))
+            except _LayerFailed as on_meta:
+                value, leaves = _run_for_real(layers, received, on_meta, stage, start)
             boundary = Boundary.of(value, f"the output of stage {stage} (layers {start}..{end - 1})")
-            reaches.append(_depends(unpack(value), leaves))
+            reaches.append(_depends(unpack(value), leaves))  # type: ignore[arg-type]  # Boundary.of checked it
             outputs.append(boundary)
-            value = boundary.meta_leaves()  # the next stage receives leaves
+            received = boundary  # the next stage receives leaves of these specs
+            del value, leaves  # this stage's graph goes before the next one is made
     needed = True  # behind the last stage: the loss, whose gradient is 1
     for b in range(len(outputs) - 2, -1, -1):
         needed = bool(outputs[b].grad_specs) and reaches[b + 1] and needed
         outputs[b] = Boundary(outputs[b].specs, outputs[b].is_tuple, needed)
     return outputs
+
+
+class _LayerFailed(Exception):
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index, self.text = index, f"{type(error).__name__}: {str(error).rstrip('.')}"
+
+
+def _run(layers: Sequence[nn.Module], value: object) -> object:
+    for index, layer in enumerate(layers):
+        try:
+            value = layer(value)
+        except Exception as error:
+            raise _LayerFailed(index, error) from error
+    return value
+
+
+def _run_for_real(layers: Sequence[nn.Module], received: Boundary, on_meta: _LayerFailed, stage: int,
+                  start: int) -> tuple[object, Tensors]:  # fmt: skip
+    """A stage that cannot run on the meta device, run on the CPU: once with every parameter, buffer and input zero,
+    once with them all 0.01 (integers 1). Its output shapes must be the same both times: a shape that follows the
+    values (``x[x > 0]``) is refused."""
+    results = []
+    for fill in (0, 1):
+        leaves = tuple(torch.full(s.shape, _value(s.dtype, fill), dtype=s.dtype).requires_grad_(s.requires_grad)
+                       for s in received.specs)  # fmt: skip
+        try:
+            value = _run([_filled(layer, fill) for layer in layers], pack(leaves, received.is_tuple))
+        except _LayerFailed as for_real:
+            raise RuntimeError(
+                f"could not infer the shapes leaving layer {start + on_meta.index} (stage {stage}) on the meta device "
+                f"({on_meta.text}), nor by running the stage once on the CPU, where layer {start + for_real.index} "
+                f"raised {for_real.text}. Every layer's output shape must follow from its input shape (no "
+                "data-dependent shapes, no .item())"
+            ) from for_real.__cause__
+        results.append((value, leaves))
+    (first, leaves), (second, _) = results
+    shapes = [Boundary.of(v, f"the output of stage {stage}").specs for v in (first, second)]
+    if shapes[0] != shapes[1]:
+        raise RuntimeError(
+            f"could not infer the shapes leaving layer {start + on_meta.index} (stage {stage}) on the meta device "
+            f"({on_meta.text}), and run on the CPU the stage's output shapes follow its values "
+            f"({', '.join(map(str, shapes[0]))} on zeros, {', '.join(map(str, shapes[1]))} on ones). Every "
+            "layer's output shape must follow from its input shape (no data-dependent shapes, no .item())"
+        )
+    return first, leaves
+
+
+def _value(dtype: torch.dtype, fill: int) -> float | int | bool:
+    if dtype.is_floating_point or dtype.is_complex:
+        return 0.01 * fill
+    return bool(fill) if dtype == torch.bool else fill
+
+
+def _filled(layer: nn.Module, fill: int) -> nn.Module:
+    """A CPU copy of a meta layer, every parameter and buffer ``fill`` (held until the copy is freed)."""
+    real = copy.deepcopy(layer).to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in (*real.parameters(), *real.buffers()):
+            tensor.fill_(_value(tensor.dtype, fill))
+    return real
 
 
 def _depends(outputs: Tensors, inputs: Tensors) -> bool:

@@ -187,6 +187,23 @@ def die_with_parent(parent: int) -> None:
         pass
 
 
+def _release_fork_server() -> None:
+    """Close this rank's copy of the launcher's keep-alive pipe to the fork server.
+
+    multiprocessing hands every process the fork server starts the write end of that pipe (so that it
+    may start processes of its own); the fork server exits when every write end is closed. Ranks
+    holding one would keep it alive after the launcher dies, and their parent-death signal, which
+    follows the fork server, would never fire. Without it a rank that starts processes from a fork
+    server gets one of its own.
+    """
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
 def _child(
     rank: int,
     world: int,
@@ -200,6 +217,7 @@ def _child(
     reports: multiprocessing.Queue[Outcome],
     parent: int,
 ) -> None:
+    _release_fork_server()
     die_with_parent(parent)
     os.environ.update(
         RANK=str(rank),

@@ -31,19 +31,26 @@ PINGS = 8  # round trips per rank for the clock offset
 
 
 class _Span:
-    """``with tracer.span(action):`` records the block as a span (when it completes)."""
+    """``with tracer.span(action):`` records the block as a span (when it completes); while a torch.profiler records
+    (the user's), the block is also a range in it, named as the timeline names the action."""
 
-    __slots__ = ("tracer", "action", "wait", "start")
+    __slots__ = ("tracer", "action", "wait", "start", "range")
 
     def __init__(self, tracer: Tracer, action: Action, wait: bool) -> None:
         self.tracer, self.action, self.wait = tracer, action, wait
+        self.range: torch.profiler.record_function | None = None
 
     def __enter__(self) -> None:
+        if self.tracer.profiled:
+            self.range = torch.profiler.record_function(f"wait {self.action}" if self.wait else str(self.action))
+            self.range.__enter__()
         self.start = self.tracer.mark()
 
     def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
-        if kind is None:
+        if kind is None and self.tracer.records is not None:
             self.tracer.records.append((self.action, self.start, self.tracer.mark(), self.wait))
+        if self.range is not None:
+            self.range.__exit__(kind, value, trace)
 
 
 class _Nothing:
@@ -54,6 +61,11 @@ class _Nothing:
 
     def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
         return None
+
+
+def profiling() -> bool:
+    """Whether a torch.profiler is recording in this process (the user's: the engine then starts none of its own)."""
+    return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
 
 
 class Tracer:
@@ -70,6 +82,7 @@ class Tracer:
         self.sizes: dict[int, StageSizes] = {}  # this rank's stages, measured for this step
         self.tie_sync: dict[int, float] = {}  # tie group -> the bytes its TR flattens on this rank
         self.allocated: float | None = None  # the allocator's peak in the step, where it was watched (train.tracing)
+        self.profiled = False  # the user's torch.profiler records: each span is a range in it too
 
     def begin(
         self, ledger: Ledger | None = None, state: float = 0.0, sizes: dict[int, StageSizes] | None = None
@@ -164,15 +177,20 @@ class Tracer:
 
 
 class _NullTracer(Tracer):
-    def __init__(self) -> None:
+    """Records nothing, at no cost; ``profiled``: only the ranges in the user's profiler."""
+
+    def __init__(self, profiled: bool = False) -> None:
         super().__init__(torch.device("cpu"))
         self._nothing = _Nothing()
+        self.profiled = profiled
+        self.records = None  # type: ignore[assignment]  # spans are not kept
 
     def span(self, action: Action, wait: bool = False) -> _Span | _Nothing:
-        return self._nothing
+        return _Span(self, action, wait) if self.profiled else self._nothing
 
 
 NULL_TRACER: Tracer = _NullTracer()
+RANGES_ONLY: Tracer = _NullTracer(profiled=True)  # untraced steps under the user's profiler
 
 
 def _sizes(

@@ -74,6 +74,9 @@ class Executor:
         stream = program.instructions[self.rank]
         index, action = -1, None
         try:
+            if step.train:
+                for sync in self.syncs.values():
+                    sync.begin(step.average_replicas)
             for index, action in enumerate(stream):  # noqa: B007  (read in the except clause)
                 state.mailbox.reap()
                 handler = _post if isinstance(action, Post) else HANDLERS.get(action.kind)

@@ -15,6 +15,11 @@ Three implementations; the first two reduce flat buffers (one per dtype) asynchr
                   torch.distributed.pipelining's stage does it (perform_reduce_grad): its flags on, the
                   post-backward of every parameter group, the root's final callback, the flags off again
 
+Gradients accumulated over earlier steps (no zero_grad between) are already synchronised: a reduction must add
+only this step's share. A mean over replicas does (the mean of ``old + new_i`` is ``old + mean(new_i)``); a sum
+would add ``old`` once per rank, so before a training step's first backward (``begin``) one rank of each summing
+group keeps it (times the divisor it will be divided by) and the others zero theirs in place: no copy is held.
+
 Finished in the order AR, then TR: with FSDP a tie sum adds shards, so it starts when they are reduced
 (TieSum(after_shards=True) defers its start to its finish) and spans the holders of one replica.
 
@@ -33,6 +38,7 @@ from torch import nn
 
 from pipeengine.comm.base import Pending, Transport
 from pipeengine.core.dtensors import is_dtensor, local
+from pipeengine.core.sharding import reshard
 from pipeengine.errors import PipelineError
 from pipeengine.observe.trace import Tracer
 from pipeengine.runtime.stage import StageWorker
@@ -68,6 +74,10 @@ class GradientSync(abc.ABC):
 
     started: list[Reduction] = field(default_factory=list, init=False)
 
+    def begin(self, average: bool) -> None:  # noqa: B027  (a mean needs nothing)
+        """Before a training step's first backward: what .grad holds from earlier steps, counted once by the sum
+        (see the module docstring)."""
+
     @abc.abstractmethod
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
         """Start synchronising what ``op`` names; ``stream`` is this rank's program, ``average`` as above."""
@@ -102,6 +112,13 @@ class ReplicaMean(GradientSync):
     workers: dict[int, StageWorker]
     exclude: set[int]  # id() of parameters another synchronisation owns (tied across ranks: TieSum)
     _owners: dict[tuple[Action, ...], dict[int, list[nn.Parameter]]] = field(default_factory=dict, init=False)
+
+    def begin(self, average: bool) -> None:
+        if not average and self.data.rank != 0:  # summed: replica 0's accumulated gradients stand for every replica's
+            for worker in self.workers.values():
+                for param in worker.module.parameters():
+                    if param.grad is not None and id(param) not in self.exclude:
+                        param.grad.zero_()
 
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
         with tracer.span(op):
@@ -176,6 +193,9 @@ class ShardedReduce(GradientSync):
         for root in begun:
             fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]
             self.accumulate(root)
+        if not begun:  # a forward-only step (eval): no backward resharded what its forwards gathered
+            for root in self.roots.values():
+                reshard(root)
 
 
 @dataclass(frozen=True)
@@ -194,6 +214,19 @@ class TieSum(GradientSync):
     groups: dict[int, TieGroup]  # tie group -> what this rank sums for it
     after_shards: bool = False  # FSDP: start at the finish, after the AR's reduce-scatter made the shards
     _deferred: list[tuple[Instruction, bool]] = field(default_factory=list, init=False)
+
+    def begin(self, average: bool) -> None:
+        """The group's first rank keeps the accumulated gradient, times what the sum will be divided by; the other
+        holders zero theirs."""
+        for tie in self.groups.values():
+            scale = tie.replicas if average else 1
+            for param in tie.params:
+                if param.grad is None:
+                    continue
+                if tie.transport.rank != 0:
+                    param.grad.zero_()
+                elif scale > 1:
+                    param.grad.mul_(scale)
 
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
         if self.after_shards:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from pipeengine.core.dtensors import local
+
 __all__ = ["GradScaler"]
 
 
@@ -59,9 +61,10 @@ class GradScaler:
         inverse = 1.0 / self.scale
         found = torch.zeros((), dtype=torch.float32, device=self.device)
         for param in self._parameters():
-            if param.grad is not None:
-                param.grad.mul_(inverse)
-                found = torch.maximum(found, (~torch.isfinite(param.grad)).any().float())
+            if param.grad is not None:  # a DTensor's shard (tensor parallel, FSDP): each rank checks its own part
+                grad = local(param.grad)
+                grad.mul_(inverse)
+                found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
         self._agree(found)  # every pipeline, every replica: all skip or none
         self._found_inf = bool(found.item())
         return self._found_inf

@@ -10,13 +10,14 @@ backward stops there and leaves the input gradients in ``.grad`` to be sent upst
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeengine.core.dtensors import is_dtensor
-from pipeengine.core.sharding import gather
+from pipeengine.core.sharding import gather, stage_output, units
 from pipeengine.core.specs import Boundary, Tensors, map_tensors, pack, unpack
 from pipeengine.runtime.backward import WeightPass, backward_input
 from pipeengine.runtime.precision import autocast
@@ -45,6 +46,7 @@ class StageWorker:
         self.precision = precision  # autocast dtype; floating outputs cross the boundary in it
         self.saved: dict[int, tuple[Tensors, Tensors]] = {}  # micro-batch -> (inputs, outputs) for backward
         self.weight_passes: dict[int, WeightPass] = {}  # micro-batch -> its pending W (zero-bubble)
+        self.sharded = bool(units(module))  # FSDP2's units in it
 
     def forward(
         self,
@@ -66,7 +68,7 @@ class StageWorker:
         """
         argument = pack(inputs, packed)
         device = next((t.device for t in inputs), torch.device("cpu"))
-        with autocast(device, self.precision):
+        with autocast(device, self.precision), stage_output(self.module) if self.sharded else nullcontext():
             if self.checkpointed and train:
                 value = checkpoint(self.module, argument, use_reentrant=False)
             else:

@@ -28,12 +28,37 @@ import torch
 from torch import nn
 
 from pipeengine.comm.base import Transport
+from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import spread, whole
 from pipeengine.train import sharded as sharded_checkpoint
+from pipeengine.train.parameters import Parameters
 
-__all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Checkpoints", "consolidate", "load_checkpoint", "save_checkpoint"]
 
 LATEST = "latest"
+
+
+class Checkpoints:
+    """An engine's checkpoints: what it writes and reads, and the whole state it gathers for an export."""
+
+    def __init__(self, model: nn.Sequential, params: Parameters, topology: Topology, sharded: bool) -> None:
+        self.layers = [name for name, _ in model.named_children()]
+        self.keys = list(model.state_dict())  # to tell a checkpoint of another model, and its key order
+        self.params, self.topology, self.sharded = params, topology, sharded
+        self.writer = topology.dp_rank == 0 and topology.tp_rank == 0  # the first replica, tensor index 0: one copy
+
+    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None) -> Path:
+        state, names = self.params.owned_state(gather=not self.sharded)  # whole tensors, or each rank's shards
+        return save_checkpoint(directory, state, optimizer, names, layers=self.layers, keys=self.keys,
+                               aliases=self.params.ties.aliases, writer=self.writer, pipeline=self.topology.pipeline,
+                               world=self.topology.world, sharded=self.sharded)  # fmt: skip
+
+    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None) -> Path:
+        names = {id(param): name for name, param in self.params.named()}
+        return load_checkpoint(directory, self.params.stages.values(), optimizer, names, expected=set(self.keys))
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        return self.params.full_state(self.keys, self.writer, self.topology.world.rank)
 
 
 def save_checkpoint(

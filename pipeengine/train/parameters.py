@@ -54,6 +54,20 @@ class Parameters:
         names = {id(param): name for name, param in self.named() if name not in self.elsewhere}
         return {k: v for k, v in self.state_dict(gather).items() if k not in self.elsewhere}, names
 
+    def full_state(self, keys: list[str], writer: bool, world_rank: int) -> dict[str, torch.Tensor] | None:
+        """The whole model's state on world rank 0, under every one of the model's ``keys`` (a tied weight under each
+        of its names), whole tensors on the CPU; None elsewhere. Every rank calls it (a DTensor is gathered over its
+        mesh); ``writer``: this rank's pipeline is the one that holds world rank 0's (the first replica, tensor
+        index 0), whose stages send theirs to it."""
+        state = {name: value.cpu() for name, value in self.state_dict().items()}
+        if not writer:
+            return None
+        pieces = self.pipeline.all_gather_object(state, "the stages' state for full_state_dict")
+        if world_rank != 0:
+            return None
+        merged = {name: value for piece in pieces for name, value in piece.items()}
+        return {key: merged[self.ties.aliases.get(key, key)] for key in keys}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for module in self.stages.values():
             module.zero_grad(set_to_none)

@@ -92,7 +92,27 @@ class Stepper:
     def run(self, program: Schedule, step: StepInputs) -> StepResult:
         self._steps[step.train] += 1
         self.last_program = program
-        return self.tracing.run(self.parts.executor, program, step, self.params())
+        result = self.tracing.run(self.parts.executor, program, step, self.params())
+        self.share_buffers()
+        return result
+
+    def share_buffers(self) -> None:
+        """Every replica takes replica 0's buffers (batch norm's running statistics), as DDP's broadcast_buffers
+        does: each replica updated its own from its own batch; eval, the next step and a checkpoint see one copy."""
+        data = self.parts.topology.data
+        if data is None or not any(module.training for module in self.parts.stages.values()):
+            return
+        buffers: dict[torch.dtype, list[torch.Tensor]] = {}
+        for module in self.parts.stages.values():
+            for buffer in module.buffers():
+                buffers.setdefault(buffer.dtype, []).append(buffer)
+        for dtype, group in buffers.items():  # one message per dtype
+            flat = torch.cat([b.detach().reshape(-1) for b in group])
+            data.broadcast(flat, 0, f"replica 0's {str(dtype).removeprefix('torch.')} buffers")
+            offset = 0
+            for buffer in group:
+                buffer.detach().copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+                offset += buffer.numel()
 
     def split(self, value: object) -> list[Tensors]:
         """Per micro-batch tuples of tensors, on this rank's device (the header checked the shapes)."""

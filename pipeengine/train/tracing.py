@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ from pipeengine.core.sharding import gather, reshard
 from pipeengine.core.specs import Boundary, Tensors, unpack
 from pipeengine.observe.allocator import AllocatorWatch, training_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies, storage
-from pipeengine.observe.trace import NULL_TRACER, Tracer
+from pipeengine.observe.trace import NULL_TRACER, RANGES_ONLY, Tracer, profiling
 from pipeengine.runtime.executor import Executor, StepInputs, StepResult
 from pipeengine.runtime.gradsync import ReplicaMean, ShardedReduce, TieSum
 from pipeengine.runtime.stage import StageWorker
@@ -46,6 +47,7 @@ class Tracing:
         self._pipeline, self._num_stages = pipeline, num_stages
         self._allocator = AllocatorWatch.available(device, shared_process=pipeline.shared_clock)
         self._sizes: dict[tuple[object, ...], dict[int, StageSizes]] = {}  # per batch shape, program, optimizer
+        self._said = False  # the warning that the user's profiler turns the allocator watch off, given once
 
     @contextlib.contextmanager
     def on(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
@@ -57,13 +59,25 @@ class Tracing:
 
     def run(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter]) -> StepResult:
         """Run a step, traced if tracing is on (every rank of the pipeline alike)."""
+        profiled = profiling()  # the user's profiler: instructions as ranges in it, and no profiler of ours
         if not self.enabled:
-            return executor.run(program, step, NULL_TRACER)
+            return executor.run(program, step, RANGES_ONLY if profiled else NULL_TRACER)
+        self._tracer.profiled = profiled
+        allocator = self._allocator and not (profiled and self._tracer.device.type == "cpu")
+        if allocator != self._allocator and not self._said:
+            self._said = True
+            warnings.warn(
+                "engine.tracing(): a torch.profiler is recording (yours), and on the CPU the allocator is watched by "
+                "one (one at a time): the traced steps' allocator figures (timeline.allocated_peak) are not measured "
+                "while it records; the ledger's (timeline.peak_memory) are. Your profiler shows each instruction as "
+                "a range named as in the timeline",
+                stacklevel=4,
+            )
         if not step.train:
             self._tracer.begin()
             result = executor.run(program, step, self._tracer)
         else:  # memory too: the sizes of this rank's stages, then what it holds after every instruction
-            sizes = self._measure(executor, program, step, params)
+            sizes = self._measure(executor, program, step, params, allocator)
             batch = [t for mb in (step.inputs or ()) for t in mb]
             batch += [t for target in (step.targets or ()) for t in unpack(target) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
             gathered = None  # FSDP: the parameters a stage gathers are the state's, not activations, wherever they are
@@ -72,17 +86,17 @@ class Tracing:
             ledger = Ledger(ignore=[*params, *batch], ignore_live=gathered)  # the user's batch is theirs
             self._tracer.begin(ledger, sum(s.state for s in sizes.values()), sizes)
             live = training_bytes(params, self.optimizer)
-            with ledger.watching(), AllocatorWatch(self._tracer.device) if self._allocator else _nothing() as watch:
+            with ledger.watching(), AllocatorWatch(self._tracer.device) if allocator else _nothing() as watch:
                 result = executor.run(program, step, self._tracer)
             self._tracer.allocated = live + watch.peak if watch is not None else None
         self.timeline = self._tracer.gather(f"{program.name} measured", self._pipeline, self._num_stages)
         return result
 
-    def _measure(self, executor: Executor, program: Schedule, step: StepInputs,
-                 params: list[nn.Parameter]) -> dict[int, StageSizes]:  # fmt: skip
+    def _measure(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter],
+                 allocator: bool) -> dict[int, StageSizes]:  # fmt: skip
         """This rank's stages measured on the step's first micro-batch (once per batch shape and program)."""
         copies = optimizer_copies(self.optimizer, params)
-        key = (step.first_input, tuple(step.boundaries), id(program), copies)
+        key = (step.first_input, tuple(step.boundaries), id(program), copies, allocator)
         sizes = self._sizes.get(key)
         if sizes is not None:
             return sizes
@@ -112,7 +126,7 @@ class Tracing:
                 worker, inputs, packed, step.targets[0] if s == last else None,  # type: ignore[index]
                 None if s == last else step.boundaries[s], split=s in split,
                 parameter_bytes=sum(_size(p) for p in mine), optimizer_copies=copies,
-                allocator=self._allocator,
+                allocator=allocator,
             )  # fmt: skip
             late = sum(_size(p) for p in mine if p.grad is None and p.requires_grad)  # zero_grad(set_to_none=True)
             sizes[s] = dataclasses.replace(sizes[s], grads_late=float(late))
@@ -125,7 +139,7 @@ class Tracing:
                 sizes[s] = dataclasses.replace(sizes[s], gathered=everything, gathered_grads=whole)
 
                 reshard(worker.module, regathered)
-        if self._allocator and sizes:  # the optimizer steps over all of this rank's parameters at once
+        if allocator and sizes:  # the optimizer steps over all of this rank's parameters at once
             first = min(sizes)
             sizes[first] = dataclasses.replace(sizes[first], optimizer=optimizer_transient(self.optimizer, params))
         stream = program.instructions[executor.rank]

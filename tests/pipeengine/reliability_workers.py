@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import time
 from pathlib import Path
@@ -102,12 +103,14 @@ def under_inference_mode() -> None:
 
 
 def write_pid_and_train_forever(folder: str) -> None:
-    """Each rank leaves its pid in ``folder``, then trains until something stops it."""
-    Path(folder, f"rank{ranks.rank()}.pid").write_text(str(os.getpid()))
+    """Each rank trains a few steps, leaves its pid in ``folder`` (it is mid-training now, done with the launcher's
+    store), then trains until something stops it."""
     engine = PipelineEngine(mlp(), mse, num_microbatches=2)
     x, y = torch.randn(4, 16), torch.randn(4, 4)
-    while True:
+    for step in itertools.count():
         engine.train_step(x if engine.first else None, y if engine.last else None)
+        if step == 3:
+            Path(folder, f"rank{ranks.rank()}.pid").write_text(str(os.getpid()))
 
 
 def dies_between_steps(how: str, timeout: float) -> None:

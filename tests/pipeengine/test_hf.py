@@ -5,6 +5,7 @@ is downloaded."""
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,39 +23,85 @@ VOCAB, LENGTH = 64, 8
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 
 
-def build(family: str, layers: int = 2, tied: bool = True) -> nn.Module:
+FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {  # family: (config, model, what makes it itself)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 3,
+                                                         "max_window_layers": 1}),  # layer 1 slides, 0 does not
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 3}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 3, "pad_token_id": 0}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 3, "bos_token_id": 0,
+                                                                 "eos_token_id": 0}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "sliding_window": 3}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 16,
+                                                            "shared_expert_intermediate_size": 32}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # refused: a step outside the decoder layers that the adapter does not take
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 3}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 3}),
+}
+
+
+def build(family: str, layers: int = 2, tied: bool = True, **options: object) -> nn.Module:
     """A tiny causal LM of the family, the same weights on every rank (no dropout: equal to one process)."""
     small = {"vocab_size": VOCAB, "tie_word_embeddings": tied}
     if family == "gpt2":
         config = transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=LENGTH, resid_pdrop=0.0,
                                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                                         **small)  # fmt: skip
+                                         **small, **options)  # fmt: skip
         kind = transformers.GPT2LMHeadModel
     else:
-        config_class, kind = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]  # fmt: skip
-        config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=LENGTH, **small)  # fmt: skip
+        config_name, model_name, own = FAMILIES[family]
+        sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": LENGTH}  # fmt: skip
+        config = getattr(transformers, config_name)(**{**sizes, **small, **own, **options})
+        kind = getattr(transformers, model_name)
     with SEEDED:
         torch.manual_seed(0)
-        return kind(config)
+        return kind(config)  # type: ignore[no-any-return]
 
 
 def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded rows: labels -100 on the padding (and the ids there arbitrary, as a collator leaves them)."""
+    """Right-padded rows: labels -100 on the padding (and the ids there arbitrary, as a collator leaves them); no id
+    below 2, the pad tokens of the families (a row starting with one would be a left-padded row, refused)."""
     generator = torch.Generator().manual_seed(4000 + seed)
-    ids = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
+    ids = torch.randint(2, VOCAB, (size, LENGTH), generator=generator)
     labels = ids.clone()
     lengths = torch.randint(2, LENGTH + 1, (size,), generator=generator)
     labels[torch.arange(LENGTH)[None, :] >= lengths[:, None]] = hf.IGNORE
     return ids, labels
 
 
+PAD = 0  # the pad token of the left-padded batches
+
+
+def left_padded(size: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Left-padded rows as a chat template's collator makes them: ((ids, attention_mask), labels), the padding's
+    ids the pad token, its mask 0, its labels -100; one row unpadded."""
+    generator = torch.Generator().manual_seed(5000 + seed)
+    ids = torch.randint(1, VOCAB, (size, LENGTH), generator=generator)
+    lengths = torch.randint(2, LENGTH + 1, (size,), generator=generator)
+    lengths[0] = LENGTH
+    padding = torch.arange(LENGTH)[None, :] < (LENGTH - lengths)[:, None]
+    ids[padding] = PAD
+    labels = ids.masked_fill(padding, hf.IGNORE)
+    return (ids, (~padding).long()), labels
+
+
 def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: int = 1,
-           options: dict[str, object] | None = None, tied: bool = True) -> None:  # fmt: skip
-    """Two AdamW steps: the engine's loss and every gradient equal HF's token mean over the whole global batch."""
+           options: dict[str, object] | None = None, tied: bool = True, padding: str = "right",
+           config: dict[str, object] | None = None, accumulate: int = 1) -> None:  # fmt: skip
+    """Two AdamW steps: the engine's loss and every gradient equal HF's token mean over the whole global batch
+    (``model(ids, labels=labels)``; left padding: ``model(ids, attention_mask=mask, labels=labels)``, the engine given
+    (ids, mask)). ``accumulate``: train_steps before each optimizer step, no zero_grad between (gradients add)."""
     for schedule in schedules:
-        model = build(family, layers, tied)
+        model = build(family, layers, tied, **(config or {}))
         reference = copy.deepcopy(model)
         reference_seq = hf.sequential(reference)  # the same names as the engine's, on the reference's parameters
         m = 2 * ranks.size() // data_parallel
@@ -64,15 +111,23 @@ def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: in
         # orders, and AdamW's default 1e-8 would turn that noise into steps of about lr
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
-        what = f"{family} {schedule} dp={data_parallel} {options or ''}"
+        what = f"{family} {schedule} dp={data_parallel} {options or ''} {config or ''} {padding} padding"
         for step in range(2):
-            parts = [batch(2 * m, seed=10 * step + r) for r in range(data_parallel)]
-            ids, labels = parts[engine.dp_rank]
-            loss = engine.train_step(ids if engine.first else None, labels if engine.last else None)
-            expected = reference(torch.cat([p[0] for p in parts]), labels=torch.cat([p[1] for p in parts])).loss
-            expected.backward()
-            close(loss, expected.item(), f"{what} step {step}: loss")
-            check_grads(engine, reference_seq, f"{what} step {step}")
+            for part in range(accumulate):
+                seed = 10 * step + 3 * part
+                if padding == "left":
+                    parts = [left_padded(2 * m, seed=seed + r) for r in range(data_parallel)]
+                    kwargs = {"attention_mask": torch.cat([p[0][1] for p in parts])}
+                    ids = torch.cat([p[0][0] for p in parts])
+                else:
+                    parts, kwargs = [batch(2 * m, seed=seed + r) for r in range(data_parallel)], {}  # type: ignore[misc]
+                    ids = torch.cat([p[0] for p in parts])  # type: ignore[misc]
+                inputs, labels = parts[engine.dp_rank]
+                loss = engine.train_step(inputs if engine.first else None, labels if engine.last else None)
+                expected = reference(ids, labels=torch.cat([p[1] for p in parts]), **kwargs).loss
+                expected.backward()
+                close(loss, expected.item(), f"{what} step {step}.{part}: loss")
+                check_grads(engine, reference_seq, f"{what} step {step}, {part + 1} accumulated")
             step_both(optimizer, reference_optimizer)
         check_weights(engine, reference_seq, what)
 
@@ -187,3 +242,127 @@ def with_tensor_parallel() -> None:
 def test_the_models_own_tensor_parallel_plan_translates_to_the_sequential() -> None:
     assert hf.tp_plan(build("llama"))["*.layer.self_attn.q_proj"].__class__.__name__ == "ColwiseParallel"
     launch(with_tensor_parallel, 2, timeout=120)  # one stage over 2 tensor-parallel ranks: the plan is what is tested
+
+
+EXACT = ["llama", "qwen2-window", "qwen3", "mistral", "phi3", "starcoder2", "gemma", "mixtral", "qwen2_moe", "olmo2"]
+
+
+def every_family() -> None:
+    """Each family it takes, past its sliding window (LENGTH 8, window 3), on a schedule each, attention by sdpa and
+    by eager in turn."""
+    for index, family in enumerate(EXACT):
+        attention = ("sdpa", "eager")[index % 2]
+        parity(family, [SCHEDULES[index % len(SCHEDULES)]], config={"attn_implementation": attention},
+               tied=family not in ("qwen2_moe", "olmo2"))  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_every_family_it_takes_equals_hf_past_the_sliding_window() -> None:
+    launch(every_family, 2, timeout=200, in_process=True)
+
+
+@pytest.mark.parametrize(
+    "family, error",
+    [
+        ("gemma2", r"config.final_logit_softcapping=30.0 caps the logits with tanh"),
+        ("cohere", r"config.logit_scale=0.0625 scales the logits"),
+        ("granite", r"config.logits_scaling=4.0 divides the logits"),
+        ("gemma3", r"config.model_type='gemma3_text'\) is not a family pipeengine.hf has been checked to compute"),
+    ],
+)
+def test_a_family_it_would_compute_wrongly_is_refused_naming_the_field(family: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        hf.sequential(build(family, attn_implementation="eager"))
+
+
+def left_padding() -> None:
+    parity("llama", SCHEDULES, padding="left", config={"pad_token_id": PAD})
+    parity("gpt2", ["1f1b", "zb-v"], padding="left")
+    parity("mistral", ["interleaved"], padding="left", config={"attn_implementation": "eager"})  # and the window
+
+
+@pytest.mark.timeout(240)
+def test_left_padded_batches_with_their_mask_equal_hf_on_every_schedule() -> None:
+    launch(left_padding, 2, timeout=200, in_process=True)
+
+
+def left_padded_without_mask() -> None:
+    model = build("llama", pad_token_id=PAD)
+    engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, loss_count=hf.count_labels)
+    (ids, _), labels = left_padded(4, seed=0)
+    engine.train_step(ids if engine.first else None, labels if engine.last else None)
+
+
+@pytest.mark.timeout(60)
+def test_a_left_padded_batch_without_its_mask_is_refused_saying_how_to_pass_it() -> None:
+    with pytest.raises(Exception, match=r"starts with the pad token \(pad_token_id=0\) and has tokens after it: a "
+                                        r"left-padded batch needs its attention mask. Pass the inputs as \(input_ids, "
+                                        r"attention_mask\)"):  # fmt: skip
+        launch(left_padded_without_mask, 2, timeout=30, in_process=True)
+
+
+def accumulated_tie() -> None:
+    parity("gpt2", ["1f1b"], accumulate=2)  # the tied embedding and head across 2 ranks: G1 + G2, not 2 G1 + G2
+
+
+@pytest.mark.timeout(120)
+def test_gradients_accumulated_over_steps_equal_hf_with_the_head_tied_across_ranks() -> None:
+    launch(accumulated_tie, 2, timeout=90, in_process=True)
+
+
+def heads_refused(kv_heads: int, heads: int) -> None:
+    model = build("llama", num_key_value_heads=kv_heads, num_attention_heads=heads, hidden_size=8 * heads)
+    PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=2,
+                   tp_plan=hf.tp_plan(model))  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kv_heads, heads", [(1, 4), (3, 3)])
+def test_a_tensor_parallel_degree_that_splits_a_head_is_refused_naming_the_heads(kv_heads: int, heads: int) -> None:
+    with pytest.raises(ValueError, match=rf"tensor_parallel=2 splits LlamaForCausalLM's attention by heads, and its "
+                                         rf"{heads} attention heads and {kv_heads} key-value heads do not both divide"):
+        launch(heads_refused, 2, args=(kv_heads, heads), timeout=30, in_process=True)
+
+
+def export_parallel(directory: str) -> None:
+    """Trained on 4 gloo ranks with tensor parallelism or FSDP, then exported: save_pretrained writes whole
+    tensors of the model given to hf.sequential (its layers parallelized or sharded now)."""
+    cases = [("gpt2", {"data_parallel": 2, "fsdp": True}), ("llama", {"data_parallel": 2, "fsdp": True}),
+             ("llama", {"tensor_parallel": 2})]  # fmt: skip
+    for index, (family, options) in enumerate(cases):
+        model = build(family, tied=family == "gpt2")
+        plan = {"tp_plan": hf.tp_plan(model)} if "tensor_parallel" in options else {}
+        engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2,
+                                loss_count=hf.count_labels, **options, **plan)  # type: ignore[arg-type]  # fmt: skip
+        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+        ids, labels = batch(4, seed=index)
+        engine.train_step(ids if engine.first else None, labels if engine.last else None)
+        optimizer.step()
+        logits = engine.eval_step(ids if engine.first else None)
+        written = hf.save_pretrained(engine, model, f"{directory}/{index}")
+        assert (written is not None) == (ranks.rank() == 0)
+        if engine.last and engine.dp_rank == 0 and engine.tp_rank == 0:
+            torch.save(logits, f"{directory}/{index}.pt")
+
+
+@pytest.mark.timeout(180)
+def test_save_pretrained_after_tensor_parallel_or_fsdp_training_loads_and_computes_the_same(tmp_path: Path) -> None:
+    launch(export_parallel, 4, args=(str(tmp_path),), timeout=150)
+    for index in range(3):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(index))
+        ids, _ = batch(4, seed=index)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, torch.load(tmp_path / f"{index}.pt"), rtol=1e-5, atol=4e-5)
+
+
+def test_the_adapter_makes_transformers_warn_nothing() -> None:
+    """No FutureWarning (the mask functions' past_key_values, renamed in transformers 5) nor any other, per call."""
+    ids, _ = batch(2, seed=0)
+    (padded, mask), _ = left_padded(2, seed=0)
+    for family in ("llama", "gpt2", "qwen2-window"):
+        seq = hf.sequential(build(family))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seq(ids)
+            seq((padded, mask))
+        assert not caught, [f"{w.category.__name__}: {w.message}" for w in caught]

@@ -22,6 +22,32 @@ def test_every_rank_runs_with_gloo_and_its_share_of_the_cores(tmp_path: Path) ->
     assert seen == ["0 2 gloo 1 atexit", "1 2 gloo 1 atexit"]
 
 
+def report_start(path: str) -> None:
+    """What started this rank: its parent's command line, whether its parent had torch loaded, and whether this rank
+    still holds the fork server's keep-alive pipe."""
+    import json
+    from multiprocessing import forkserver
+
+    parent = os.getppid()
+    command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    loaded = "libtorch" in Path(f"/proc/{parent}/maps").read_text()
+    alive = forkserver._forkserver._forkserver_alive_fd  # type: ignore[attr-defined]
+    Path(f"{path}.{os.environ['RANK']}").write_text(json.dumps([command, loaded, alive]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+def test_ranks_start_from_a_fork_server_that_imported_torch_and_let_go_of_its_pipe(tmp_path: Path) -> None:
+    """A rank is forked from a server that imported torch once (not spawned, importing it again: about a second of
+    CPU each), and closes the server's keep-alive pipe (else the server, and so the rank, outlives the launcher)."""
+    import json
+
+    launch(report_start, 2, args=(str(tmp_path / "start"),))
+    for rank in range(2):
+        command, loaded, alive = json.loads((tmp_path / f"start.{rank}").read_text())
+        assert "multiprocessing.forkserver" in command and loaded and alive is None, (rank, command, loaded, alive)
+
+
 @pytest.mark.timeout(60)
 def test_a_child_exception_is_re_raised_as_itself_naming_its_rank() -> None:
     with pytest.raises(KeyError, match="raised on purpose by rank 1") as caught:

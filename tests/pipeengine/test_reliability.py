@@ -60,31 +60,55 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError, ProcessLookupError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = set(), [pid]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.add(child)
+            frontier.append(child)
+    return found
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_ranks_stop_when_their_launcher_is_killed(sig: signal.Signals, tmp_path: Path) -> None:
+def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(sig: signal.Signals, tmp_path: Path) -> None:
+    """Killed a few steps into training: every rank, the fork server they started from and multiprocessing's
+    resource tracker are gone within seconds (a rank once kept the fork server alive through its keep-alive pipe,
+    and the fork server's death is what signals the ranks)."""
     script = tmp_path / "train.py"
     script.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.DEVNULL)
+    helpers: set[int] = set()
     try:
         deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("rank*.pid"))) < 2:  # both ranks are up and training
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:  # both ranks are 4 steps into training
             assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.2)
-        pids = [int(path.read_text()) for path in tmp_path.glob("rank*.pid")]
-        time.sleep(0.5)
+        pids = {int(path.read_text()) for path in tmp_path.glob("rank*.pid")}
+        helpers = descendants(launcher.pid)
+        assert pids <= helpers and len(helpers) >= 4, (pids, helpers)  # the fork server and the resource tracker
         os.kill(launcher.pid, sig)
         launcher.wait(30)
-        deadline = time.monotonic() + 30  # generous: the kernel signals each rank as its parent dies
-        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10  # the kernel signals each rank as the fork server exits
+        while any(alive(pid) for pid in helpers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(alive(pid) for pid in pids), f"ranks {pids} outlived their launcher killed by {sig.name}"
+        left = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in helpers
+                if alive(pid)}  # fmt: skip
+        assert not left, f"outlived their launcher killed by {sig.name}: {left}"
     finally:
         launcher.kill()
-        for path in tmp_path.glob("rank*.pid"):
+        for pid in helpers:
             try:
-                os.kill(int(path.read_text()), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

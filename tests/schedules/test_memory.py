@@ -115,3 +115,27 @@ def test_what_the_allocator_sees_beyond_the_ledger_is_counted() -> None:
     stepped = simulate(schedule, Costs(memory=Memory(state=4.0, activation=1.0, optimizer=30.0)))
     assert stepped.optimizer_peak == [34.0, 34.0] and stepped.required_memory == [34.0, 34.0]
     assert plain.required_memory == plain.peak_memory  # no optimizer temporaries: the step's peak
+
+
+def test_each_computes_transient_counts_once_over_its_own_run_by_hand() -> None:
+    """One rank, two micro-batches, unit times. State 100, activation 10 (4 left by I), transients F 1000, B 3000,
+    I 300, W 30, the first B (or W) 5000: each held from its compute's start to its end, on the level it started at,
+    once; the first gradient compute's in place of its kind's.
+
+    gpipe:  F0 100+1000, then +10 | F1 110+1000, +10 | B0 (first) 120+5000, -10 | B1 110+3000, -10
+    zb-h1:  F0 100+1000, +10 | I0 110+300, 10->4 | W0 (first) 104+5000, -4 | F1 ... | W1 104+30, -4
+    """
+    memory = Memory(state=100, activation=10, after_input=4, transient=1000, backward_transient=3000,
+                    input_transient=300, weight_transient=30, first_transient=5000)  # fmt: skip
+    gpipe = simulate(build_schedule("gpipe", 1, 2), Costs(memory=memory))
+    assert [(str(a), b) for _, b, a in gpipe.memory[0]][1:] == [  # type: ignore[index]
+        ("0F0", 1100), ("0F0", 100), ("0F0", 110), ("0F1", 1110), ("0F1", 110), ("0F1", 120),
+        ("0B0", 5120), ("0B0", 120), ("0B0", 110), ("0B1", 3110), ("0B1", 110), ("0B1", 100),
+    ]  # fmt: skip
+    zb = simulate(build_schedule("zb-h1", 1, 2), Costs(memory=memory))
+    assert [(str(a), b) for _, b, a in zb.memory[0]][1:] == [  # type: ignore[index]
+        ("0F0", 1100), ("0F0", 100), ("0F0", 110), ("0I0", 410), ("0I0", 110), ("0I0", 104),
+        ("0W0", 5104), ("0W0", 104), ("0W0", 100), ("0F1", 1100), ("0F1", 100), ("0F1", 110),
+        ("0I1", 410), ("0I1", 110), ("0I1", 104), ("0W1", 134), ("0W1", 104), ("0W1", 100),
+    ]  # fmt: skip
+    assert gpipe.peak_memory == [5120] and zb.peak_memory == [5104]

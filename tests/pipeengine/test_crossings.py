@@ -1,0 +1,310 @@
+"""Where two features meet (reliability round 4): gradients accumulated over steps with a tie or a summed loss over
+replicas, replicas' buffers, eval under FSDP, fp16 with sharded gradients, tracing a tensor-parallel stage, the
+user's own profiler. Each against one process, on real gloo ranks where torch.distributed is needed."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine import PipelineEngine, launch
+from pipeengine.core.dtensors import whole
+from schedules import Instruction
+from tests.pipeengine import ranks
+from tests.pipeengine.gpt_workers import count_tokens, one_process_loss, padded_batch, tied_gpt, token_sum
+from tests.pipeengine.models import SEEDED
+from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+
+
+def accumulated(data_parallel: int, options: dict[str, object], summed: bool, tied: bool, steps: int = 2) -> None:
+    """``steps`` train_steps with no zero_grad between: every gradient is the sum of each step's one-process
+    gradient (as the README promises), then one AdamW step leaves the same weights."""
+    model = tied_gpt(blocks=2)
+    if not tied:  # its own head: nothing tied
+        model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
+    reference = copy.deepcopy(model)
+    m = 2
+    loss_options = {"loss_count": count_tokens} if summed else {}
+    engine = PipelineEngine(model, token_sum if summed else one_process_loss, num_microbatches=m, schedule="1f1b",
+                            data_parallel=data_parallel, **loss_options, **options)  # type: ignore[arg-type]  # fmt: skip
+    what = f"dp={data_parallel} {options} summed={summed} tied={tied}"
+    for step in range(steps):
+        parts = [padded_batch(2 * m, seed=10 * step + r, microbatches=m) for r in range(data_parallel)]
+        x, y = parts[engine.dp_rank]
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        if summed:  # one process: the token mean over the global batch
+            expected = one_process_loss(reference(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts]))
+        else:  # the mean of the replicas' means of their micro-batches' means
+            expected = torch.stack([one_process_loss(reference(mb_x), mb_y) for px, py in parts
+                                    for mb_x, mb_y in zip(px.chunk(m), py.chunk(m), strict=True)]).mean()  # fmt: skip
+        expected.backward()
+        close(loss, expected.item(), f"{what} step {step}: loss")
+        check_grads(engine, reference, f"{what}: gradients accumulated over {step + 1} steps")
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step_both(*optimizers)
+    check_weights(engine, reference, f"{what}: after AdamW on the accumulated gradients")
+
+
+def accumulation_on_two_ranks() -> None:
+    accumulated(1, {}, summed=True, tied=True)  # a tie across two ranks
+    accumulated(1, {}, summed=False, tied=True)
+
+
+def accumulation_on_four_ranks() -> None:
+    for options in ({}, {"fsdp": True}):
+        accumulated(2, options, summed=True, tied=True)
+        accumulated(2, options, summed=False, tied=True)
+    accumulated(2, {}, summed=True, tied=False)  # the replicas' sum alone (loss_count)
+
+
+@pytest.mark.timeout(120)
+def test_gradients_accumulate_over_steps_with_a_tie_across_ranks() -> None:
+    launch(accumulation_on_two_ranks, 2, timeout=90)
+
+
+@pytest.mark.timeout(180)
+def test_gradients_accumulate_over_steps_with_replicas_summed_tied_and_sharded() -> None:
+    launch(accumulation_on_four_ranks, 4, timeout=150)
+
+
+def normed(seed: int = 0) -> nn.Sequential:
+    """An MLP with batch norms: running statistics, buffers each replica updates from its own batch."""
+    with SEEDED:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+                             nn.Tanh(), nn.Linear(16, 4))  # fmt: skip
+
+
+def replicas_buffers(directory: str, fsdp: bool) -> None:
+    """dp=2 x pp=2: after a step every replica holds replica 0's running statistics (as DDP's broadcast_buffers:
+    what replica 0 computed from its own micro-batches), so eval_step agrees across replicas and a checkpoint keeps
+    that one copy."""
+    from pipeengine import consolidate
+
+    model = normed()
+    reference = copy.deepcopy(model)  # replica 0's statistics: its micro-batches, in order, in training mode
+    m = 2
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=m, schedule="1f1b", data_parallel=2,
+                            fsdp=fsdp, partition=[2, 5])  # fmt: skip
+    parts = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(r)), torch.randn(8, 4)) for r in range(2)]
+    x, y = parts[engine.dp_rank]
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    with torch.no_grad():
+        for chunk in parts[0][0].chunk(m):
+            reference(chunk)
+    state = {name: value for name, value in engine.state_dict().items() if "running" in name}
+    assert state or not any(True for _ in engine.parameters()), "every stage here holds a batch norm"
+    expected = reference.state_dict()
+    for name, value in state.items():
+        close(value, expected[name], f"fsdp={fsdp}: {name} on replica {engine.dp_rank}")
+    engine.eval()
+    reference.eval()
+    probe = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
+    out = engine.eval_step(probe if engine.first else None)
+    if engine.last:
+        close(out, reference(probe).detach(), f"fsdp={fsdp}: eval on replica {engine.dp_rank}")  # type: ignore[arg-type]
+    engine.save(directory)
+    ranks.barrier()
+    saved = consolidate(directory)
+    for name in ("1.running_mean", "4.running_var", "4.num_batches_tracked"):
+        close(saved[name].float(), expected[name].float(), f"fsdp={fsdp}: checkpointed {name}")
+
+
+def around_fsdp(directory: str) -> None:
+    for fsdp in (False, True):
+        replicas_buffers(f"{directory}/{fsdp}", fsdp)
+    eval_between_sharded_steps()
+    fp16_sharded()
+    no_view_warnings()
+
+
+def no_view_warnings() -> None:
+    """FSDP2 under bf16 does not warn that a stage (or its last layer) returned a view: the engine takes that output
+    and changes nothing in place."""
+    from tests.pipeengine.models import MODELS
+    from tests.pipeengine.models import batch as model_batch
+
+    build, loss_fn = MODELS["transformer"]
+    engine = PipelineEngine(build(), loss_fn, num_microbatches=2, data_parallel=2, fsdp=True, precision="bf16")
+    x, y = model_batch("transformer", 4, seed=engine.dp_rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+    views = [str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)]
+    assert not views, views
+
+
+def eval_between_sharded_steps() -> None:
+    """fsdp=True (reshard_after_forward=False, the default): eval_step frees what it gathered; training, parameters()
+    and eval go on like one process."""
+    model = tied_gpt(blocks=2)
+    model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, one_process_loss, num_microbatches=2, data_parallel=2, fsdp=True)
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = padded_batch(4, seed=step, microbatches=2)  # the same batch on both replicas: the mean is one's
+        out = engine.eval_step(x if engine.first else None)
+        with torch.no_grad():
+            expected = reference(x)
+        if engine.last:
+            close(out, expected, f"eval before step {step}")  # type: ignore[arg-type]
+        sizes = {name: tuple(p.to_local().shape) for name, p in engine.named_parameters()}  # type: ignore[attr-defined]
+        assert all(shape[0] <= (dict(reference.named_parameters())[n].shape[0] + 1) // 2 for n, shape in sizes.items()
+                   ), f"eval left parameters gathered: {sizes}"  # fmt: skip
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        pairs = zip(x.chunk(2), y.chunk(2), strict=True)
+        reference_loss = torch.stack([one_process_loss(reference(a), b) for a, b in pairs]).mean()
+        reference_loss.backward()
+        close(loss, reference_loss.item(), f"step {step} after eval: loss")
+        check_grads(engine, reference, f"step {step} after eval")
+        step_both(*optimizers)
+    check_weights(engine, reference, "after eval, train, eval, train")
+
+
+def fp16_sharded() -> None:
+    """precision="fp16" with fsdp=True: the scaler unscales the sharded gradients, agrees on overflow and steps."""
+    from tests.pipeengine.feature_workers import staged_reference
+
+    model = tied_gpt(blocks=2)
+    model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
+    reference = copy.deepcopy(model)
+    m = 2
+    engine = PipelineEngine(model, one_process_loss, num_microbatches=m, data_parallel=2, fsdp=True,
+                            precision="fp16")  # fmt: skip
+    parts = [padded_batch(4, seed=20 + r, microbatches=m) for r in range(2)]
+    x, y = parts[engine.dp_rank]
+    engine.scaler.scale = scale = 2.0**8  # 2**16 overflows this model's fp16 logits' gradients (on any layout)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    union_x, union_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    expected = staged_reference(reference, engine.bounds, union_x, union_y, 2 * m, torch.float16, one_process_loss,
+                                scale)  # fmt: skip
+    close(loss, expected, "fp16 fsdp: loss")
+    assert engine.scaler.unscale_() is False
+    check_grads(engine, reference, "fp16 fsdp: unscaled")
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    assert engine.scaler.step(optimizers[0])
+    engine.scaler.update()
+    optimizers[1].step()
+    check_weights(engine, reference, "fp16 fsdp: after the scaler's step")
+
+
+@pytest.mark.timeout(180)
+def test_replicas_share_buffers_eval_frees_gathered_shards_and_fp16_unscales_shards(tmp_path: Path) -> None:
+    launch(around_fsdp, 4, args=(str(tmp_path),), timeout=150)
+
+
+def rowwise_mlp(seed: int = 0) -> nn.Sequential:
+    """Two column-then-row pairs and a head: cut after layer 2, stage 0 ends on RowwiseParallel (its output an
+    asynchronous collective's tensor)."""
+    with SEEDED:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Linear(8, 16), nn.Tanh(),
+                             nn.Linear(16, 8), nn.Linear(8, 4))  # fmt: skip
+
+
+def rowwise_plan() -> dict[str, object]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
+
+
+def around_tensor_parallel() -> None:
+    """pp=2 x tp=2: a traced step of a stage ending on RowwiseParallel trains like one process and yields a timeline
+    with its memory; fp16's scaler unscales the sharded gradients and steps like one process."""
+    from tests.pipeengine.feature_workers import staged_reference
+
+    mse = nn.functional.mse_loss
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
+    model = rowwise_mlp()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(),
+                            partition=[3, 4])  # fmt: skip
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for traced in (False, True):
+        with engine.tracing(optimizers[0]) if traced else contextlib.nullcontext():
+            loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        expected = torch.stack([mse(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)]).mean()
+        expected.backward()
+        close(loss, expected.item(), f"traced={traced}: loss")
+        check_grads(engine, reference, f"tp=2, stage 0 ending on RowwiseParallel, traced={traced}")
+        step_both(*optimizers)
+    timeline = engine.timeline()
+    if ranks.rank() == 0:
+        assert timeline is not None
+        assert {span.action.kind.name for span in timeline.spans if span.is_compute} >= {"FORWARD", "BACKWARD"}  # type: ignore[union-attr]
+        assert min(timeline.peak_memory) > 0 and timeline.allocated_peak is not None
+    model = rowwise_mlp()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(),
+                            partition=[3, 4], precision="fp16")  # fmt: skip
+    scale = engine.scaler.scale
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    expected = staged_reference(reference, engine.bounds, x, y, 2, torch.float16, mse, scale)
+    # each tensor rank of a RowwiseParallel layer rounds its partial sum to fp16 before they are added, one process
+    # rounds the whole sum: two such layers deep, a few of fp16's units (2**-10) apart, never float32's
+    fp16 = {"rtol": 4 * 2.0**-10, "atol": 4 * 2.0**-10}
+    torch.testing.assert_close(torch.tensor(loss), torch.tensor(expected), **fp16, msg=lambda m: f"fp16 tp=2 loss: {m}")
+    optimizers = torch.optim.SGD(engine.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    assert engine.scaler.step(optimizers[0])
+    engine.scaler.update()
+    expected_grads = dict(reference.named_parameters())
+    for name, param in engine.named_parameters():
+        torch.testing.assert_close(whole(param.grad), expected_grads[name].grad, **fp16,
+                                   msg=lambda m, n=name: f"fp16 tp=2, {n}'s unscaled gradient: {m}")  # fmt: skip
+    optimizers[1].step()
+    for name, param in engine.named_parameters():  # SGD: the weights move by lr times those gradients
+        torch.testing.assert_close(whole(param.detach()), expected_grads[name].detach(), **fp16,
+                                   msg=lambda m, n=name: f"fp16 tp=2, {n} after the scaler's step: {m}")  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_stages_trace_and_unscale_fp16_like_one_process() -> None:
+    launch(around_tensor_parallel, 4, timeout=150)
+
+
+def under_the_users_profiler(directory: str) -> None:
+    """The user's torch.profiler keeps recording while the engine traces (inside or around it): the engine does not
+    start a profiler of its own then (it says so), every instruction shows as a range named as in the timeline, and
+    the user's trace exports. Without engine tracing the ranges show too."""
+    from tests.pipeengine.models import mlp, mse
+
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule="1f1b")
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    engine.train_step(x if engine.first else None, y if engine.last else None)  # warm: sizes measured unwatched
+    cases = {"inside": lambda: (profile(), engine.tracing()), "around": lambda: (engine.tracing(), profile()),
+             "untraced": lambda: (profile(), contextlib.nullcontext())}  # fmt: skip
+    said: list[str] = []
+    for case, contexts in cases.items():
+        outer, inner = contexts()
+        with warnings.catch_warnings(record=True) as caught, outer as first, inner as second:
+            warnings.simplefilter("always")
+            engine.train_step(x if engine.first else None, y if engine.last else None)
+        said += [str(w.message) for w in caught]
+        prof = first if case != "around" else second
+        names = {event.name for event in prof.events()}
+        mine = {str(op) for op in engine.last_program.instructions[engine.rank] if isinstance(op, Instruction)}  # type: ignore[union-attr]
+        assert mine <= names, f"{case}: the instructions {sorted(mine - names)} are not in the user's trace"
+        assert len(names) > len(mine), f"{case}: the user's profiler recorded only our ranges: {sorted(names)}"
+        prof.export_chrome_trace(f"{directory}/{case}-{ranks.rank()}.json")
+        timeline = engine.timeline()
+        if case != "untraced" and ranks.rank() == 0:
+            assert timeline is not None and timeline.allocated_peak is None  # not measured: one profiler at a time
+            assert min(timeline.peak_memory) > 0  # the ledger's figures stand
+    assert sum("a torch.profiler is recording (yours)" in text for text in said) == 1, said  # said, once
+
+
+def profile() -> torch.profiler.profile:
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+
+@pytest.mark.timeout(120)
+def test_the_users_profiler_records_the_engines_instructions_while_it_traces(tmp_path: Path) -> None:
+    launch(under_the_users_profiler, 2, args=(str(tmp_path),), timeout=90)
+    assert len(list(tmp_path.glob("*.json"))) == 6  # each rank exported each case's trace (it used to crash)
