@@ -64,8 +64,21 @@ class _Nothing:
 
 
 def profiling() -> bool:
-    """Whether a torch.profiler is recording in this process (the user's: the engine then starts none of its own)."""
+    """Whether a torch.profiler is recording in this process (the user's: each instruction is a range in it)."""
     return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
+
+
+def profiler_open() -> bool:
+    """Whether a torch.profiler is open in this process, recording or about to (a scheduled profiler's wait and
+    warmup phases prepare kineto without recording; a profiler of the engine's own started then would take the
+    session from under it, and the user's crashes when it turns active). torch keeps no record of a prepared
+    session: the open profilers are found among the live objects (tens of milliseconds, once per traced step)."""
+    if profiling():
+        return True
+    import gc
+
+    kind = torch.autograd.profiler.profile
+    return any(type(o) is kind and o.entered and o.kineto_results is None for o in gc.get_objects())
 
 
 class Tracer:

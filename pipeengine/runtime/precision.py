@@ -53,6 +53,7 @@ class GradScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._good_steps = 0
         self._found_inf: bool | None = None  # None: not unscaled this step
+        self._stepped = False  # step() was called since the last update()
 
     def unscale_(self) -> bool:
         """Divide this rank's gradients by the scale; return whether any rank of the world saw inf/nan."""
@@ -70,7 +71,14 @@ class GradScaler:
         return self._found_inf
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale (once), then step the optimizer unless some gradient overflowed; True if it stepped."""
+        """Unscale (once), then step the optimizer unless some gradient overflowed; True if it stepped. Once per
+        update(), as torch.amp.GradScaler: a second step would take gradients the next train_step scaled again."""
+        if self._stepped:
+            raise RuntimeError(
+                "engine.scaler.step() has already been called since the last update(): call engine.scaler.update() "
+                "after each step (it also lets the next step unscale its own gradients)"
+            )
+        self._stepped = True
         if self.unscale_():
             return False
         optimizer.step()
@@ -88,3 +96,4 @@ class GradScaler:
                     self.scale *= self.growth_factor
                     self._good_steps = 0
         self._found_inf = None
+        self._stepped = False

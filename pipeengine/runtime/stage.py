@@ -9,6 +9,7 @@ backward stops there and leaves the input gradients in ``.grad`` to be sent upst
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
@@ -25,6 +26,7 @@ from pipeengine.runtime.precision import autocast
 __all__: list[str] = []
 
 LossFn = Callable[..., torch.Tensor]
+Context = contextlib.AbstractContextManager[None]
 
 
 class StageWorker:
@@ -70,7 +72,7 @@ class StageWorker:
         device = next((t.device for t in inputs), torch.device("cpu"))
         with autocast(device, self.precision), stage_output(self.module) if self.sharded else nullcontext():
             if self.checkpointed and train:
-                value = checkpoint(self.module, argument, use_reentrant=False)
+                value = checkpoint(self.module, argument, use_reentrant=False, context_fn=self._recompute_context)
             else:
                 value = self.module(argument)
             if self.is_last and train:
@@ -95,6 +97,12 @@ class StageWorker:
         # a copy: a loss's scalar can sit on a larger storage (CPU mse_loss reduces in its elementwise buffer and
         # returns a 0-d view of it, a micro-batch's output in size), which the step's losses would keep alive
         return (), loss.detach().float().clone()
+
+    def _recompute_context(self) -> tuple[Context, Context]:
+        """Activation checkpointing runs the forward again in backward, in training mode: the buffers it would update
+        a second time (batch norm's running statistics) are put back as the first forward left them."""
+        buffers = list(self.module.buffers())
+        return nullcontext(), _restored(buffers) if buffers else nullcontext()
 
     def held(self) -> Iterator[torch.Tensor]:
         """What this worker keeps between its computes: inputs and outputs for backward, W's kept gradients."""
@@ -173,3 +181,14 @@ class StageWorker:
                 f"stage {self.index} produced {got}, but its receiver expects {expected} (inferred on the meta "
                 f"device){hint}"
             )
+
+
+@contextlib.contextmanager
+def _restored(buffers: list[torch.Tensor]) -> Iterator[None]:
+    saved = [buffer.detach().clone() for buffer in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)

@@ -27,7 +27,7 @@ from pipeengine.core.sharding import gather, reshard
 from pipeengine.core.specs import Boundary, Tensors, unpack
 from pipeengine.observe.allocator import AllocatorWatch, training_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies, storage
-from pipeengine.observe.trace import NULL_TRACER, RANGES_ONLY, Tracer, profiling
+from pipeengine.observe.trace import NULL_TRACER, RANGES_ONLY, Tracer, profiler_open, profiling
 from pipeengine.runtime.executor import Executor, StepInputs, StepResult
 from pipeengine.runtime.gradsync import ReplicaMean, ShardedReduce, TieSum
 from pipeengine.runtime.stage import StageWorker
@@ -59,18 +59,19 @@ class Tracing:
 
     def run(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter]) -> StepResult:
         """Run a step, traced if tracing is on (every rank of the pipeline alike)."""
-        profiled = profiling()  # the user's profiler: instructions as ranges in it, and no profiler of ours
+        profiled = profiling()  # the user's profiler records: each instruction is a range in it
         if not self.enabled:
             return executor.run(program, step, RANGES_ONLY if profiled else NULL_TRACER)
         self._tracer.profiled = profiled
-        allocator = self._allocator and not (profiled and self._tracer.device.type == "cpu")
+        # on the CPU the allocator is watched by a profiler of ours: not while one of the user's is open
+        allocator = self._allocator and not (self._tracer.device.type == "cpu" and step.train and profiler_open())
         if allocator != self._allocator and not self._said:
             self._said = True
             warnings.warn(
-                "engine.tracing(): a torch.profiler is recording (yours), and on the CPU the allocator is watched by "
-                "one (one at a time): the traced steps' allocator figures (timeline.allocated_peak) are not measured "
-                "while it records; the ledger's (timeline.peak_memory) are. Your profiler shows each instruction as "
-                "a range named as in the timeline",
+                "engine.tracing(): a torch.profiler is open (yours), and on the CPU the allocator is watched by one "
+                "(one at a time): the traced steps' allocator figures (timeline.allocated_peak) are not measured while "
+                "it is open; the ledger's (timeline.peak_memory) are. Your profiler shows each instruction as a range "
+                "named as in the timeline",
                 stacklevel=4,
             )
         if not step.train:

@@ -297,7 +297,31 @@ def under_the_users_profiler(directory: str) -> None:
         if case != "untraced" and ranks.rank() == 0:
             assert timeline is not None and timeline.allocated_peak is None  # not measured: one profiler at a time
             assert min(timeline.peak_memory) > 0  # the ledger's figures stand
-    assert sum("a torch.profiler is recording (yours)" in text for text in said) == 1, said  # said, once
+    assert sum("a torch.profiler is open (yours)" in text for text in said) == 1, said  # said, once
+
+
+def under_a_scheduled_profiler() -> None:
+    """A traced step while the user's scheduled profiler waits or warms up (kineto prepared, not recording): the engine
+    starts no profiler of its own then (torch would crash when the user's turns active), and the active step records
+    the engine's ranges."""
+    from tests.pipeengine.models import mlp, mse
+
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, trace=True)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    plan = torch.profiler.schedule(wait=1, warmup=1, active=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=plan) as prof:
+        for _ in range(3):
+            engine.train_step(x if engine.first else None, y if engine.last else None)
+            prof.step()
+    assert f"{engine.rank}F0" in {event.name for event in prof.events()}
+    engine.train_step(x if engine.first else None, y if engine.last else None)  # closed: the allocator is watched
+    timeline = engine.timeline()
+    assert ranks.rank() != 0 or (timeline is not None and timeline.allocated_peak is not None)
+
+
+@pytest.mark.timeout(120)
+def test_a_traced_step_inside_a_scheduled_profilers_warmup_leaves_it_alone() -> None:
+    launch(under_a_scheduled_profiler, 2, timeout=90)  # SIGSEGV on every rank before
 
 
 def profile() -> torch.profiler.profile:
@@ -308,3 +332,43 @@ def profile() -> torch.profiler.profile:
 def test_the_users_profiler_records_the_engines_instructions_while_it_traces(tmp_path: Path) -> None:
     launch(under_the_users_profiler, 2, args=(str(tmp_path),), timeout=90)
     assert len(list(tmp_path.glob("*.json"))) == 6  # each rank exported each case's trace (it used to crash)
+
+
+def scaler_twice() -> None:
+    from tests.pipeengine.models import mlp, mse
+
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, precision="fp16")
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    engine.scaler.step(optimizer)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    engine.scaler.step(optimizer)  # no update() between: the second step would take still-scaled gradients
+
+
+@pytest.mark.timeout(60)
+def test_a_second_scaler_step_without_update_is_refused_as_torch_refuses_it() -> None:
+    with pytest.raises(RuntimeError, match=r"engine.scaler.step\(\) has already been called since the last update\(\)"):
+        launch(scaler_twice, 2, timeout=30, in_process=True)
+
+
+def recomputed_buffers() -> None:
+    """checkpoint="always" recomputes each forward in backward, in training mode: batch norm's running statistics
+    are updated once per micro-batch, as one process updates them, not twice."""
+    model = normed()
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, checkpoint="always", partition=[2, 5])
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    with torch.no_grad():
+        for chunk in x.chunk(2):
+            reference(chunk)
+    expected = reference.state_dict()
+    for name, value in engine.state_dict().items():
+        if "running" in name or "batches" in name:
+            close(value.float(), expected[name].float(), f"checkpoint='always': {name}")
+
+
+@pytest.mark.timeout(60)
+def test_activation_checkpointing_updates_running_statistics_once_per_micro_batch() -> None:
+    launch(recomputed_buffers, 2, timeout=30, in_process=True)
