@@ -45,9 +45,9 @@ class PipelineEngine:
     (pipeengine.core.grid); ``checkpoint`` "never" | "always" | "except_last"; ``precision`` "bf16" | "fp16";
     ``loss_count`` a token-mean loss (loss_fn returns a SUM; pipeengine.train.losses); ``tensor_parallel`` ranks
     per stage with ``tp_plan`` {fnmatch pattern of module names: ParallelStyle}, ``parallelize`` fn(stage_module,
-    mesh) -> module, ``fsdp`` FSDP2 over the replicas, ``reshard_after_forward`` (build.transform; ``engine.mesh``);
-    ``timeout`` seconds any
-    wait on a peer may take; ``trace`` record every step (pipeengine.train.tracing); ``group`` a pipeline group.
+    mesh) -> module, ``fsdp`` FSDP2 over the replicas, ``reshard_after_forward``, ``compile`` torch.compile each
+    layer (True, or torch.compile's keywords) after tensor parallel and before FSDP (build.transform; ``engine.mesh``);
+    ``timeout`` seconds any wait on a peer may take; ``trace`` record every step (train.tracing); ``group``.
     """
 
     def __init__(
@@ -73,6 +73,7 @@ class PipelineEngine:
         tensor_parallel: int = 1,
         tp_plan: Mapping[str, object] | None = None,
         fsdp: bool = False, reshard_after_forward: bool = False,
+        compile: bool | Mapping[str, object] = False,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(
@@ -86,7 +87,7 @@ class PipelineEngine:
             device=torch.device(device) if device is not None else None, timeout=timeout, trace=trace,
             data_parallel=data_parallel, checkpoint=checkpoint, precision=precision, loss_count=loss_count,
             memory_limit=memory_limit, parallelize=parallelize, tensor_parallel=tensor_parallel, tp_plan=tp_plan,
-            fsdp=fsdp, reshard_after_forward=reshard_after_forward,
+            fsdp=fsdp, reshard_after_forward=reshard_after_forward, compile=compile,
         )  # fmt: skip
         if group is not None and data_parallel > 1:
             raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")

@@ -110,3 +110,13 @@ def test_vs_torch_fsdp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_pat
     (row,) = json.loads((tmp_path / "vs_torch_fsdp.json").read_text())
     assert row["schedule"] == "1f1b" and row["fsdp"] and row["ratio"] > 0 and "x   peak MiB per rank" in out
     assert len(row["ours_peak_mib"]) == len(row["torch_peak_mib"]) == 4
+
+
+@pytest.mark.timeout(300)
+def test_compile_reports_eager_against_compiled_stages_and_the_compile_time(tmp_path: Path) -> None:
+    out = bench("compile.py", "--ranks", "2", "--schedules", "zb-h1", "--width", "32", "--blocks", "1", "--batch",
+                "4", "--microbatches", "2", "--rounds", "1", "--steps", "1", out=tmp_path)  # fmt: skip
+    (row,) = json.loads((tmp_path / "compile.json").read_text())
+    assert row["schedule"] == "zb-h1" and row["ranks"] == 2 and "-> " in out
+    assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["ratio"] == pytest.approx(
+        row["eager_ms"] / row["compiled_ms"])  # fmt: skip

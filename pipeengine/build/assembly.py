@@ -15,7 +15,7 @@ assemble(model, loss_fn, config, sample, world)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +31,7 @@ from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.core.ties import Ties, find_ties
 from pipeengine.planner.partition import Partition, method_costs, solve
 from pipeengine.planner.profiler import LayerCosts, measure
+from pipeengine.runtime.backward import keep_compiled_graphs
 from pipeengine.runtime.executor import Executor
 from pipeengine.runtime.gradsync import GradientSync, ReplicaMean, ShardedReduce, TieGroup, TieSum
 from pipeengine.runtime.stage import LossFn, StageWorker
@@ -111,7 +112,7 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)  # type: ignore[arg-type]
     # every replica must cut the model alike: the whole world agrees when there are several
     agreeing = topology.world if world.size > topology.pipeline.size else topology.pipeline
-    partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device)
+    partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device, config.compile)
     ties = find_ties(model, partition.bounds, lowered.placement)
     if config.fsdp:
         check_shardable(model)
@@ -130,6 +131,8 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
                        checkpointed=config.checkpointed(s, num_stages), precision=config.dtype)
         for s, module in stages.items()
     }  # fmt: skip
+    if any(op.kind is Kind.BACKWARD_INPUT for rank in range(schedule.num_ranks) for _, op in schedule.ops(rank)):
+        keep_compiled_graphs()  # W re-enters what I kept: compiled regions must allow it (runtime.backward)
     topology.pipeline.open_channels()
     syncs = gradient_syncs(ties, lowered, topology, workers, config.fsdp, config.reshard_after_forward)
     executor = Executor(topology.pp_rank, workers, topology.pipeline, syncs)
@@ -219,6 +222,7 @@ def agree_partition(
     sample: object,
     transport: Transport,
     device: torch.device,
+    compile: bool | Mapping[str, object] = False,
 ) -> Partition:
     """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike."""
     counts = None if partition is None or isinstance(partition, str) else check_counts(partition, schedule.num_stages)
@@ -233,7 +237,7 @@ def agree_partition(
             micro = None if sample is None else _first_microbatch(sample, m)
             if method == "time" and micro is None:
                 raise ValueError("partition='time' needs sample= (an example input batch) on the first stage's rank")
-            costs = measure(model, micro, timed=counts is None and method == "time", device=device)
+            costs = measure(model, micro, timed=counts is None and method == "time", device=device, compile=compile)
             rows = torch.tensor(costs.to_rows(), dtype=torch.float64, device=device)
             header[1] = METHODS.index(method)
         except Exception as error:  # every rank must hear of it, or they would wait for the costs

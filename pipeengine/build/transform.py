@@ -3,7 +3,8 @@
     stage_module(model, a, b) ──► transform_stage(module, stage, config, mesh) ──► StageWorker
                                     1. tensor parallel: tp_plan, torch's parallelize_module on mesh["tp"]
                                     2. parallelize=fn: fn(stage_module, mesh) -> module, what a plan cannot say
-                                    3. fsdp=True: FSDP2's fully_shard on mesh["dp"], each layer, then the stage
+                                    3. compile=True: torch.compile each layer (in place: the names stay)
+                                    4. fsdp=True: FSDP2's fully_shard on mesh["dp"], each layer, then the stage
 
 as torchtitan orders them (TP first; sharding, FSDP, after). The mesh is torch's DeviceMesh over the
 grid (dims "dp", "pp", "tp"), built only where a transform needs one; the in-process (loopback)
@@ -31,7 +32,8 @@ from pipeengine.core.dtensors import is_dtensor
 from pipeengine.core.grid import DIMS, Grid
 from pipeengine.core.ties import Ties
 
-__all__ = ["check_shardable", "device_mesh", "plan_matches", "retie", "shard_stage", "transform_stage"]
+__all__ = ["check_shardable", "compile_layers", "device_mesh", "plan_matches", "retie", "shard_stage",
+           "transform_stage"]
 
 
 def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
@@ -87,6 +89,8 @@ def transform_stage(
         parallelize_module(module, mesh["tp"], mine)  # type: ignore[index, arg-type]
     if config.parallelize is not None:
         module = _user(module, stage, config, mesh)
+    if config.compile:
+        compile_layers(module, {} if config.compile is True else dict(config.compile))
     if config.fsdp:
         module = shard_stage(module, stage, mesh, config.reshard_after_forward)
     return module
@@ -100,6 +104,14 @@ def _user(module: nn.Module, stage: int, config: EngineConfig, mesh: object | No
             f"returned {type(made).__name__}"
         )
     return made
+
+
+def compile_layers(module: nn.Module, options: dict[str, object]) -> None:
+    """compile=True: torch.compile each layer of the stage in place (nn.Module.compile: the names stay the model's),
+    as torchtitan compiles each block: after tensor parallelism, before FSDP. A layer compiled already is left."""
+    for layer in module.children():
+        if getattr(layer, "_compiled_call_impl", None) is None and type(layer).__name__ != "OptimizedModule":
+            layer.compile(**options)
 
 
 def check_shardable(model: nn.Sequential) -> None:

@@ -43,6 +43,7 @@ class EngineConfig:
     tp_plan: Mapping[str, object] | None = None  # fnmatch pattern over the model's module names -> a ParallelStyle
     fsdp: bool = False  # FSDP2 over the data-parallel replicas: each holds 1/dp of weights, gradients, optimizer state
     reshard_after_forward: bool = False  # fsdp: free the gathered weights after each forward (gather again in B)
+    compile: bool | Mapping[str, object] = False  # torch.compile each layer of every stage (True, or its keywords)
 
     def __post_init__(self) -> None:
         if self.num_microbatches is not None or self.schedule != AUTO:
@@ -94,6 +95,11 @@ class EngineConfig:
         _positive_int("tensor_parallel", self.tensor_parallel)
         self._check_tensor_parallel()
         self._check_fsdp()
+        if not isinstance(self.compile, bool | Mapping):
+            raise TypeError(
+                "compile must be True, False or the keywords of torch.compile (e.g. {'backend': 'aot_eager', "
+                f"'fullgraph': True}}), got {type(self.compile).__name__}"
+            )
         if self.parallelize is not None and not callable(self.parallelize):
             raise TypeError(
                 "parallelize must be callable as parallelize(stage_module, mesh) -> module, got "

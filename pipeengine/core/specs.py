@@ -92,13 +92,27 @@ def map_tensors(value: torch.Tensor | Tensors, fn: Callable[[torch.Tensor], torc
 
 
 def meta_copy(layer: nn.Module) -> nn.Module:
-    """A copy of a layer whose parameters and buffers live on the meta device (no memory, no copy of data)."""
+    """A copy of a layer whose parameters and buffers live on the meta device (no memory, no copy of data), and
+    which runs eagerly: a torch.compile'd layer (or part) runs its original module, since a compiler need not take
+    meta tensors and the shapes are the same."""
     memo: dict[int, object] = {}
     for param in layer.parameters():
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
     for buffer in layer.buffers():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(layer, memo)
+    return _eager(copy.deepcopy(layer, memo))
+
+
+def _eager(module: nn.Module) -> nn.Module:
+    """The module with every compiled part uncompiled: OptimizedModule (torch.compile(module)) replaced by the module
+    it wraps, nn.Module.compile()'s compiled call dropped."""
+    module = getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+    for parent in module.modules():
+        parent._compiled_call_impl = None
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "OptimizedModule":
+                setattr(parent, name, _eager(child._orig_mod))
+    return module
 
 
 def infer_boundaries(

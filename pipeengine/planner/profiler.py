@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -229,6 +229,7 @@ def measure(
     timed: bool = False,
     repeats: int = 5,
     device: str | torch.device | None = None,
+    compile: bool | Mapping[str, object] = False,
 ) -> LayerCosts:
     """Costs of every layer for one micro-batch ``sample`` (the first stage's input), with profile_layers.
 
@@ -242,7 +243,8 @@ def measure(
     if timed and repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     rows = unpack(sample)[0].shape[0]
-    profile = profile_layers(model, sample, rows, repeats=repeats, device=torch.device(device or "cpu"), timed=timed)
+    profile = profile_layers(model, sample, rows, repeats=repeats, device=torch.device(device or "cpu"), timed=timed,
+                             compile=compile)  # fmt: skip
     return LayerCosts.of(profile, model)
 
 
@@ -259,14 +261,16 @@ def parameter_keys(model: Iterable[nn.Module]) -> tuple[tuple[tuple[int, int], .
 def profile_layers(
     model: nn.Sequential, sample: torch.Tensor | Tensors, rows: int, *, repeats: int = 3, device: torch.device,
     threads: int | None = None, loss: Callable[..., torch.Tensor] | None = None, target: object = None,
-    timed: bool = True, allocator: bool = False,
+    timed: bool = True, allocator: bool = False, compile: bool | Mapping[str, object] = False,
 ) -> LayerProfile:  # fmt: skip
     """Measure every layer on the first ``rows`` rows of ``sample`` (each fed the real output of the one before),
     with ``threads`` torch threads (a rank's share of the cores; default: this process's). With ``loss`` and
     ``target`` (the batch's), ``loss(output, target's first rows)`` is measured as part of the last layer (the
     target itself is the user's, not counted). ``timed=False``: bytes only (one forward and backward a layer).
     ``allocator``: watch each compute's allocations too (pipeengine.planner.transients; one thread of this process
-    may profile at a time)."""
+    may profile at a time). A layer is measured compiled where the engine runs it so: the user compiled it, or
+    ``compile`` (the engine's compile=: True or torch.compile's keywords); a compiled layer's I then makes its weight
+    gradients too, and its W is nothing (pipeengine.runtime.backward), as the engine runs it."""
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -275,7 +279,7 @@ def profile_layers(
         if loss is not None and target is not None:  # the loss runs on the last stage: that layer's, for stages
             part = map_tensors(target, lambda t: t[:rows].to(device).clone())  # type: ignore[arg-type]
             layers[-1] = _WithLoss(layers[-1], loss, part)
-        profile = _profile(layers, sample, rows, repeats if timed else 0, device, allocator)
+        profile = _profile(layers, sample, rows, repeats if timed else 0, device, allocator, compile)
         return dataclasses.replace(profile, parameters=parameter_keys(model), timed=timed)
     finally:
         torch.set_num_threads(previous)
@@ -294,7 +298,7 @@ class _WithLoss(nn.Module):
 
 def _profile(
     model: Sequence[nn.Module], sample: torch.Tensor | Tensors, rows: int, repeats: int, device: torch.device,
-    allocator: bool,
+    allocator: bool, compile: bool | Mapping[str, object] = False,
 ) -> LayerProfile:  # fmt: skip
     value = map_tensors(sample, lambda t: t[:rows].to(device))
     columns: dict[str, list[float | int | bool]] = {
@@ -306,7 +310,7 @@ def _profile(
     allocations: list[transients.Allocation] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index, layer in enumerate(model):
-            probe = copy.deepcopy(layer).to(device)
+            probe = _probe(layer, device, compile)
             first = index == 0  # the user's batch: no gradient wanted for it
             timings = [_time(probe, value, first, device) for _ in range(repeats + 1)][1:] if repeats else []
             for index_, key in enumerate(("forward", "backward", "backward_input", "backward_weight")):
@@ -322,6 +326,15 @@ def _profile(
             del probe
     profile = LayerProfile(rows, **{key: tuple(values) for key, values in columns.items()})  # type: ignore[arg-type]
     return dataclasses.replace(profile, allocations=tuple(allocations))
+
+
+def _probe(layer: nn.Module, device: torch.device, compile: bool | Mapping[str, object]) -> nn.Module:
+    """A copy of the layer to measure (a copy does not keep nn.Module.compile's compiled call: compiled again, as the
+    user or compile= compiled the layer, with the user's own options unknown: torch.compile's defaults)."""
+    probe = copy.deepcopy(layer).to(device)
+    if compile or getattr(layer, "_compiled_call_impl", None) is not None:
+        probe.compile(**({} if isinstance(compile, bool) else dict(compile)))
+    return probe
 
 
 def _leaves(value: torch.Tensor | Tensors, first: bool) -> Tensors:

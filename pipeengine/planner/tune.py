@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +139,7 @@ def tune(
     memory_limit: float | None = None,
     data_parallel: int = 1,
     fsdp: bool = False,
+    compile: bool | Mapping[str, object] = False,
     schedules: Sequence[str] | None = None,
     microbatches: Sequence[int] | None = None,
     methods: Sequence[str] = ("time", "memory", "parameters", "uniform"),
@@ -206,7 +207,8 @@ def tune(
     if where.type == "cpu" and reuse_memory:
         keep_freed_memory()
     profiles = {m: profile_layers(model, sample, batch // m, repeats=repeats, device=where, threads=share,
-                                  loss=loss_fn, target=target, allocator=allocator) for m in counts}  # fmt: skip
+                                  loss=loss_fn, target=target, allocator=allocator, compile=compile)
+                for m in counts}  # fmt: skip
     measured = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -264,6 +266,7 @@ def choose(
             if sample is None:
                 raise ValueError("schedule='auto' needs sample= (an input batch) on the first stage's rank to tune on")
             result = tune(model, loss_fn, sample, world.size, data_parallel=config.data_parallel, fsdp=config.fsdp,  # type: ignore[arg-type]
+                          compile=config.compile,
                           microbatches=[config.num_microbatches] if config.num_microbatches else None,
                           memory_limit=config.memory_limit, backend=world.name,
                           device=config.device)  # fmt: skip

@@ -12,6 +12,17 @@ weights directly beneath it: the node computes only its weight-side outputs::
 When one weight lies beneath several P nodes (a weight used twice in the stage), per-node
 calls would count it twice; then W falls back to one autograd call from the outputs,
 which repeats the input-side gradient work but stays exact.
+
+A torch.compile'd region is one autograd node (CompiledFunctionBackward) whose backward makes
+its input and weight gradients together: re-entering it in W would run it twice. Its weights
+are asked for in I, which then holds their whole gradient, and W leaves them alone::
+
+    output ─► [P] CompiledFunction ─► input       I: dX, and d(weights beneath it), in one call
+                 └─► weights                       W: nothing for them
+
+W re-enters the graph I kept (retain_graph): AOTAutograd's donated buffers, which free saved
+tensors during a compiled backward, forbid that, so a split backward turns them off
+(``keep_compiled_graphs``) before the first compiled call.
 """
 
 from __future__ import annotations
@@ -88,6 +99,12 @@ def backward_input(
     weight_nodes = {n: p for p in trainable if (n := _node(p)) is not None}
     roots = [n for n in map(_node, outputs) if n is not None]
     on_path, below, reachable = _analyse(roots, input_nodes, set(weight_nodes))
+    now = {w for node in on_path if _compiled(node) for w in below.get(node, ())}  # their whole gradient in I
+    if now:  # W's analysis without them: autograd gives I their every path's share
+        below = {node: rest for node in on_path if not _compiled(node) and (rest := [w for w in below.get(node, ())
+                                                                                      if w not in now])}  # fmt: skip
+        reachable -= now
+        weight_nodes = {node: p for node, p in weight_nodes.items() if node not in now}
     owner: dict[Node, int] = {}
     for node in on_path:
         for weight in below.get(node, ()):
@@ -95,7 +112,7 @@ def backward_input(
     weight_pass = WeightPass()
     kept: dict[Node, list[torch.Tensor | None]] = {}
     handles: list[torch.utils.hooks.RemovableHandle] = []
-    if not weight_nodes:  # no trainable weight beneath: nothing for W to do
+    if not weight_nodes:  # no trainable weight beneath (or all in I): nothing for W to do
         pass
     elif one_pass or any(count > 1 for count in owner.values()) or set(owner) != reachable:
         # a weight beneath several input-path nodes, or beneath none (off the input path): one plain W call
@@ -109,15 +126,40 @@ def backward_input(
             return hook
 
         handles = [node.register_prehook(keeper(node)) for node in on_path if below.get(node)]
-    try:
-        input_grads = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+    whole = [p for p in trainable if _node(p) in now]
+    try:  # the graph is kept only for a W to come
+        made = torch.autograd.grad(outputs, [*wanted, *whole], grads, retain_graph=bool(weight_nodes),
+                                   allow_unused=True)  # fmt: skip
+    except RuntimeError as error:
+        if "donated buffers" not in str(error):
+            raise
+        raise RuntimeError(
+            "a torch.compile'd region of this stage was compiled with donated buffers (it ran before the engine was "
+            "built), and a split backward keeps its graph for W, which they forbid: build the PipelineEngine before "
+            "the compiled model's first call, or set torch._functorch.config.donated_buffer = False before it"
+        ) from error
     finally:
         for handle in handles:
             handle.remove()
+    input_grads = made[: len(wanted)]
+    WeightPass._accumulate(whole, made[len(wanted) :])
     if weight_pass.fallback is None:
         weight_pass.roots = [(node, kept[node], [weight_nodes[w] for w in below[node]]) for node in kept]
     result = tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(input_grads, wanted, strict=True))
     return result, weight_pass
+
+
+def keep_compiled_graphs() -> None:
+    """Compile regions whose backward may run while the graph is kept (torch._functorch.config.donated_buffer off:
+    a process-wide setting, read when a region is first compiled)."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
+
+
+def _compiled(node: Node) -> bool:
+    """A torch.compile'd region: its backward makes its input and weight gradients in one call."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 def _analyse(

@@ -1,0 +1,207 @@
+"""torch.compile'd stages under every schedule, split backward included: the engine equals one process running the
+same compiled model, micro-batch by micro-batch (inductor on the CPU; real gloo processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine import PipelineEngine, launch
+from tests.pipeengine import ranks
+from tests.pipeengine.gpt_workers import Block, count_tokens, one_process_loss, padded_batch, tied_gpt, token_sum
+from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
+M = 4  # micro-batches: dualpipe-v needs 2 per rank
+
+
+def gpt(tied: bool = False, blocks: int = 4) -> nn.Sequential:
+    model = tied_gpt(blocks=blocks)
+    if not tied:
+        model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
+    return model
+
+
+def compiled_blocks(model: nn.Sequential, **options: object) -> nn.Sequential:
+    """The user's compiled blocks: each transformer block torch.compile'd in place (inductor unless told)."""
+    for layer in model:
+        if isinstance(layer, Block):
+            layer.compile(**options)  # type: ignore[arg-type]
+    return model
+
+
+def one_process(reference: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, summed: bool = False) -> float:
+    """The engine's loss on one process: micro-batch by micro-batch at the engine's shapes (a compiled region is
+    specialized to them), each loss backpropagated with its weight; gradients accumulate."""
+    if summed:
+        total = float(count_tokens(y))
+        losses = [token_sum(reference(a), b) / total for a, b in zip(x.chunk(m), y.chunk(m), strict=True)]
+    else:
+        losses = [one_process_loss(reference(a), b) / m for a, b in zip(x.chunk(m), y.chunk(m), strict=True)]
+    for loss in losses:
+        loss.backward()
+    return float(sum(loss.item() for loss in losses))
+
+
+def parity(schedule: str, options: dict[str, object] | None = None, tied: bool = False, steps: int = 2,
+           summed: bool = False, trace: bool = False) -> None:  # fmt: skip
+    """Loss, every gradient and the weights after AdamW equal one process running the same compiled blocks."""
+    options = options or {}
+    model = compiled_blocks(gpt(tied))
+    reference = compiled_blocks(copy.deepcopy(model))  # deepcopy keeps no compiled call: compile the copy too
+    loss_options = {"loss_count": count_tokens} if summed else {}
+    engine = PipelineEngine(model, token_sum if summed else one_process_loss, num_microbatches=M, schedule=schedule,
+                            **loss_options, **options)  # type: ignore[arg-type]  # fmt: skip
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    what = f"compiled blocks, {schedule} {options} tied={tied}"
+    for step in range(steps):
+        x, y = padded_batch(2 * M, seed=step, microbatches=M)
+        with engine.tracing() if trace and step else contextlib.nullcontext():
+            loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+        close(loss, one_process(reference, x, y, M, summed), f"{what} step {step}: loss")
+        check_grads(engine, reference, f"{what} step {step}")
+        step_both(*optimizers)
+    check_weights(engine, reference, f"{what} after {steps} AdamW steps")
+    if trace:
+        timeline = engine.timeline()
+        if ranks.rank() == 0:  # the compiled computes are in the timeline, with the memory they held
+            assert timeline is not None and len([s for s in timeline.spans if s.is_compute]) >= 3 * M
+            assert min(timeline.peak_memory) > 0
+
+
+def every_schedule() -> None:
+    for schedule in SCHEDULES:
+        parity(schedule)
+
+
+
+
+def every_layer_compiled(model: nn.Sequential, **options: object) -> nn.Sequential:
+    """What compile=True does to each stage's layers, done to the one-process reference."""
+    for layer in model:
+        layer.compile(**options)  # type: ignore[arg-type]
+    return model
+
+
+def around_the_schedules() -> None:
+    """Compiled blocks with activation checkpointing (one W pass then), a tie on one rank of a V and across ranks,
+    a traced step, bf16; and compile=True compiling each layer of every stage itself."""
+    from tests.pipeengine.feature_workers import staged_reference
+
+    parity("1f1b", {"checkpoint": "always"})
+    parity("zb-h1", {"checkpoint": "always"}, steps=1)
+    parity("zb-v", tied=True, steps=1)  # the embedding and the head on rank 0 of the V
+    parity("1f1b", tied=True, summed=True, steps=1)  # across the two ranks, summed over the holders
+    parity("zb-h1", trace=True)
+    model = compiled_blocks(gpt())
+    reference = compiled_blocks(copy.deepcopy(model))
+    engine = PipelineEngine(model, one_process_loss, num_microbatches=M, schedule="zb-v", precision="bf16")
+    x, y = padded_batch(2 * M, seed=5, microbatches=M)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    expected = staged_reference(reference, engine.bounds, x, y, M, torch.bfloat16, one_process_loss, 1.0)
+    close(loss, expected, "bf16 compiled blocks: loss")
+    check_grads(engine, reference, "bf16 compiled blocks")
+    model = gpt()  # compile=True: the engine compiles each layer; nothing compiled by the user
+    reference = every_layer_compiled(copy.deepcopy(model))
+    engine = PipelineEngine(model, one_process_loss, num_microbatches=M, schedule="zb-h1", compile=True)
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for stage in engine.stages.values()
+               for layer in stage)  # fmt: skip
+    x, y = padded_batch(2 * M, seed=6, microbatches=M)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    close(loss, one_process(reference, x, y, M), "compile=True: loss")
+    check_grads(engine, reference, "compile=True")
+
+
+
+
+def with_tensor_parallel_and_fsdp() -> None:
+    """compile=True after tensor parallelism (tp=2) and before FSDP (dp=2), as torchtitan orders them; two ranks
+    each (a compiled region is compiled on every rank: the fewer, the cheaper)."""
+    from tests.pipeengine.test_tensor_parallel import batch, count, plan, token_mean
+    from tests.pipeengine.test_tensor_parallel import gpt as tp_gpt
+    from tests.pipeengine.test_tensor_parallel import token_sum as tp_token_sum
+    from tests.pipeengine.workers import train_replicas_like_one_process
+
+    for options, data_parallel in (({"tensor_parallel": 2, "tp_plan": plan()}, 1), ({"fsdp": True}, 2)):
+        model = tp_gpt(blocks=2)
+        reference = every_layer_compiled(copy.deepcopy(model))
+        engine = PipelineEngine(model, tp_token_sum, num_microbatches=2, loss_count=count, compile=True,
+                                data_parallel=data_parallel, **options)  # type: ignore[arg-type]  # fmt: skip
+        optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2),
+                      torch.optim.AdamW(reference.parameters(), lr=1e-2))  # fmt: skip
+        what = f"compile=True {options} dp={data_parallel}"
+        # micro-batches of 4 rows, the shapes compiled on both sides: one replica's batch is 8 rows
+        train_replicas_like_one_process(
+            engine, reference, optimizers, token_mean, 1, what,
+            lambda step, d=data_parallel: [batch(8, seed=10 * step + r) for r in range(d)],  # type: ignore[misc]
+        )  # fmt: skip
+        check_weights(engine, reference, what)
+
+
+def everything() -> None:
+    every_schedule()
+    around_the_schedules()
+    with_tensor_parallel_and_fsdp()
+
+
+@pytest.mark.timeout(400)
+def test_compiled_stages_under_every_schedule_and_every_feature_equal_one_process() -> None:
+    """One world of two gloo ranks (each compiles a region once, then every case reuses it): every schedule with the
+    user's compiled blocks; checkpointing, ties, tracing, bf16; compile=True alone, with tp=2 and with fsdp=True."""
+    launch(everything, 2, timeout=380)
+
+
+def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_left() -> None:
+    """Split backward over a compiled block (one autograd node for the whole region): I returns the input gradient
+    and leaves the block's weight gradients whole in .grad; W has nothing to run; both equal eager autograd's. The
+    eager head behind it keeps its usual split: its weights wait for W."""
+    from pipeengine.runtime.backward import backward_input, keep_compiled_graphs
+
+    keep_compiled_graphs()
+    torch.manual_seed(0)
+    block, head = Block(), nn.Linear(16, 16)
+    reference = copy.deepcopy(nn.Sequential(block, head))
+    block.compile(backend="aot_eager")
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    out = head(block(x))
+    grad = torch.randn_like(out)
+    params = [*block.parameters(), *head.parameters()]
+    (input_grad,), weight_pass = backward_input((out,), (grad,), (x,), params)
+    assert all(p.grad is not None for p in block.parameters()) and all(p.grad is None for p in head.parameters())
+    assert weight_pass.fallback is None and {id(p) for _, _, ps in weight_pass.roots for p in ps} == {
+        id(p) for p in head.parameters()}  # fmt: skip
+    weight_pass.run()
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference(x_ref).backward(grad)
+    close(input_grad, x_ref.grad, "the input gradient")  # type: ignore[arg-type]
+    for (name, mine), theirs in zip(nn.Sequential(block, head).named_parameters(), reference.parameters(), strict=True):
+        close(mine.grad, theirs.grad, f"{name}'s gradient")  # type: ignore[arg-type]
+
+
+def test_shapes_are_inferred_from_the_uncompiled_layers_never_compiling_meta_tensors() -> None:
+    """A compiler need not take meta tensors (inductor's partitioner does not): shape inference runs the modules a
+    compiled layer wraps, whether torch.compile(layer) or layer.compile() made it, eagerly."""
+    from pipeengine.core.specs import Boundary, TensorSpec, infer_boundaries, meta_copy
+
+    seen: list[str] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        seen.extend(t.device.type for t in inputs if isinstance(t, torch.Tensor))
+        if "meta" in seen:
+            raise RuntimeError("this compiler does not take meta tensors")
+        return graph.forward
+
+    torch.manual_seed(0)
+    wrapped, in_place = torch.compile(Block(), backend=backend), Block()
+    in_place.compile(backend=backend)
+    layers = [meta_copy(layer) for layer in (wrapped, in_place, nn.Linear(16, 4))]
+    boundaries = infer_boundaries(layers, [(0, 1), (1, 3)], Boundary((TensorSpec((2, 6, 16), torch.float32,
+                                                                                 False),), False))  # fmt: skip
+    assert [str(b) for b in boundaries] == ["float32[2, 6, 16], requires grad", "float32[2, 6, 4], requires grad"]
+    assert seen == []  # the compiler was never called
+    wrapped(torch.randn(2, 6, 16))  # and the layers themselves still run compiled
+    assert seen and "meta" not in seen
