@@ -1,5 +1,8 @@
 """Every benchmark runs end to end in a tiny configuration (its figures are not checked here)."""
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import subprocess
@@ -13,11 +16,24 @@ TINY = ["--width", "64", "--layers", "4", "--batch", "16"]
 
 
 def bench(script: str, *args: str, out: Path) -> str:
-    env = {**os.environ, "PIPEENGINE_BENCH_OUT": str(out)}
-    command = [sys.executable, str(ROOT / "benchmarks" / script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    """Run a benchmark's main() with these arguments in this process (its ranks from this process's fork server,
+    which imported torch once: a fresh interpreter and fork server per script cost seconds of CPU each); what it
+    prints is returned. Its modules are imported afresh, reading PIPEENGINE_BENCH_OUT anew."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    os.environ["PIPEENGINE_BENCH_OUT"] = str(out)
+    modules = [importlib.import_module(name) for name in ("common", Path(script).stem)]
+    for module in modules:
+        importlib.reload(module)
+    printed = io.StringIO()
+    argv = sys.argv
+    sys.argv = [script, *args]
+    try:
+        with contextlib.redirect_stdout(printed):
+            modules[-1].main()
+    finally:
+        sys.argv = argv
+    return printed.getvalue()
 
 
 @pytest.mark.timeout(300)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from schedules import Schedule, Semantics
 __all__ = ["Pending", "Tensors", "Transfer", "Transport"]
 
 Tensors = tuple[torch.Tensor, ...]
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Transport(abc.ABC):
     timeout: float
     shared_clock: bool = False  # every rank reads one clock (threads of one process)
     group: dist.ProcessGroup | None = None  # the torch.distributed group, where there is one
+    engines: int = 0  # engines built on this transport so far, on this rank (each rank builds them in one order)
 
     @property
     def name(self) -> str:
@@ -113,6 +115,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def all_gather_object(self, value: object, what: str) -> list[Any]: ...
+
+    def computed_once(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """What every rank of the group computes alike from the same inputs (``key`` names them): ranks that are
+        threads of one process share one result (the first computes it); elsewhere each rank computes its own."""
+        return compute()
 
     def barrier(self, what: str) -> None:
         self.all_reduce(torch.zeros(1, device=self.device), what)

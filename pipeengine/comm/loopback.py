@@ -26,14 +26,14 @@ import pickle
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pipeengine.comm.backends import BACKENDS
-from pipeengine.comm.base import Pending, Transfer, Transport
+from pipeengine.comm.base import Pending, T, Transfer, Transport
 from pipeengine.errors import PeerError
 
 __all__ = ["INTERRUPTED", "Hub", "LoopbackTransport", "bind", "current"]
@@ -72,6 +72,8 @@ class Hub:
         self.slots: dict[tuple[str, int], _Slot] = {}
         self.failure: tuple[int, str] | None = None  # (world rank, what it raised)
         self.turn = 0  # ranks below it have started: each runs alone until it first waits on another (or ends)
+        self.once: dict[Any, Any] = {}  # computed_once's results, and the lock of the rank computing each
+        self.once_lock = threading.Lock()
 
     def pass_turn(self, rank: int) -> None:
         """Rank ``rank`` waits on another rank (or has ended): the next rank may start. Holding cond."""
@@ -110,6 +112,16 @@ class LoopbackTransport(Transport):
         self._collectives = 0  # how many collectives this rank has entered on this group
         self._splits = 0
         self._posted: dict[int, int] = defaultdict(int)  # peer -> recvs posted from it
+
+    def computed_once(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """The ranks share one result: the first computes it while the others wait for it (under the GIL they would
+        take turns computing it anyway)."""
+        with self.hub.once_lock:
+            entry = self.hub.once.setdefault((self.gid, key), [threading.Lock(), None, False])
+        with entry[0]:
+            if not entry[2]:
+                entry[1], entry[2] = compute(), True
+        return entry[1]  # type: ignore[no-any-return]
 
     def post(self, transfers: Sequence[Transfer]) -> None:
         with self.hub.cond:

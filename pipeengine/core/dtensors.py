@@ -7,15 +7,17 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["is_dtensor", "local", "local_bytes", "spread", "whole"]
 
 
 def is_dtensor(tensor: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+    """Without torch.distributed.tensor imported nothing is a DTensor: not imported for it (seconds of CPU)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -23,9 +25,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     output is until first used), whose own storage cannot be read."""
     if is_dtensor(tensor):
         return tensor.to_local()  # type: ignore[attr-defined, no-any-return]
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return tensor.elem if isinstance(tensor, AsyncCollectiveTensor) else tensor
+    module = sys.modules.get("torch.distributed._functional_collectives")  # not imported: none of them exists
+    return tensor.elem if module is not None and isinstance(tensor, module.AsyncCollectiveTensor) else tensor
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

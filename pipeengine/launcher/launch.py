@@ -39,6 +39,10 @@ from pipeengine.launcher.outcome import Outcome, raise_cause
 __all__ = ["launch"]
 
 GRACE = 10.0  # seconds the other ranks get to stop by themselves after a failure
+# what the fork server imports once for every rank it forks: torch, and the parts a rank would otherwise import for
+# seconds of CPU each (DTensor for tensor parallel and FSDP; dynamo, which meta-device shape inference and
+# torch.compile load), then this package
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor", "pipeengine"]
 
 
 def launch(
@@ -162,7 +166,7 @@ def _context() -> multiprocessing.context.SpawnContext | multiprocessing.context
     interpreter would: it imports the caller's main module (guard it with `if __name__ == "__main__":`)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pipeengine"])
+    multiprocessing.set_forkserver_preload(PRELOAD)
     return multiprocessing.get_context("forkserver")
 
 

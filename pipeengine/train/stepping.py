@@ -42,6 +42,9 @@ class Stepper:
         self._boundaries: dict[Boundary, list[Boundary]] = {}
         self._steps = {True: 0, False: 0}  # training and evaluation steps run, for error messages
         self._summed_checked = False  # loss_count: whether loss_fn was found to return a sum (train.losses)
+        world = parts.topology.world
+        world.engines += 1
+        self._engine = world.engines  # which engine of this world: in-process ranks infer its boundaries once
 
     def train(self, inputs: object, targets: object, loss_scale: float) -> float:
         """Forward and backward over all micro-batches; the mean loss (as one process has it) on every rank."""
@@ -125,7 +128,10 @@ class Stepper:
         """Output boundary of every stage for this micro-batch input, cached per input signature."""
         boundaries = self._boundaries.get(inputs)
         if boundaries is None:
-            boundaries = infer_boundaries(self.parts.meta_layers, self.parts.partition.bounds, inputs)
+            boundaries = self.parts.topology.world.computed_once(
+                ("boundaries", self._engine, inputs),
+                lambda: infer_boundaries(self.parts.meta_layers, self.parts.partition.bounds, inputs),
+            )  # fmt: skip
             if self.config.dtype is not None:  # floating tensors cross in the autocast dtype (see precision)
                 boundaries = [b.in_dtype(self.config.dtype) for b in boundaries[:-1]] + boundaries[-1:]
             self._boundaries[inputs] = boundaries

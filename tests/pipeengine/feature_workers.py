@@ -19,7 +19,7 @@ def parity_checkpointed(model_name: str, schedule: str, checkpoint: str) -> None
 
 
 class SavedBytes:
-    """Bytes autograd holds for backward, live, and their peak (a saved_tensors_hooks pair)."""
+    """Bytes autograd holds for backward, live, and their peak (a saved_tensors_hooks pair); meta tensors hold none."""
 
     def __init__(self) -> None:
         self.live = self.peak = 0
@@ -28,7 +28,7 @@ class SavedBytes:
         import weakref
 
         held = _Held(tensor)
-        size = tensor.numel() * tensor.element_size()
+        size = 0 if tensor.device.type == "meta" else tensor.numel() * tensor.element_size()  # shape inference's
         self.live += size
         self.peak = max(self.peak, self.live)
         weakref.finalize(held, self._release, size)
