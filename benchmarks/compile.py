@@ -35,7 +35,8 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
         torch.manual_seed(0)  # the same weights on every rank, and for both engines
         model = train_gpt.gpt(args.blocks, args.width, HEADS, LENGTH)
         return PipelineEngine(model, train_gpt.summed_loss, num_microbatches=args.microbatches, schedule=schedule,
-                              partition="uniform", loss_count=train_gpt.real_tokens, compile=compile)  # fmt: skip
+                              partition="uniform", loss_count=train_gpt.real_tokens,
+                              compile={"backend": args.backend} if compile else False)  # fmt: skip
 
     generator = torch.Generator().manual_seed(1)
     x = torch.randint(0, len(train_gpt.VOCAB), (args.batch, LENGTH), generator=generator)
@@ -67,7 +68,7 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     if dist.get_rank() == 0:
         save_row(path, {"schedule": schedule, "ranks": dist.get_world_size(), "eager_ms": 1e3 * median(eager_s),
                         "compiled_ms": 1e3 * median(compiled_s), "ratio": median(eager_s) / median(compiled_s),
-                        "compile_s": first - median(eager_s)})  # fmt: skip
+                        "compile_s": first - median(eager_s), "backend": args.backend})  # fmt: skip
 
 
 def _slowest(seconds: float) -> float:
@@ -80,6 +81,7 @@ def main() -> None:
     parser = arguments(__doc__, SCHEDULES, width=WIDTH, blocks=BLOCKS, batch=BATCH, microbatches=MICROBATCHES,
                        rounds=ROUNDS, steps=STEPS, threads=THREADS)  # fmt: skip
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (default: %(default)s)")
     args = parser.parse_args()
     rows, lines = [], []
     for ranks in args.ranks:

@@ -38,8 +38,8 @@ def bench(script: str, *args: str, out: Path) -> str:
 
 @pytest.mark.timeout(300)
 def test_vs_torch_reports_a_ratio_per_schedule(tmp_path: Path) -> None:
-    # one stage per rank, and torch's several-stage API (interleaved: torch 2.11's zb-v fails on gloo, see vs_torch.py)
-    schedules = ["1f1b", "interleaved"]
+    # torch's several-stage API (interleaved: torch 2.11's zb-v fails on gloo, see vs_torch.py)
+    schedules = ["interleaved"]
     out = bench("vs_torch.py", *TINY, "--microbatches", "4", "--rounds", "1", "--steps", "1", "--schedules", *schedules,
                 out=tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "vs_torch.json").read_text())
@@ -130,9 +130,11 @@ def test_vs_torch_fsdp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_pat
 
 @pytest.mark.timeout(300)
 def test_compile_reports_eager_against_compiled_stages_and_the_compile_time(tmp_path: Path) -> None:
-    out = bench("compile.py", "--ranks", "2", "--schedules", "zb-h1", "--width", "32", "--blocks", "1", "--batch",
-                "4", "--microbatches", "2", "--rounds", "1", "--steps", "1", out=tmp_path)  # fmt: skip
+    # aot_eager: the report's logic is tested, not inductor's C++ compiler (test_compile runs inductor)
+    out = bench("compile.py", "--ranks", "2", "--schedules", "zb-h1", "--width", "32", "--blocks", "1", "--batch", "4",
+                "--microbatches", "2", "--rounds", "1", "--steps", "1", "--backend", "aot_eager",
+                out=tmp_path)  # fmt: skip
     (row,) = json.loads((tmp_path / "compile.json").read_text())
-    assert row["schedule"] == "zb-h1" and row["ranks"] == 2 and "-> " in out
+    assert row["schedule"] == "zb-h1" and row["ranks"] == 2 and row["backend"] == "aot_eager" and "-> " in out
     assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["ratio"] == pytest.approx(
         row["eager_ms"] / row["compiled_ms"])  # fmt: skip

@@ -28,6 +28,9 @@ __all__: list[str] = []
 
 Mark = float | torch.cuda.Event
 PINGS = 8  # round trips per rank for the clock offset
+# the prefix of an instruction's range in the user's profiler: "pipeengine/2F0" (a bare "2F0" reads as a C++ mangled
+# name, which the profiler demangles to "F0")
+RANGE = "pipeengine/"
 
 
 class _Span:
@@ -42,7 +45,8 @@ class _Span:
 
     def __enter__(self) -> None:
         if self.tracer.profiled:
-            self.range = torch.profiler.record_function(f"wait {self.action}" if self.wait else str(self.action))
+            name = f"wait {self.action}" if self.wait else str(self.action)
+            self.range = torch.profiler.record_function(RANGE + name)
             self.range.__enter__()
         self.start = self.tracer.mark()
 

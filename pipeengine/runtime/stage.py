@@ -102,7 +102,7 @@ class StageWorker:
         """Activation checkpointing runs the forward again in backward, in training mode: the buffers it would update
         a second time (batch norm's running statistics) are put back as the first forward left them."""
         buffers = list(self.module.buffers())
-        return nullcontext(), _restored(buffers) if buffers else nullcontext()
+        return nullcontext(), _Restored(buffers) if buffers else nullcontext()
 
     def held(self) -> Iterator[torch.Tensor]:
         """What this worker keeps between its computes: inputs and outputs for backward, W's kept gradients."""
@@ -132,7 +132,11 @@ class StageWorker:
         return input_grads
 
     def backward_weight(self, mb: int) -> None:
-        """The parameter gradients of a micro-batch whose input gradients were taken (zero-bubble W)."""
+        """The parameter gradients of a micro-batch whose input gradients were taken (zero-bubble W). FSDP with
+        reshard_after_forward: a forward between its I and its W freed the whole parameters its graph saved (a
+        V-Half stage forwards the next micro-batch first): gathered again."""
+        if self.sharded:
+            gather(self.module)
         self.weight_passes.pop(mb).run()  # then its graph, and the activations it held, are freed
 
     def _pop(self, mb: int, grad_outputs: Tensors | None) -> tuple[Tensors, Tensors, Tensors]:
@@ -183,12 +187,19 @@ class StageWorker:
             )
 
 
-@contextlib.contextmanager
-def _restored(buffers: list[torch.Tensor]) -> Iterator[None]:
-    saved = [buffer.detach().clone() for buffer in buffers]
-    try:
-        yield
-    finally:
+class _Restored:
+    """Puts the buffers back as they were on entering, on leaving; entered again at each recompute (a split
+    backward's I and W may each recompute the forward), so not a one-shot generator."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.saved: list[list[torch.Tensor]] = [[] for _ in buffers]  # a stack each: entries may nest
+
+    def __enter__(self) -> None:
+        for buffer, stack in zip(self.buffers, self.saved, strict=True):
+            stack.append(buffer.detach().clone())
+
+    def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
-            for buffer, value in zip(buffers, saved, strict=True):
-                buffer.copy_(value)
+            for buffer, stack in zip(self.buffers, self.saved, strict=True):
+                buffer.copy_(stack.pop())

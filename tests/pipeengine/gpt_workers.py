@@ -12,11 +12,9 @@ from torch.nn import functional as F
 
 from pipeengine import PipelineEngine
 from tests.pipeengine import ranks
-from tests.pipeengine.feature_workers import staged_reference
 from tests.pipeengine.models import SEEDED
 from tests.pipeengine.workers import (
     check_clipped,
-    check_grads,
     check_weights,
     close,
     step_both,
@@ -124,21 +122,6 @@ def tied_parity(
     tied = dict(engine.named_parameters()).get("0.tokens.weight")
     if tied is not None and engine.last:  # the head and the embedding are one tensor on this rank
         assert engine.stages[engine.schedule.num_stages - 1][-1].out.weight is tied
-
-
-def tied_mixed_precision(schedule: str) -> None:
-    """Under bf16, equal to one process that rounds the same way (see feature_workers.staged_reference)."""
-    model = tied_gpt()
-    reference = copy.deepcopy(model)
-    m = 2 * ranks.size()
-    engine = PipelineEngine(model, token_sum, num_microbatches=m, schedule=schedule, loss_count=count_tokens,
-                            precision="bf16")  # fmt: skip
-    x, y = padded_batch(2 * m, seed=0, microbatches=m)
-    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-    total = float(count_tokens(y))
-    mean = staged_reference(reference, engine.bounds, x, y, m, torch.bfloat16, token_sum, 1.0, weight=1.0 / total)
-    close(loss, mean * m / total, f"bf16 {schedule}: loss")  # staged_reference returns the mean of the m sums
-    check_grads(engine, reference, f"bf16 tied {schedule}")
 
 
 def tied_clipping(schedule: str) -> None:

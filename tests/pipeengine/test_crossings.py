@@ -289,7 +289,8 @@ def under_the_users_profiler(directory: str) -> None:
         said += [str(w.message) for w in caught]
         prof = first if case != "around" else second
         names = {event.name for event in prof.events()}
-        mine = {str(op) for op in engine.last_program.instructions[engine.rank] if isinstance(op, Instruction)}  # type: ignore[union-attr]
+        mine = {f"pipeengine/{op}" for op in engine.last_program.instructions[engine.rank]  # type: ignore[union-attr]
+                if isinstance(op, Instruction)}  # fmt: skip
         assert mine <= names, f"{case}: the instructions {sorted(mine - names)} are not in the user's trace"
         assert len(names) > len(mine), f"{case}: the user's profiler recorded only our ranges: {sorted(names)}"
         prof.export_chrome_trace(f"{directory}/{case}-{ranks.rank()}.json")
@@ -313,7 +314,7 @@ def under_a_scheduled_profiler() -> None:
         for _ in range(3):
             engine.train_step(x if engine.first else None, y if engine.last else None)
             prof.step()
-    assert f"{engine.rank}F0" in {event.name for event in prof.events()}
+    assert f"pipeengine/{engine.rank}F0" in {event.name for event in prof.events()}
     engine.train_step(x if engine.first else None, y if engine.last else None)  # closed: the allocator is watched
     timeline = engine.timeline()
     assert ranks.rank() != 0 or (timeline is not None and timeline.allocated_peak is not None)

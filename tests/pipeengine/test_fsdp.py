@@ -19,12 +19,12 @@ from tests.pipeengine.workers import ATOL, RTOL
 
 
 @pytest.mark.timeout(240)
-def test_every_schedule_on_dp2_pp2_trains_like_one_process_with_sharded_state() -> None:
+def test_dp2_pp2_trains_like_one_process_with_sharded_state() -> None:
     launch(fsdp_workers.every_schedule, 4, timeout=200)
 
 
 @pytest.mark.timeout(180)
-def test_a_tie_across_ranks_bf16_and_the_refusals_every_rank_makes() -> None:
+def test_memory_the_planner_and_the_refusals_every_rank_makes() -> None:
     launch(fsdp_workers.around_the_engine, 4, timeout=150)
 
 

@@ -12,13 +12,13 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [4])  # 2 ranks: the tie with every schedule is the composition matrix's
 def test_a_tied_gpt_with_a_token_mean_loss_trains_like_one_process(schedule: str, ranks: int) -> None:
     launch(gpt_workers.tied_parity, ranks, args=(schedule,), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-v"])
+@pytest.mark.parametrize("schedule", ["zb-v"])  # other schedules with replicas and a tie: the composition matrix
 def test_with_data_parallelism_the_tie_is_summed_and_the_tokens_counted_over_every_replica(schedule: str) -> None:
     # 4 ranks: 2 replicas of a 2-rank pipeline, each replica's batch padded differently
     launch(gpt_workers.tied_parity, 4, args=(schedule, 2, 2), timeout=60, in_process=True)
@@ -30,15 +30,9 @@ def test_on_real_gloo_ranks_the_tie_and_the_token_count_cross_processes() -> Non
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", [{"checkpoint": "always"}, {"checkpoint": "except_last"}])
+@pytest.mark.parametrize("options", [{"checkpoint": "except_last"}])  # "always": the composition matrix
 def test_the_tie_composes_with_activation_checkpointing(options: dict[str, str]) -> None:
     launch(gpt_workers.tied_parity, 2, args=("zb-h1", 2, 1, options), timeout=60, in_process=True)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
-def test_the_tie_composes_with_mixed_precision(schedule: str) -> None:
-    launch(gpt_workers.tied_mixed_precision, 2, args=(schedule,), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(120)

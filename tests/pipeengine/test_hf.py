@@ -133,7 +133,7 @@ def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: in
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])  # a Llama with every schedule: the composition matrix
 def test_every_schedule_equals_hf_on_2_ranks(family: str) -> None:
     launch(parity, 2, args=(family, SCHEDULES), timeout=120, in_process=True)
 
@@ -145,7 +145,7 @@ def test_on_4_ranks(family: str, schedules: list[str]) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("family, options", [("gpt2", {"checkpoint": "always"}), ("llama", {"checkpoint": "always"})])
+@pytest.mark.parametrize("family, options", [("gpt2", {"checkpoint": "always"})])  # a Llama: the composition matrix
 def test_with_activation_checkpointing_and_data_parallelism(family: str, options: dict[str, object]) -> None:
     launch(parity, 4, args=(family, ["1f1b"], 2, 2, options), timeout=120, in_process=True)  # dp=2 x pp=2
 
@@ -327,8 +327,8 @@ def test_a_tensor_parallel_degree_that_splits_a_head_is_refused_naming_the_heads
 def export_parallel(directory: str) -> None:
     """Trained on 4 gloo ranks with tensor parallelism or FSDP, then exported: save_pretrained writes whole
     tensors of the model given to hf.sequential (its layers parallelized or sharded now)."""
-    cases = [("gpt2", {"data_parallel": 2, "fsdp": True}), ("llama", {"data_parallel": 2, "fsdp": True}),
-             ("llama", {"tensor_parallel": 2})]  # fmt: skip
+    # a tied GPT-2 sharded, a Llama over tensor-parallel ranks (a Llama sharded: the composition matrix)
+    cases = [("gpt2", {"data_parallel": 2, "fsdp": True}), ("llama", {"tensor_parallel": 2})]
     for index, (family, options) in enumerate(cases):
         model = build(family, tied=family == "gpt2")
         plan = {"tp_plan": hf.tp_plan(model)} if "tensor_parallel" in options else {}
@@ -348,7 +348,7 @@ def export_parallel(directory: str) -> None:
 @pytest.mark.timeout(180)
 def test_save_pretrained_after_tensor_parallel_or_fsdp_training_loads_and_computes_the_same(tmp_path: Path) -> None:
     launch(export_parallel, 4, args=(str(tmp_path),), timeout=150)
-    for index in range(3):
+    for index in range(2):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(index))
         ids, _ = batch(4, seed=index)
         with torch.no_grad():

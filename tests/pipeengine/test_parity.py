@@ -13,22 +13,21 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min",
 
 
 def microbatch_counts(schedule: str, ranks: int) -> list[int]:
-    # 1 (on 2 ranks), p and more than p; interleaved needs a multiple of p, DualPipeV at least 2p
+    # 1, p and more than p; interleaved needs a multiple of p, DualPipeV at least 2p
     if schedule == "dualpipe-v":
         return [2 * ranks]
-    return [ranks, 2 * ranks] if schedule == "interleaved" or ranks > 2 else [1, ranks, 2 * ranks]
+    return [ranks, 2 * ranks] if schedule == "interleaved" else [1, ranks, 2 * ranks]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [4])  # 2 ranks: every schedule with every feature in the composition matrix
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_loss_gradients_and_weights_equal_single_process(schedule: str, ranks: int) -> None:
     ms = microbatch_counts(schedule, ranks)
     unit = 2 * ranks  # every batch size splits evenly for every m above
-    # both models, an MLP and a transformer stack with tuple boundaries
+    # a transformer stack with tuple boundaries (an MLP with a batch norm: every schedule in the composition matrix)
     sizes = [3 * unit, unit]  # with the largest m, the batch size changes between the two optimizer steps
-    launch(workers.parity_models, ranks, args=(["mlp", "transformer"], schedule, ms, sizes), timeout=60,
-           in_process=True)  # fmt: skip
+    launch(workers.parity_models, ranks, args=(["transformer"], schedule, ms, sizes), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(180)
@@ -39,7 +38,7 @@ def test_on_real_gloo_ranks_the_transport_trains_like_one_process() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-v"])
+@pytest.mark.parametrize("schedule", ["zb-v"])  # accumulation and eval with every schedule: the composition matrix
 def test_gradients_accumulate_and_eval_train_eval_leaves_no_state(schedule: str) -> None:
     launch(workers.accumulate_and_eval, 2, args=("transformer", schedule, 4), timeout=60, in_process=True)
 

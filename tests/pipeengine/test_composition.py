@@ -1,0 +1,63 @@
+"""The composition matrix (tests/composition): every pair of feature levels that can go together, in configurations
+checked against one process; the refused pairs asserted refused. Configurations share a world: one launch per world
+size and kind of rank (threads where nothing needs torch.distributed)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from pipeengine import launch
+from tests.composition import Config, matrix
+from tests.composition.harness import build, engine_for, run
+
+pytest.importorskip("transformers")
+# imported here, before any launch, so that the ranks' fork server imports the Llama once for all (launch's PRELOAD)
+importlib.import_module("transformers.models.llama.modeling_llama")
+
+
+def worlds() -> dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]]]]:
+    """The configurations by world (kind of rank, size), those that run and those refused: one launch each, so that
+    the ranks start once and a region compiled by one configuration serves the next that compiles it (dynamo's
+    cache is per process)."""
+    named: dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]]]] = {}
+    found = matrix()
+    for config, message in [(config, "") for config in found.running] + list(found.refused):
+        kind = "processes" if config.processes else "threads"
+        world = named.setdefault(f"{kind}-{config.world}", (config.processes, config.world, [], []))
+        world[3 if message else 2].append((config, message) if message else config)  # type: ignore[attr-defined]
+    return named
+
+
+WORLDS = worlds()
+
+
+def every(configs: list[Config], refusals: list[tuple[Config, str]], directory: str) -> None:
+    """The refusals first (each on every rank), then each configuration against one process."""
+    for config, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            engine_for(config, build(config))
+    for index, config in enumerate(configs):
+        try:
+            run(config, f"{directory}/{index}", index)
+        except Exception as error:
+            error.add_note(f"in the composition matrix's configuration {config}")
+            raise
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", sorted(WORLDS))
+def test_every_configuration_trains_like_one_process_or_is_refused_with_its_message(name: str, tmp_path: Path
+                                                                                    ) -> None:  # fmt: skip
+    processes, world, configs, refusals = WORLDS[name]
+    launch(every, world, args=(configs, refusals, str(tmp_path)), timeout=360, in_process=not processes)
+
+
+def test_the_matrix_covers_every_pair_that_can_go_together_as_the_readme_says() -> None:
+    found = matrix()
+    assert found.covered == found.possible > 500 and len(found.running) < 80
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert f"pairs covered: {found.covered} of {found.possible}\n{len(found.running)} configurations run" in readme
+    assert sum(len(refusals) for *_, refusals in WORLDS.values()) == len(found.refused) > 0
