@@ -61,3 +61,27 @@ def test_the_matrix_covers_every_pair_that_can_go_together_as_the_readme_says() 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert f"pairs covered: {found.covered} of {found.possible}\n{len(found.running)} configurations run" in readme
     assert sum(len(refusals) for *_, refusals in WORLDS.values()) == len(found.refused) > 0
+
+
+ROUND_4 = {  # the reliability round 4 issue's defects, each the levels that together made it
+    "accumulation x a tie x replicas": {"accumulate": {2}, "tie": {"across"}, "data": {"dp2"}},
+    "accumulation x a tie x FSDP": {"accumulate": {2}, "tie": {"across"}, "data": {"fsdp", "fsdp-reshard"}},
+    "accumulation x replicas x loss_count": {"accumulate": {2}, "loss": {"sum"}, "data": {"dp2"}},
+    "replicas' batch norms x eval": {"model": {"mlp"}, "data": {"dp2", "fsdp", "fsdp-reshard"}, "after": {"eval"}},
+    "replicas' batch norms x a checkpoint": {"model": {"mlp"}, "data": {"dp2", "fsdp"}, "after": {"reload"}},
+    "eval x FSDP": {"data": {"fsdp", "fsdp-reshard"}, "after": {"eval"}},
+    "save_pretrained x tensor parallel": {"tp": {2}, "after": {"hf-export"}},
+    "save_pretrained x FSDP": {"data": {"fsdp", "fsdp-reshard"}, "after": {"hf-export"}},
+    "fp16 x tensor parallel": {"precision": {"fp16"}, "tp": {2}},
+    "fp16 x FSDP": {"precision": {"fp16"}, "data": {"fsdp", "fsdp-reshard"}},
+    "tracing x tensor parallel": {"after": {"trace"}, "tp": {2}},
+    "the user's profiler x tracing (processes)": {"after": {"trace"}, "data": {"fsdp", "fsdp-reshard"}},
+    "compile x a split backward": {"compile": {"on"}, "schedule": {"zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"}},
+}
+
+
+@pytest.mark.parametrize("defect", sorted(ROUND_4))
+def test_each_defect_of_reliability_round_4_is_in_a_configuration(defect: str) -> None:
+    wanted = ROUND_4[defect]
+    held = [c for c in matrix().running if all(getattr(c, name) in levels for name, levels in wanted.items())]
+    assert held, f"no configuration of the matrix holds {defect}: {wanted}"
