@@ -173,7 +173,11 @@ def _possible() -> tuple[set[object], set[object]]:
         found = runnable if kind == "runs" else refusable
         found.update(_pair(a, b) for a, b in itertools.combinations(held, 2))
         found.update(_pair(a, b) for a in held for b in free)
-        found.update(_pair(a, b) for a, b in itertools.combinations(free, 2) if a[0] != b[0])
+    # two free levels go together wherever any combination runs (or is refused): once, not once per combination
+    free_pairs = {_pair(a, b) for a, b in itertools.combinations(free, 2) if a[0] != b[0]}
+    for found in (runnable, refusable):
+        if found:
+            found |= free_pairs
     return runnable, refusable
 
 

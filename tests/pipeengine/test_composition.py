@@ -23,11 +23,16 @@ def worlds() -> dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]
     the ranks start once and a region compiled by one configuration serves the next that compiles it (dynamo's
     cache is per process)."""
     named: dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]]]] = {}
-    found = matrix()
-    for config, message in [(config, "") for config in found.running] + list(found.refused):
+
+    def world(config: Config) -> tuple[bool, int, list[Config], list[tuple[Config, str]]]:
         kind = "processes" if config.processes else "threads"
-        world = named.setdefault(f"{kind}-{config.world}", (config.processes, config.world, [], []))
-        world[3 if message else 2].append((config, message) if message else config)  # type: ignore[attr-defined]
+        return named.setdefault(f"{kind}-{config.world}", (config.processes, config.world, [], []))
+
+    found = matrix()
+    for config in found.running:
+        world(config)[2].append(config)
+    for config, message in found.refused:
+        world(config)[3].append((config, message))
     return named
 
 
