@@ -51,8 +51,8 @@ def torch_pipeline(schedule: str, engine: PipelineEngine, model: nn.Sequential, 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from pipeengine.build.transform import plan_matches
     from pipeengine.core.bounds import stage_module
+    from pipeengine.parallel.tensor import plan_matches
 
     stage = engine.pp_rank
     module = stage_module(model, *engine.bounds[stage])  # the model's names, as the engine's stages have them

@@ -12,17 +12,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeengine.build.assembly import Assembly, assemble
 from pipeengine.comm.connect import connect
 from pipeengine.comm.consensus import agree_on_model
 from pipeengine.comm.header import Call, Calls
-from pipeengine.core.config import AUTO, DEFAULT_TIMEOUT, EngineConfig
+from pipeengine.construction.assembly import Assembly, assemble, resolve_auto
+from pipeengine.core.config import DEFAULT_TIMEOUT, EngineConfig, check_arguments
 from pipeengine.core.specs import Tensors
 from pipeengine.runtime.precision import GradScaler
 from pipeengine.runtime.stage import LossFn
 from pipeengine.train.checkpoint import Checkpoints
 from pipeengine.train.parameters import Parameters
-from pipeengine.train.stepping import Stepper
+from pipeengine.train.stepping import StageLayers, Stepper
 from pipeengine.train.tracing import Tracing
 from schedules import Schedule, Timeline
 
@@ -38,16 +38,10 @@ class PipelineEngine:
         loss = engine.train_step(x, y)   # inputs on the first stage's rank, targets on the last; the mean loss
         optimizer.step()                 # an optimizer over engine.parameters() (the model's own names)
 
-    Gradients equal one process's on the whole batch. The options (all keywords; pipeengine.core.config):
-    ``schedule`` a registered name, a schedules.Schedule, or "auto" (the planner, pipeengine.planner.tune, under
-    ``memory_limit``); ``chunks``; ``partition`` "uniform" | "parameters" | "time" | "memory" or the layers
-    per stage, measured on ``sample`` (pipeengine.planner.partition); ``data_parallel`` replicas on one grid
-    (pipeengine.core.grid); ``checkpoint`` "never" | "always" | "except_last"; ``precision`` "bf16" | "fp16";
-    ``loss_count`` a token-mean loss (loss_fn returns a SUM; pipeengine.train.losses); ``tensor_parallel`` ranks
-    per stage with ``tp_plan`` {fnmatch pattern of module names: ParallelStyle}, ``parallelize`` fn(stage_module,
-    mesh) -> module, ``fsdp`` FSDP2 over the replicas, ``reshard_after_forward``, ``compile`` torch.compile each
-    layer (True, or torch.compile's keywords) after tensor parallel and before FSDP (build.transform; ``engine.mesh``);
-    ``timeout`` seconds any wait on a peer may take; ``trace`` record every step (train.tracing); ``group``.
+    Gradients equal one process's on the whole batch. The options are keywords, each described where it is checked
+    (pipeengine.core.config.EngineConfig); what builds this rank's part is pipeengine.construction.assembly, what
+    runs a step pipeengine.train.stepping, and each parallelism lives in pipeengine.parallel. ``engine.mesh`` is
+    torch's DeviceMesh where a stage transform needed one.
     """
 
     def __init__(
@@ -75,13 +69,7 @@ class PipelineEngine:
         fsdp: bool = False, reshard_after_forward: bool = False,
         compile: bool | Mapping[str, object] = False,
     ) -> None:
-        if not isinstance(model, nn.Sequential):
-            raise TypeError(
-                f"PipelineEngine splits an nn.Sequential into stages, got {type(model).__name__}; "
-                "write the model as nn.Sequential(layer, layer, ...)"
-            )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+        check_arguments(model, loss_fn, group, data_parallel)
         self.config = EngineConfig(
             num_microbatches=num_microbatches, schedule=schedule, chunks=chunks, partition=partition,  # type: ignore[arg-type]
             device=torch.device(device) if device is not None else None, timeout=timeout, trace=trace,
@@ -89,32 +77,33 @@ class PipelineEngine:
             memory_limit=memory_limit, parallelize=parallelize, tensor_parallel=tensor_parallel, tp_plan=tp_plan,
             fsdp=fsdp, reshard_after_forward=reshard_after_forward, compile=compile,
         )  # fmt: skip
-        if group is not None and data_parallel > 1:
-            raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
         world = connect(group, self.config.device, self.config.timeout)
         agree_on_model(model, world)  # first: in-process ranks build their models one at a time until here
-        self.tuned = None  # schedule="auto": the pipeengine.planner.tune candidate every rank built
-        if self.config.schedule == AUTO:
-            from pipeengine.planner.tune import (
-                choose,  # here: `python -m pipeengine.tune` must find it not yet imported
-            )
-
-            self.config, self.tuned = choose(self.config, model, loss_fn, sample, world)
+        # schedule="auto": the pipeengine.planner.tune candidate every rank built (self.tuned), else None
+        self.config, self.tuned = resolve_auto(self.config, model, loss_fn, sample, world)
         parts: Assembly = assemble(model, loss_fn, self.config, sample, world)
+        self._expose(parts)
+        self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, self.pipeline)
+        self._checkpoints = Checkpoints(model, self._params, self.topology, self.config.fsdp)
+        self._calls = Calls(self.pipeline)
+        self._tracing = Tracing(trace, self.device, self.pipeline, self.schedule.num_stages)
+        layers = StageLayers(parts.stages, parts.meta_layers, self.bounds, self.schedule.placement)
+        self._stepper = Stepper(parts.executor, parts.programs, self.topology, layers, self.config, loss_fn,
+                                self._calls, self._tracing, lambda: list(self.parameters()))
+        self.num_microbatches = self._stepper.num_microbatches
+        self.first, self.last = self._stepper.first, self._stepper.last
+        agree_max = functools.partial(self.topology.world.all_reduce, what="the loss scaler's overflow check", op="max")
+        self.scaler = GradScaler(self.parameters, precision == "fp16", self.device, agree_max)
+
+    def _expose(self, parts: Assembly) -> None:
+        """What the engine shows of what this rank runs: its place on the grid, its stages, the schedule."""
         self.topology, self.device, self.schedule = parts.topology, parts.device, parts.schedule
         self.partition, self.bounds, self.stages = parts.partition, parts.partition.bounds, parts.stages
-        self.group = self.topology.pipeline.group  # this pipeline's torch.distributed group (None: default)
-        pipeline, world, grid = self.topology.pipeline, self.topology.world, self.topology.grid
-        self.pp_rank, self.dp_rank, self.data_parallel = self.topology.pp_rank, self.topology.dp_rank, grid.dp
-        self.tp_rank, self.mesh = self.topology.tp_rank, parts.mesh  # torch's DeviceMesh ("dp", "pp", "tp"), or None
-        self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, pipeline)
-        self._checkpoints = Checkpoints(model, self._params, self.topology, self.config.fsdp)
-        self._calls, self._tracing = Calls(pipeline), Tracing(trace, self.device, pipeline, self.schedule.num_stages)
-        self._stepper = stepper = Stepper(parts, self.config, loss_fn, self._calls, self._tracing,
-                                          lambda: list(self.parameters()))
-        self.num_microbatches, self.first, self.last = stepper.num_microbatches, stepper.first, stepper.last
-        agree_max = functools.partial(world.all_reduce, what="the loss scaler's overflow check", op="max")
-        self.scaler = GradScaler(self.parameters, precision == "fp16", self.device, agree_max)
+        self.pipeline = self.topology.pipeline
+        self.group = self.pipeline.group  # this pipeline's torch.distributed group (None: the default group)
+        self.pp_rank, self.dp_rank, self.tp_rank = self.topology.pp_rank, self.topology.dp_rank, self.topology.tp_rank
+        self.data_parallel = self.topology.grid.dp
+        self.mesh = parts.mesh  # torch's DeviceMesh ("dp", "pp", "tp"), or None
 
     @property
     def rank(self) -> int:

@@ -13,8 +13,8 @@ ROOT = Path(__file__).parent.parent
 # lowest first: a module imports from its own folder or from folders strictly below it; "" is the package's top
 LAYERS = {
     "schedules": [["ir"], ["proof"], ["sim"], ["passes"], ["compilers"], [""]],
-    "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["runtime"], ["planner"], ["build"],
-                   ["train", "hf"], [""]],  # fmt: skip
+    "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["parallel"], ["runtime"], ["planner"],
+                   ["construction"], ["train", "hf"], [""]],  # fmt: skip
 }
 
 
@@ -92,3 +92,80 @@ def test_imports_run_down_the_layers(package: str) -> None:
 
 def test_the_facade_reads_as_a_table_of_contents() -> None:
     assert len((ROOT / "pipeengine" / "engine.py").read_text().splitlines()) < 200
+
+
+def _modules(package: str = "pipeengine") -> dict[str, ast.Module]:
+    return {module_name(package, p): ast.parse(p.read_text()) for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def test_gradient_syncs_are_asked_nothing_of_their_kind_outside_their_module() -> None:
+    """One protocol (pipeengine.parallel.gradsync): no module tests which sync it holds; each sync's class is named
+    only by its own module and the one that makes a rank's syncs (pipeengine.parallel)."""
+    trees = _modules()
+    homes = {}  # class -> the module defining it
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if node.name == "GradientSync" or any(ast.unparse(base) == "GradientSync" for base in node.bases):
+                homes[node.name] = module
+    subclasses = set(homes)
+    assert {"ReplicaMean", "ShardedReduce", "TieSum"} <= subclasses, sorted(subclasses)
+    wrong = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
+                named = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.args[1])
+                         if isinstance(n, ast.Name | ast.Attribute)}  # fmt: skip
+                for name in named & subclasses:
+                    if homes.get(name) != module:
+                        wrong.append(f"{module}: {ast.unparse(node)}")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeengine"):
+                for alias in node.names:
+                    if alias.name in subclasses - {"GradientSync"} and module != "pipeengine.parallel":
+                        wrong.append(f"{module} imports {alias.name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_step_path_runs_down_and_never_into_construction() -> None:
+    """engine -> stepper -> executor -> mailbox -> transport: nothing a step runs imports the construction folder,
+    directly or through another module; the program cache is the runtime's."""
+    edges = graph("pipeengine")
+    start = ["pipeengine.train.stepping", "pipeengine.train.tracing", "pipeengine.runtime.executor"]
+    seen, todo = set(start), list(start)
+    while todo:
+        for child in edges[todo.pop()]:
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    assert {"pipeengine.runtime.mailbox", "pipeengine.runtime.programs"} <= seen
+    assert not [m for m in seen if folder("pipeengine", m) == "construction"], sorted(seen)
+    programs = _modules()["pipeengine.runtime.programs"]
+    assert "Programs" in {node.name for node in ast.walk(programs) if isinstance(node, ast.ClassDef)}
+
+
+# each parallelism's machinery (torch's modules for it) is imported by its own home alone
+HOMES = {
+    "torch.distributed.fsdp": "pipeengine.parallel.fsdp",
+    "torch.distributed.tensor.parallel.parallelize_module": "pipeengine.parallel.tensor",
+    "torch.distributed.device_mesh": "pipeengine.parallel.tensor",
+    "torch.distributed.checkpoint": "pipeengine.parallel.fsdp_checkpoint",
+}
+
+
+def test_each_parallelism_has_one_home() -> None:
+    wrong = []
+    for module, tree in _modules().items():
+        for node in ast.walk(tree):
+            found = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            for name in found:
+                for machinery, home in HOMES.items():
+                    if (name == machinery or name.startswith(machinery + ".")) and module != home:
+                        wrong.append(f"{module} imports {name}: {home} owns it")
+    assert not wrong, "\n".join(wrong)
+    for folder_name in ("build",):  # a package folder named build/ is what packaging's .gitignore rule hides
+        assert not (ROOT / "pipeengine" / folder_name).exists()

@@ -9,7 +9,7 @@ import torch
 
 from schedules import SCHEDULES, Schedule
 
-__all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "METHODS", "PRECISIONS", "EngineConfig"]
+__all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "METHODS", "PRECISIONS", "EngineConfig", "check_arguments"]
 
 METHODS = ("uniform", "parameters", "time", "memory")  # how partition= cuts the model (pipeengine.planner.partition)
 
@@ -38,7 +38,7 @@ class EngineConfig:
     precision: str | None = None
     loss_count: Callable[[object], object] | None = None  # units (tokens) in a micro-batch's target: a summed loss
     memory_limit: float | None = None  # bytes per rank that schedule="auto" keeps under
-    parallelize: Callable[..., object] | None = None  # fn(stage_module, mesh) -> module, per stage (build.transform)
+    parallelize: Callable[..., object] | None = None  # fn(stage_module, mesh) -> module, per stage (construction)
     tensor_parallel: int = 1  # ranks per stage, innermost on the grid (core.grid)
     tp_plan: Mapping[str, object] | None = None  # fnmatch pattern over the model's module names -> a ParallelStyle
     fsdp: bool = False  # FSDP2 over the data-parallel replicas: each holds 1/dp of weights, gradients, optimizer state
@@ -154,7 +154,7 @@ class EngineConfig:
 
     @property
     def needs_mesh(self) -> bool:
-        """Whether the stages are transformed on torch's DeviceMesh (build.transform)."""
+        """Whether the stages are transformed on torch's DeviceMesh (construction.transform)."""
         return self.parallelize is not None or self.tensor_parallel > 1 or self.fsdp
 
     @property
@@ -174,3 +174,19 @@ def _shown(schedule: str | Schedule) -> str:
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_arguments(model: object, loss_fn: object, group: object, data_parallel: int) -> None:
+    """What PipelineEngine refuses before any option: a model that is not an nn.Sequential, a loss that cannot be
+    called, and a pipeline group of the user's together with data parallelism."""
+    from torch import nn
+
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"PipelineEngine splits an nn.Sequential into stages, got {type(model).__name__}; "
+            "write the model as nn.Sequential(layer, layer, ...)"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    if group is not None and data_parallel > 1:
+        raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")

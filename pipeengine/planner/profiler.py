@@ -32,6 +32,7 @@ from torch import nn
 
 from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.observe.ledger import Ledger
+from pipeengine.parallel.fsdp import priced
 from pipeengine.planner import transients
 from pipeengine.runtime.backward import backward_input
 from schedules import Costs, Memory, state_bytes
@@ -107,13 +108,8 @@ class LayerProfile:
                         input_after_input=keeps_in)  # fmt: skip
         if self.allocations:
             memory = self._allocated(memory, bounds, placement, state, optimizer_copies, data_parallel)
-        if fsdp:
-            whole = [s / (2 + optimizer_copies) for s in state]  # each stage's parameters, gathered
-            memory = dataclasses.replace(
-                memory, state=[s / data_parallel for s in state], gathered=whole, gathered_grads=whole, sync=0.0,
-                grads_late=[g / data_parallel for g in whole] if self.allocations else 0.0,
-                optimizer=[o / data_parallel for o in memory.optimizer] if self.allocations else 0.0,  # type: ignore[union-attr]
-            )  # fmt: skip
+        if fsdp:  # each stage's state over the replicas, gathered whole during the step
+            memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations))
         return Costs(
             forward=[total(self.forward, a, b) + overhead for a, b in bounds],
             backward=[total(self.backward, a, b) + overhead for a, b in bounds],
@@ -319,7 +315,7 @@ def _profile(
             for key, size in sizes.items():
                 columns[key].append(size)
             if allocator:
-                allocations.append(transients.measure(probe, lambda v=value, f=first: _leaves(v, f),  # type: ignore[misc]
+                allocations.append(transients.allocation(probe, lambda v=value, f=first: _leaves(v, f),  # type: ignore[misc]
                                                       isinstance(value, tuple), device))  # fmt: skip
             with torch.no_grad():
                 value = probe(value)

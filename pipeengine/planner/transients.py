@@ -48,7 +48,7 @@ class Allocation:
     incoming: float = 0.0  # the gradient of its output it was given: in a stage, freed once its backward used it
 
 
-def measure(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, device: torch.device) -> Allocation:
+def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, device: torch.device) -> Allocation:
     """Watch one layer's computes on one input (``leaves()`` makes fresh leaf inputs). Its gradients are left None."""
     params = [p for p in layer.parameters() if p.requires_grad]
 

@@ -2,7 +2,7 @@
 
 Each instruction goes to the handler of its kind (a kind without one is refused): computes to the
 stage workers, sends and recvs to the step's mailbox (pipeengine.runtime.mailbox), AR and TR to
-the gradient synchronisations (pipeengine.runtime.gradsync). What a compute consumes and produces
+the gradient synchronisations (pipeengine.parallel.gradsync's Syncs). What a compute consumes and produces
 is schedules.ir.dataflow's. Data flows one way: the step's inputs in, a StepResult (losses,
 outputs) back.
 """
@@ -18,7 +18,7 @@ from pipeengine.comm.base import Transport
 from pipeengine.core.specs import Boundary, Tensors
 from pipeengine.errors import PipelineError
 from pipeengine.observe.trace import NULL_TRACER, Tracer
-from pipeengine.runtime.gradsync import GradientSync
+from pipeengine.parallel.gradsync import Syncs
 from pipeengine.runtime.mailbox import Mailbox
 from pipeengine.runtime.stage import StageWorker
 from schedules import Action, Dataflow, Instruction, Kind, Post, Schedule
@@ -49,16 +49,16 @@ class StepResult:
 
 class Executor:
     """One rank's interpreter: its stage workers, its pipeline transport, and the gradient synchronisations its
-    streams start (by instruction kind: AR, TR; see pipeengine.runtime.gradsync)."""
+    streams start (by instruction kind: AR, TR; see pipeengine.parallel.gradsync)."""
 
     def __init__(
         self, rank: int, workers: dict[int, StageWorker], pipeline: Transport,
-        syncs: dict[Kind, GradientSync] | None = None,
+        syncs: Syncs | None = None,
     ) -> None:  # fmt: skip
         self.rank = rank
         self.workers = workers
         self.pipeline = pipeline
-        self.syncs = syncs or {}
+        self.syncs = syncs if syncs is not None else Syncs()
         self._flows: dict[int, Dataflow] = {}
 
     def flow(self, program: Schedule) -> Dataflow:
@@ -75,8 +75,7 @@ class Executor:
         index, action = -1, None
         try:
             if step.train:
-                for sync in self.syncs.values():
-                    sync.begin(step.average_replicas)
+                self.syncs.begin(step.average_replicas)
             for index, action in enumerate(stream):  # noqa: B007  (read in the except clause)
                 state.mailbox.reap()
                 handler = _post if isinstance(action, Post) else HANDLERS.get(action.kind)
@@ -87,8 +86,7 @@ class Executor:
                     tracer.sample(action, state.held())
             index, action = len(stream), None
             state.mailbox.complete()
-            for sync in self.syncs.values():
-                sync.finish(tracer)
+            self.syncs.finish(tracer)
         except Exception as error:
             context = state.where(index, action)
             if isinstance(error, PipelineError):
@@ -127,8 +125,7 @@ class _Step:
         for worker in self.executor.workers.values():
             yield from worker.held()
         yield from self.mailbox.held()
-        for sync in self.executor.syncs.values():
-            yield from sync.held()
+        yield from self.executor.syncs.held()
 
     def post(self, action: Action) -> None:
         self.mailbox.post(action)
@@ -177,11 +174,8 @@ class _Step:
 
     def synchronise(self, op: Instruction) -> None:
         """AR or TR: start the gradient synchronisation it names (finished at the step's end)."""
-        sync = self.executor.syncs.get(op.kind)
-        if sync is None:
-            need = "data parallelism (data_parallel > 1)" if op.kind is Kind.ALL_REDUCE else "a tied weight"
-            raise PipelineError(f"{op}: a gradient synchronisation this rank has none of: it needs {need}")
-        sync.start(op, self.program.instructions[self.executor.rank], self.step.average_replicas, self.tracer)
+        stream = self.program.instructions[self.executor.rank]
+        self.executor.syncs.start(op, stream, self.step.average_replicas, self.tracer)
 
 
 _post = _Step.post

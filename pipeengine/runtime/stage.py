@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeengine.core.dtensors import is_dtensor
-from pipeengine.core.sharding import gather, stage_output, units
 from pipeengine.core.specs import Boundary, Tensors, map_tensors, pack, unpack
+from pipeengine.parallel.fsdp import gather, stage_output, units
 from pipeengine.runtime.backward import WeightPass, backward_input
 from pipeengine.runtime.precision import autocast
 

@@ -10,7 +10,7 @@ A save writes a new checkpoint-N (each file to a temporary name, then renamed), 
 every rank, then points `latest` at it and removes the older ones: a crash mid-save
 leaves the previous checkpoint intact and `latest` pointing at it. Only the first
 data-parallel replica writes whole tensors; with fsdp=True every rank writes its own shards
-instead (format 2, pipeengine.train.sharded). Either loads into any partition, replica count
+instead (format 2, pipeengine.parallel.fsdp_checkpoint). Either loads into any partition, replica count
 and sharding. The directory must be shared by all ranks.
 """
 
@@ -30,7 +30,7 @@ from torch import nn
 from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import spread, whole
-from pipeengine.train import sharded as sharded_checkpoint
+from pipeengine.parallel import fsdp_checkpoint
 from pipeengine.train.parameters import Parameters
 
 __all__ = ["Checkpoints", "consolidate", "load_checkpoint", "save_checkpoint"]
@@ -85,7 +85,7 @@ def save_checkpoint(
     # every rank: DTensors gather, unless each writes its shards
     named = _named_optimizer_state(optimizer, names, gather=not sharded) if optimizer is not None else None
     if sharded:
-        sharded_checkpoint.write(target, state, named)  # every rank, collectively; the folder is DCP's
+        fsdp_checkpoint.write(target, state, named)  # every rank, collectively; the folder is DCP's
     if writer:
         target.mkdir(parents=True, exist_ok=True)
         if not sharded:
@@ -133,7 +133,7 @@ def load_checkpoint(
                   for key, value in module.state_dict(keep_vars=True).items()}  # fmt: skip
         params = {name: p for group in (optimizer.param_groups if optimizer else []) for p in group["params"]
                   if (name := names.get(id(p))) is not None}  # fmt: skip
-        model_state, optimizer_state, groups = sharded_checkpoint.read(target, placed, params)
+        model_state, optimizer_state, groups = fsdp_checkpoint.read(target, placed, params)
     else:
         wanted = {tied.get(key, key) for module in modules for key in module.state_dict()}
         model_state, optimizer_state, groups = _read(target, meta, wanted)
@@ -152,7 +152,7 @@ def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     stored = [key for part in meta["parts"].values() for key in part]
     tied: dict[str, str] = meta.get("tied", {})
     if meta.get("format", 1) == 2:
-        state = sharded_checkpoint.read(target, dict.fromkeys(stored), {})[0]
+        state = fsdp_checkpoint.read(target, dict.fromkeys(stored), {})[0]
     else:
         state, _, _ = _read(target, meta, set(stored))
     if "keys" in meta:  # the model's own order, tied weights under each of their names

@@ -6,22 +6,28 @@ program run, and the step's loss returned the same on every rank.
       boundaries (meta device, cached)      boundaries
       loss_count: the step's units          -
       program(train, gradient-free b's)     program(eval)
-      run (traced or not)                   run
+      run: executor under the tracer        run
       loss: last stage -> pipeline -> replicas   outputs on the last stage's rank
+
+The step path runs down: engine -> Stepper -> Executor -> Mailbox -> Transport, the program cache
+(runtime.programs) and the tracer (train.tracing) handed to it; nothing here reaches back into construction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pipeengine.build.assembly import Assembly
 from pipeengine.comm.header import Call, Calls
+from pipeengine.comm.topology import Topology
 from pipeengine.core.config import EngineConfig
 from pipeengine.core.specs import Boundary, Tensors, infer_boundaries, unpack
-from pipeengine.runtime.executor import StepInputs, StepResult
+from pipeengine.parallel.data import share_buffers
+from pipeengine.runtime.executor import Executor, StepInputs, StepResult
+from pipeengine.runtime.programs import Programs
 from pipeengine.train.losses import count_units
 from pipeengine.train.tracing import Tracing
 from schedules import Schedule
@@ -30,21 +36,21 @@ __all__: list[str] = []
 
 
 class Stepper:
-    def __init__(self, parts: Assembly, config: EngineConfig, loss_fn: Callable[..., torch.Tensor], calls: Calls,
-                 tracing: Tracing, params: Callable[[], list[nn.Parameter]]) -> None:  # fmt: skip
-        self.parts, self.config, self.loss_fn, self.calls, self.tracing = parts, config, loss_fn, calls, tracing
-        self.params = params
+    """A rank's steps: what it runs them with is handed to it (the executor, the program cache, the tracing)."""
+
+    def __init__(self, executor: Executor, programs: Programs, topology: Topology, layers: StageLayers,
+                 config: EngineConfig, loss_fn: Callable[..., torch.Tensor], calls: Calls, tracing: Tracing,
+                 params: Callable[[], list[nn.Parameter]]) -> None:  # fmt: skip
+        self.executor, self.programs, self.topology, self.layers = executor, programs, topology, layers
+        self.config, self.loss_fn, self.calls, self.tracing, self.params = config, loss_fn, calls, tracing, params
         self.num_microbatches: int = config.num_microbatches  # type: ignore[assignment]  # set by now (auto too)
-        placement = parts.schedule.placement
-        self.pp_rank = parts.topology.pp_rank
-        self.first, self.last = placement[0] == self.pp_rank, placement[-1] == self.pp_rank
+        self.first, self.last = layers.placement[0] == topology.pp_rank, layers.placement[-1] == topology.pp_rank
         self.last_program: Schedule | None = None  # the streams the transport ran for the last step
         self._boundaries: dict[Boundary, list[Boundary]] = {}
         self._steps = {True: 0, False: 0}  # training and evaluation steps run, for error messages
         self._summed_checked = False  # loss_count: whether loss_fn was found to return a sum (train.losses)
-        world = parts.topology.world
-        world.engines += 1
-        self._engine = world.engines  # which engine of this world: in-process ranks infer its boundaries once
+        topology.world.engines += 1
+        self._engine = topology.world.engines  # which engine of this world: in-process ranks infer its boundaries once
 
     def train(self, inputs: object, targets: object, loss_scale: float) -> float:
         """Forward and backward over all micro-batches; the mean loss (as one process has it) on every rank."""
@@ -55,7 +61,7 @@ class Stepper:
         targets_split = None
         if self.last:
             targets_split = [mb if isinstance(targets, tuple) else mb[0] for mb in self.split(targets)]
-        topology, last = self.parts.topology, self.parts.schedule.placement[-1]
+        topology, last = self.topology, self.layers.placement[-1]
         total = None
         if self.config.loss_count is not None:  # the first step also checks that loss_fn returns a sum
             check = None if self._summed_checked else (self.loss_fn, boundaries[-1])
@@ -66,8 +72,8 @@ class Stepper:
             header.microbatch_inputs, boundaries, loss_weight=1.0 / (total or self.num_microbatches),
             loss_scale=loss_scale, average_replicas=total is None,  # a global count: replicas' shares add up
         )  # fmt: skip
-        result = self.run(self.parts.programs.get(True, no_gradient), step)
-        loss = torch.zeros((), dtype=torch.float32, device=self.parts.device)
+        result = self.run(self.programs.get(True, no_gradient), step)
+        loss = torch.zeros((), dtype=torch.float32, device=self.executor.pipeline.device)
         if self.last:
             losses = torch.stack([result.losses[mb] for mb in range(self.num_microbatches)]).double()
             loss = (losses.sum() / total if total is not None else losses.mean()).float()
@@ -85,7 +91,7 @@ class Stepper:
         boundaries = self.infer(header.microbatch_inputs)
         split = self.split(inputs) if self.first else None
         step = StepInputs(False, self._steps[False], split, None, header.microbatch_inputs, boundaries)
-        result = self.run(self.parts.programs.get(False), step)
+        result = self.run(self.programs.get(False), step)
         if not self.last:
             return None
         parts = [result.outputs[mb] for mb in range(self.num_microbatches)]
@@ -95,44 +101,40 @@ class Stepper:
     def run(self, program: Schedule, step: StepInputs) -> StepResult:
         self._steps[step.train] += 1
         self.last_program = program
-        result = self.tracing.run(self.parts.executor, program, step, self.params())
-        self.share_buffers()
+        with self.tracing.step(self.executor, program, step, self.params()) as tracer:
+            result = self.executor.run(program, step, tracer)
+        data = self.topology.data
+        if data is not None and any(module.training for module in self.layers.stages.values()):
+            share_buffers(self.layers.stages.values(), data)  # replica 0's (batch norm's statistics)
         return result
-
-    def share_buffers(self) -> None:
-        """Every replica takes replica 0's buffers (batch norm's running statistics), as DDP's broadcast_buffers
-        does: each replica updated its own from its own batch; eval, the next step and a checkpoint see one copy."""
-        data = self.parts.topology.data
-        if data is None or not any(module.training for module in self.parts.stages.values()):
-            return
-        buffers: dict[torch.dtype, list[torch.Tensor]] = {}
-        for module in self.parts.stages.values():
-            for buffer in module.buffers():
-                buffers.setdefault(buffer.dtype, []).append(buffer)
-        for dtype, group in buffers.items():  # one message per dtype
-            flat = torch.cat([b.detach().reshape(-1) for b in group])
-            data.broadcast(flat, 0, f"replica 0's {str(dtype).removeprefix('torch.')} buffers")
-            offset = 0
-            for buffer in group:
-                buffer.detach().copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
-                offset += buffer.numel()
 
     def split(self, value: object) -> list[Tensors]:
         """Per micro-batch tuples of tensors, on this rank's device (the header checked the shapes)."""
         tensors = unpack(value)  # type: ignore[arg-type]
         size = tensors[0].shape[0] // self.num_microbatches
-        pieces = [t.detach().to(self.parts.device, non_blocking=True).split(size) for t in tensors]
+        pieces = [t.detach().to(self.executor.pipeline.device, non_blocking=True).split(size) for t in tensors]
         return [tuple(piece[mb] for piece in pieces) for mb in range(self.num_microbatches)]
 
     def infer(self, inputs: Boundary) -> Sequence[Boundary]:
         """Output boundary of every stage for this micro-batch input, cached per input signature."""
         boundaries = self._boundaries.get(inputs)
         if boundaries is None:
-            boundaries = self.parts.topology.world.computed_once(
+            boundaries = self.topology.world.computed_once(
                 ("boundaries", self._engine, inputs),
-                lambda: infer_boundaries(self.parts.meta_layers, self.parts.partition.bounds, inputs),
+                lambda: infer_boundaries(self.layers.meta, self.layers.bounds, inputs),
             )  # fmt: skip
             if self.config.dtype is not None:  # floating tensors cross in the autocast dtype (see precision)
                 boundaries = [b.in_dtype(self.config.dtype) for b in boundaries[:-1]] + boundaries[-1:]
             self._boundaries[inputs] = boundaries
         return boundaries
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """What a step knows of the stages: this rank's modules, every stage's layers (meta: to infer every boundary),
+    where each stage begins and ends in the model, and which pipeline rank runs each."""
+
+    stages: dict[int, nn.Module]
+    meta: list[nn.Module]
+    bounds: Sequence[tuple[int, int]]
+    placement: Sequence[int]

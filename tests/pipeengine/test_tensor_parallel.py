@@ -266,7 +266,7 @@ def test_schedule_auto_and_a_plan_without_tensor_parallelism_are_refused() -> No
 
 
 def test_a_module_two_patterns_match_takes_the_later_patterns_style() -> None:
-    from pipeengine.build.transform import plan_matches
+    from pipeengine.parallel.tensor import plan_matches
 
     generic, special = object(), object()
     resolved = plan_matches(gpt(), {"*.mlp.*": generic, "1.mlp.0": special})

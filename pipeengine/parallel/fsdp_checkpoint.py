@@ -1,4 +1,4 @@
-"""Checkpoints of sharded stages (fsdp=True): every rank writes its own shards with torch.distributed.checkpoint.
+"""FSDP's checkpoint form (fsdp=True): every rank writes its own shards with torch.distributed.checkpoint.
 
 They live inside a checkpoint-N of pipeengine.train.checkpoint (its `latest` and atomic move), meta.json
 saying format 2::

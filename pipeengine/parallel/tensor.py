@@ -1,0 +1,130 @@
+"""Tensor parallelism: each stage's layers split over its tensor-parallel ranks by torch's parallelize_module on
+the mesh's "tp" dim, as torchtitan applies a plan; the collectives are DTensor's, inside the layers' forward and
+backward (their gradients need no reduction of ours: a replica's AR reduces each rank's shards). Its pieces:
+
+    device_mesh(grid, world)   torch's DeviceMesh over the grid ("dp", "pp", "tp"), for TP, FSDP and parallelize=
+    plan_matches(model, plan)  the tp_plan resolved to module names; a pattern that matches none is refused
+    apply(module, mesh, plan)  a stage's modules parallelized
+    retie / agree_on_ties      a weight tied across stages of one rank one tensor again after parallelizing, and a
+                               tie whose holders were sharded differently refused on every rank
+Its checkpoint form is the DTensor itself (pipeengine.core.dtensors: whole, spread); a stage whose output is a
+shard is refused where the stage runs (pipeengine.runtime.stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+
+from torch import nn
+
+from pipeengine.comm.base import Transport
+from pipeengine.comm.topology import Topology
+from pipeengine.core.dtensors import is_dtensor
+from pipeengine.core.grid import DIMS, Grid
+from pipeengine.core.ties import Ties
+
+__all__ = ["agree_on_ties", "apply", "device_mesh", "plan_matches", "retie"]
+
+
+def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
+    """torch's DeviceMesh over the grid (every rank calls it: it makes a process group per dim); None in-process."""
+    if world.name == "loopback":
+        if grid.tp > 1 or fsdp:
+            what = f"tensor_parallel={grid.tp}" if grid.tp > 1 else "fsdp=True"
+            raise ValueError(
+                f"{what} runs DTensor collectives, which need torch.distributed: in-process ranks "
+                "(launch(..., in_process=True)) cannot host them; launch processes (launch(fn, n)) or use torchrun"
+            )
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if world.size != grid.size or world.ranks != tuple(range(world.size)):
+        raise ValueError(
+            f"a device mesh spans the default process group: the engine's group holds ranks {list(world.ranks)}; "
+            "build the engine on the default group (no group=) to use parallelize=, tensor_parallel or fsdp"
+        )
+    return DeviceMesh(world.device.type, grid.nested(), mesh_dim_names=DIMS)
+
+
+def plan_matches(model: nn.Module, plan: Mapping[str, object], degree: int = 1) -> dict[str, object]:
+    """The tp_plan resolved to the model's module names (the later pattern wins a name two match); a pattern that
+    matches none is refused, naming it. A style with a ``check_degree(degree)`` (pipeengine.hf's attention, which
+    splits by heads) refuses a degree it cannot run at, on every rank, before any stage is cut."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, object] = {}
+    for pattern, style in plan.items():
+        found = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not found:
+            shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+            raise ValueError(
+                f"tp_plan pattern {pattern!r} matches no module of the model; its modules are named {shown} "
+                "(model.named_modules(); '*' matches within and across dots, e.g. '*.mlp.0')"
+            )
+        resolved.update(dict.fromkeys(found, style))
+    for style in {id(style): style for style in resolved.values()}.values():
+        check = getattr(style, "check_degree", None)
+        if check is not None:
+            check(degree)
+    return resolved
+
+
+def apply(module: nn.Module, mesh: object, plan: Mapping[str, object]) -> None:
+    """Parallelize the modules of ``plan`` (resolved names) that this stage holds, on the mesh's "tp" dim."""
+    mine = {name: style for name, style in plan.items() if _has(module, name)}
+    if mine:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(module, mesh["tp"], mine)  # type: ignore[index, arg-type]
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def retie(ties: Ties, stages: Mapping[int, nn.Module]) -> tuple[Ties, dict[str, list[str]]]:
+    """After the transform: the model's name of every parameter of these stages (by id, as ``Ties.names``), each
+    tied weight one tensor again on this rank, and the placements of each tied weight here ("" for a plain tensor;
+    more than one where its holders were sharded differently: refused by the caller, on every rank)."""
+    first: dict[str, nn.Parameter] = {}
+    placements: dict[str, list[str]] = {}
+    for module in stages.values():
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            model_name = ties.aliases.get(name, name)
+            held = first.setdefault(model_name, param)
+            where = str(tuple(param.placements)) if is_dtensor(param) else ""  # type: ignore[attr-defined]
+            if model_name in ties.owners and where not in placements.setdefault(model_name, []):
+                placements[model_name].append(where)
+            if held is not param and len(placements.get(model_name, ())) == 1:
+                # parallelizing each stage made a copy of the one tensor: share the first again
+                owner, _, attribute = name.rpartition(".")
+                setattr(module.get_submodule(owner) if owner else module, attribute, held)
+    names = {id(param): ties.aliases.get(name, name) for module in stages.values()
+             for name, param in module.named_parameters(remove_duplicate=False)}  # fmt: skip
+    return dataclasses.replace(ties, names=names), placements
+
+
+def agree_on_ties(ties: Ties, stages: dict[int, nn.Module], topology: Topology) -> Ties:
+    """The ties after the transform (retie): one placement per tied weight on every rank that
+    holds it, or every rank refuses naming it."""
+    ties, placements = retie(ties, stages)
+    if ties.owners:  # every rank knows the ties alike: all or none meet here
+        seen: dict[str, set[str]] = {}
+        for mine in topology.world.all_gather_object(placements, "the placements of the tied weights"):
+            for name, wheres in mine.items():
+                seen.setdefault(name, set()).update(wheres)
+        split = {name: sorted(wheres) for name, wheres in seen.items() if len(wheres) > 1}
+        if split:
+            name, wheres = next(iter(split.items()))
+            raise ValueError(
+                f"the weight tied as {name!r} (with {[a for a, b in ties.aliases.items() if b == name]}) was "
+                f"parallelized differently on the ranks that hold it: {wheres}; a tied weight must have one placement "
+                "in every layer that holds it (e.g. RowwiseParallel on the embedding and ColwiseParallel on the head "
+                "both shard it on dim 0), or none"
+            )
+    return ties
