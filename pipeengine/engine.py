@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeengine.comm.calls import Call, Calls
 from pipeengine.comm.connect import connect
 from pipeengine.comm.consensus import agree_on_model
-from pipeengine.comm.header import Call, Calls
 from pipeengine.construction.assembly import Assembly, assemble, resolve_auto
 from pipeengine.core.config import DEFAULT_TIMEOUT, EngineConfig, check_arguments
 from pipeengine.core.specs import Tensors

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeengine.comm.header import Call, Calls
+from pipeengine.comm.calls import Call, Calls
 from pipeengine.comm.topology import Topology
 from pipeengine.core.config import EngineConfig
 from pipeengine.core.specs import Boundary, Tensors, infer_boundaries, unpack

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeengine import LaunchError, PeerError, launch
-from pipeengine.comm.header import CallMismatch
+from pipeengine.comm.calls import CallMismatch
 from tests.pipeengine import reliability_workers as workers
 
 ROOT = Path(__file__).parent.parent.parent

@@ -1,4 +1,5 @@
-"""The call header: one all_gather before every collective call of the engine, so the ranks agree or refuse together.
+"""The engine's calls (Call: train_step, eval_step, save, load, clip_grad_norm_, export) and the header agreed before
+each: one all_gather before every collective call of the engine, so the ranks agree or refuse together.
 
 Every rank says what it is calling (train_step, eval_step, save, load, clip_grad_norm_) and
 how many calls it has made; ranks that disagree raise the same error naming each rank's call,
