@@ -11,6 +11,7 @@ from tests.pipeengine.models import SEEDED
 
 VOCAB, LENGTH = 64, 8
 
+# fmt: off
 FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {  # family: (config, model, what makes it itself)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
@@ -34,6 +35,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {  # family: (config, 
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 3}),
 }
+# fmt: on
 
 
 def build(family: str, layers: int = 2, tied: bool = True, **options: object) -> nn.Module:

@@ -11,7 +11,8 @@ two differ by summation order alone.
                                             (1/(m dp), or 1/the global count of units), stage by stage under
                                             autocast with the boundaries cast as the engine casts them (bounds,
                                             dtype), backpropagated times a loss scale (fp16), then unscaled
-    one.forward(x) / one.backward(x, grad)  a forward without gradients; autograd from an output's gradient
+    one.forward(x)                          a forward without gradients
+    one.input_gradient(x, grad)             autograd from an output's gradient: the input's (the weights' in .grad)
     close, check_grads, check_weights, check_clipped, check_eval, step_both    the engine against it
     train_like_one_process(...)             the usual loop: a train_step and the one process's step, compared
     model_parity, replicas_parity           tests/pipeengine/models.py's models through a schedule for a few steps
@@ -108,7 +109,7 @@ class OneProcess:
         with torch.no_grad():
             return self._forward(x, bounds, dtype)
 
-    def backward(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    def input_gradient(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """Autograd through the copy from ``grad`` at its output: the gradient of ``x`` (the parameters' in .grad)."""
         x = x.detach().clone().requires_grad_(True)
         self.seq(x).backward(grad)
