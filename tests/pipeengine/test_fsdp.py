@@ -236,12 +236,12 @@ def save_that_fails(directory: str) -> None:
     build, loss_fn = MODELS["mlp"]
     engine = PipelineEngine(build(seed=7), loss_fn, num_microbatches=4, data_parallel=DP, fsdp=True)
     if ranks.rank() == 1:
+
         def broken(*args: object, **kwargs: object) -> object:
             raise OSError("disk full (planted)")
 
         FileSystemWriter.write_data = broken  # type: ignore[method-assign, assignment]
     engine.save(directory)
-
 
 
 @pytest.mark.timeout(240)
