@@ -3,6 +3,9 @@ tests/pipeengine/test_hf.py and the composition matrix. transformers is imported
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -40,7 +43,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {  # family: (config, 
 
 def build(family: str, layers: int = 2, tied: bool = True, **options: object) -> nn.Module:
     """A tiny causal LM of the family, the same weights on every rank (no dropout: equal to one process)."""
-    import transformers
+    transformers: Any = importlib.import_module("transformers")  # imported only here: pip install transformers
 
     small = {"vocab_size": VOCAB, "tie_word_embeddings": tied}
     if family == "gpt2":

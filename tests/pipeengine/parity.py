@@ -139,7 +139,7 @@ def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[An
 def _cat(values: Sequence[Any]) -> Any:
     if isinstance(values[0], tuple):
         return tuple(torch.cat(column) for column in zip(*values, strict=True))
-    return torch.cat(values)
+    return torch.cat(list(values))
 
 
 def _chunk(x: Any, n: int) -> list[Any]:
