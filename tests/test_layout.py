@@ -1,5 +1,6 @@
 """The layout shows the design: each package's folders are layers, imports run one way, and no module imports
-itself back through others (typing-only imports aside: they never run)."""
+itself back through others (typing-only imports aside: they never run). The tests keep each test's body in the file
+that names it, share helpers that import no test module, and run the one-process reference in one place."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def folder(package: str, module: str) -> str:
     return "errors" if parts == ["errors"] else ""
 
 
-@pytest.mark.parametrize("package", sorted(LAYERS))
+@pytest.mark.parametrize("package", [*sorted(LAYERS), "tests"])
 def test_no_module_imports_itself_back(package: str) -> None:
     edges = graph(package)
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -169,3 +170,97 @@ def test_each_parallelism_has_one_home() -> None:
     assert not wrong, "\n".join(wrong)
     for folder_name in ("build",):  # a package folder named build/ is what packaging's .gitignore rule hides
         assert not (ROOT / "pipeengine" / folder_name).exists()
+
+
+# ---- the tests' own layout
+
+PARITY = "tests/pipeengine/parity.py"  # the one module that runs the one-process reference (see below)
+
+
+def modules_with_tests() -> list[Path]:
+    return sorted((ROOT / "tests").rglob("test_*.py"))
+
+
+def launched(tree: ast.AST) -> list[tuple[int, ast.expr]]:
+    """(line, the function argument) of every launch(fn, ...) call in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and (
+            (isinstance(node.func, ast.Name) and node.func.id == "launch")
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == "launch")
+        ):
+            fn = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "fn"), None)
+            if fn is not None:
+                found.append((node.lineno, fn))
+    return found
+
+
+def scripts(tree: ast.AST) -> list[tuple[int, ast.Module]]:
+    """The Python scripts a test file writes out and runs (string constants that parse and call launch)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):  # an f-string: its placeholders stand for values
+            text = "".join(v.value if isinstance(v, ast.Constant) else "None" for v in node.values)  # type: ignore[misc]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+        else:
+            continue
+        if "launch(" not in text:
+            continue
+        try:
+            found.append((node.lineno, ast.parse(text)))
+        except SyntaxError:
+            continue
+    return found
+
+
+def test_every_launched_function_is_defined_in_the_test_file_that_launches_it() -> None:
+    """A test's body, the function its ranks run, sits beside it in the file that names the test (shared helpers it
+    calls may live elsewhere): launch(fn, ...) in tests/**/test_*.py names a function defined in that file (at its
+    top, or in the test), and a script it writes out defines the function it launches or imports it from that file."""
+    wrong = []
+    for path in modules_with_tests():
+        tree = ast.parse(path.read_text())
+        here = module_name("tests", path)
+        defined = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+        for line, fn in launched(tree):
+            if not (isinstance(fn, ast.Name) and fn.id in defined):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} launches {ast.unparse(fn)}, not defined in this file")
+        for line, script in scripts(tree):
+            own = {node.name for node in ast.walk(script) if isinstance(node, ast.FunctionDef)}
+            own |= {alias.asname or alias.name for node in ast.walk(script) if isinstance(node, ast.ImportFrom)
+                    and node.module == here for alias in node.names}  # fmt: skip
+            for _, fn in launched(script):
+                if not (isinstance(fn, ast.Name) and fn.id in own):
+                    wrong.append(f"{path.relative_to(ROOT)}:{line}: its script launches {ast.unparse(fn)}, not "
+                                 f"imported from {here}")  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_of_the_tests_imports_a_test_module() -> None:
+    """Shared helpers (models, ranks, the parity module) are helper modules; a test module imports them, never
+    another test module (nor does a helper)."""
+    wrong = [f"{path.relative_to(ROOT)} imports {module}" for path in sorted((ROOT / "tests").rglob("*.py"))
+             for module in sorted(imports(path)) if module.split(".")[-1].startswith("test_")]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+def autograd_calls(tree: ast.AST) -> list[int]:
+    """Lines that run autograd's backward: x.backward(...), torch.autograd.backward(...), torch.autograd.grad(...)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = ast.unparse(node.func)
+            if node.func.attr == "backward" or name.endswith(("autograd.grad", "autograd.backward")):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_one_parity_helper_runs_the_one_process_reference() -> None:
+    """At most one parity helper: a reference for an engine's gradients runs autograd's backward on one process, and
+    only tests/pipeengine/parity.py calls it (OneProcess); every other test compares against that."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "tests").rglob("*.py"))
+             if path.relative_to(ROOT).as_posix() != PARITY
+             for line in autograd_calls(ast.parse(path.read_text()))]  # fmt: skip
+    assert not wrong, "autograd's backward outside " + PARITY + " (a parity helper of its own):\n" + "\n".join(wrong)
+    assert autograd_calls(ast.parse((ROOT / PARITY).read_text())), f"{PARITY} runs no reference"

@@ -4,19 +4,20 @@
                              (no zero_grad between) the loss and every gradient against the one process; the
                              optimizer's step (SGD with momentum) and every weight; then what the step is followed by
 
-The one process runs the engine's work micro-batch by micro-batch, stage by stage: under autocast with the floating
-tensors crossing each boundary cast as the engine casts them, each loss weighted as the engine weights it (1/(m dp),
-or 1/the global count of units), so in float32 the two differ by summation order alone; batch norms see each
-replica's micro-batches, and keep replica 0's statistics (as the engine's replicas do). Tolerances follow from that:
-float32's (rtol 1e-5, atol 4e-5) where the one process rounds as the engine does; a few units of bf16's or fp16's
-where it cannot: a tensor-parallel layer rounds its partial sums before adding them, a compiled region may order its
-operations otherwise; an eval_step's output, which passed every tensor-parallel reduction of the model (each rounding
-the partial sums one process adds unrounded), 4 units more for each.
+The one process (OneProcess, tests/pipeengine/parity.py) runs the engine's work micro-batch by micro-batch, stage by
+stage: under autocast with the floating tensors crossing each boundary cast as the engine casts them, each loss
+weighted as the engine weights it (1/(m dp), or 1/the global count of units), so in float32 the two differ by
+summation order alone; batch norms see each replica's micro-batches, and keep replica 0's statistics (as the engine's
+replicas do). Tolerances follow from that: float32's (rtol 1e-5, atol 4e-5) where the one process rounds as the
+engine does; a few units of bf16's or fp16's where it cannot: a tensor-parallel layer rounds its partial sums before
+adding them, a compiled region may order its operations otherwise; an eval_step's output, which passed every
+tensor-parallel reduction of the model (each rounding the partial sums one process adds unrounded), 4 units more for
+each.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import fnmatch
 from collections.abc import Callable
@@ -31,8 +32,9 @@ from torch.nn import functional as F
 from pipeengine import PipelineEngine, hf
 from pipeengine.core.dtensors import whole
 from tests.composition import Config
-from tests.pipeengine import ranks
+from tests.pipeengine import parity, ranks
 from tests.pipeengine.models import SEEDED
+from tests.pipeengine.parity import OneProcess
 
 T = TypeVar("T")
 M = 4  # micro-batches: DualPipeV needs 2 per rank
@@ -85,23 +87,25 @@ def _mlp(loss: str, tied: bool, seed: int) -> Model:
 
 
 def _gpt(loss: str, tied: bool, seed: int) -> Model:
-    from tests.pipeengine import test_tensor_parallel as tp
+    from tests.pipeengine import gpt
 
-    seq = tp.gpt(tied, blocks=2)
+    seq = gpt.headwise_gpt(tied, blocks=2)
     if seed:
         _reseed(seq, seed)
 
     def mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return tp.token_mean(whole(logits), targets)  # a head sharded on the vocabulary (the tie's plan): a DTensor
+        # a head sharded on the vocabulary (the tie's plan): a DTensor
+        return gpt.one_process_loss(whole(logits), targets)
 
-    return Model(seq, None, {2: [2, 2], 4: [1, 1, 1, 1]}, tp.plan(tied), mean if loss == "mean" else tp.token_sum,
-                 None if loss == "mean" else tp.count, lambda seed: tp.batch(ROWS, seed), (1, 2))  # fmt: skip
+    return Model(seq, None, {2: [2, 2], 4: [1, 1, 1, 1]}, gpt.tp_plan(tied),
+                 mean if loss == "mean" else gpt.whole_token_sum, None if loss == "mean" else gpt.count_tokens,
+                 lambda seed: gpt.tp_batch(ROWS, seed), (1, 2))  # fmt: skip
 
 
 def _llama(loss: str, tied: bool, seed: int) -> Model:
-    from tests.pipeengine import test_hf
+    from tests.pipeengine import hf_models
 
-    model = test_hf.build("llama", layers=2, tied=tied)
+    model = hf_models.build("llama", layers=2, tied=tied)
     if seed:
         _reseed(model, seed)
 
@@ -110,7 +114,7 @@ def _llama(loss: str, tied: bool, seed: int) -> Model:
 
     return Model(hf.sequential(model), model, {2: [2, 2], 4: [1, 1, 1, 1]}, hf.tp_plan(model),
                  mean if loss == "mean" else hf.causal_lm_loss, None if loss == "mean" else hf.count_labels,
-                 lambda seed: test_hf.batch(ROWS, seed), (1, 2))  # fmt: skip
+                 lambda seed: hf_models.batch(ROWS, seed), (1, 2))  # fmt: skip
 
 
 def _reseed(model: nn.Module, seed: int) -> None:
@@ -139,64 +143,28 @@ def reductions(model: Model) -> int:
 
 
 def close(actual: object, expected: object, config: Config, what: str, units: int = 4) -> None:
-    actual = whole(torch.as_tensor(actual)).detach().float()
-    expected = whole(torch.as_tensor(expected)).detach().float()
-    torch.testing.assert_close(actual, expected, **tolerance(config, units), msg=lambda m: f"{config}\n{what}: {m}")
+    compare(config, units)(actual, expected, f"{config}\n{what}")
 
 
-class OneProcess:
-    """The same work on one process (see the module docstring)."""
+def compare(config: Config, units: int = 4) -> parity.Compare:
+    """parity.close in float, within the configuration's tolerance."""
 
-    def __init__(self, model: Model, config: Config, bounds: list[tuple[int, int]]) -> None:
-        self.model, self.config, self.bounds = model, config, bounds
-        self.seq = model.seq
-        self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[config.precision]
+    def within(actual: object, expected: object, what: str) -> None:
+        actual = whole(torch.as_tensor(actual)).detach().float()
+        expected = whole(torch.as_tensor(expected)).detach().float()
+        parity.close(actual, expected, what, **tolerance(config, units))
 
-    def forward(self, x: object, train: bool = True) -> object:
-        value = x
-        for stage, (start, end) in enumerate(self.bounds):
-            with torch.autocast("cpu", dtype=self.dtype) if self.dtype else _nothing():
-                for layer in self.seq[start:end]:
-                    value = layer(value)
-            if stage < len(self.bounds) - 1 and self.dtype is not None:
-                value = value.to(self.dtype) if value.is_floating_point() else value  # type: ignore[attr-defined]
-        return value
-
-    def step(self, parts: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> float:
-        """Forward and backward over every replica's micro-batches; the step's loss as the engine reports it."""
-        count = self.model.count
-        total = float(sum(float(count(y)) for _, y in parts)) if count else None  # type: ignore[arg-type]
-        loss_sum, kept = 0.0, None
-        earlier = {param: param.grad for param in self.seq.parameters()}  # this step's gradients are scaled apart
-        for param in earlier:
-            param.grad = None
-        for replica, (x, y) in enumerate(parts):
-            for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-                out = self.forward(xb)
-                with torch.autocast("cpu", dtype=self.dtype) if self.dtype else _nothing():
-                    loss = self.model.loss(out, yb)
-                weight = 1.0 / total if total else 1.0 / (M * len(parts))
-                (loss.float() * (weight * scale)).backward()
-                loss_sum += float(loss.detach()) * weight
-            if replica == 0:  # the engine's replicas keep replica 0's buffers (batch norm's statistics)
-                kept = [b.detach().clone() for b in self.seq.buffers()]
-        with torch.no_grad():
-            for buffer, value in zip(self.seq.buffers(), kept or [], strict=True):
-                buffer.copy_(value)
-            for param, grad in earlier.items():
-                if param.grad is not None and scale != 1.0:
-                    param.grad /= scale
-                if grad is not None:
-                    param.grad = grad if param.grad is None else param.grad + grad
-        return loss_sum
+    return within
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-    def __exit__(self, *args: object) -> None:
-        return None
+
+def one_step(one: OneProcess, config: Config, bounds: list[tuple[int, int]],
+             parts: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> float:  # fmt: skip
+    """The one process's step as the engine of ``config`` runs it: micro-batch by micro-batch, stage by stage."""
+    return one.step(parts, microbatches=M, count=one.model.count, bounds=bounds, dtype=DTYPES[config.precision],
+                    scale=scale)  # fmt: skip
 
 
 def engine_for(config: Config, model: Model) -> PipelineEngine:
@@ -246,11 +214,10 @@ def run(config: Config, directory: str, index: int = 0) -> None:
     """The configuration on every rank of this world (see the module docstring)."""
     model = build(config)
     once = Once((str(config), index))
-    reference = once.holder(lambda: _reference(model, config))
+    one = once.holder(lambda: _reference(model, config))
     if config.compile == "on":
         compiled(model)
     engine = engine_for(config, model)
-    one = once.holder(lambda: OneProcess(reference, config, engine.bounds))  # type: ignore[arg-type]
     scale = 1.0
     if config.precision == "fp16":
         engine.scaler.scale = scale = 2.0**8  # 2**16 overflows these models' fp16 gradients (the scaler's business)
@@ -261,11 +228,11 @@ def run(config: Config, directory: str, index: int = 0) -> None:
         if config.after == "trace" and config.processes:  # inside the user's profiler (one per process: not threads)
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
-        with engine.tracing() if config.after == "trace" else _nothing():
+        with engine.tracing() if config.after == "trace" else contextlib.nullcontext():
             loss = engine.train_step(x if engine.first else None, y if engine.last else None)
         if profiler is not None:
             profiler.__exit__(None, None, None)
-        expected = once(lambda p=parts: (one.step(p, scale), _state(one.seq)))  # type: ignore[union-attr, misc]
+        expected = once(lambda p=parts: (one_step(one, config, engine.bounds, p, scale), _state(one.seq)))  # type: ignore[arg-type, union-attr, misc]
         close(loss, expected[0], config, f"step {step}: the loss")
         _gradients(engine, expected[1], config, f"{step + 1} accumulated steps", scale)
     _buffers(engine, expected[1], config)
@@ -292,31 +259,26 @@ def run(config: Config, directory: str, index: int = 0) -> None:
     elif config.after == "reload":
         _reloaded(engine, optimizer, once, one, theirs, config, directory)
     elif config.after == "hf-export":
-        _exported(engine, model, once, reference, config, directory)
+        _exported(engine, model, once, one, config, directory)
 
 
-def _reference(model: Model, config: Config) -> Model:
-    reference = copy.deepcopy(model)
+def _reference(model: Model, config: Config) -> OneProcess:
+    """The one process: a deep copy of the model (its Sequential and the Hugging Face model it is made of, alike)."""
+    one = OneProcess(model, model.loss, seq=lambda copy: copy.seq)
     if config.compile == "on":
-        compiled(reference)
-    return reference
+        compiled(one.model)
+    return one
 
 
 def _gradients(engine: PipelineEngine, state: dict[str, dict[str, torch.Tensor]], config: Config, what: str,
                scale: float = 1.0) -> None:  # fmt: skip
     """Every gradient (fp16: the engine's still times the loss scale until the scaler unscales them)."""
-    expected = state["grads"]
-    held = {name for names in ranks.all_gather_object([n for n, _ in engine.named_parameters()]) for name in names}
-    assert held == set(state["weights"]), f"{config}: held by no rank {set(state['weights']) - held}, not the " \
-                                          f"model's {held - set(state['weights'])}"  # fmt: skip
-    for name, param in engine.named_parameters():
-        assert param.grad is not None, f"{config}: {name} has no gradient ({what})"
-        close(whole(param.grad) / scale, expected[name], config, f"{what}: the gradient of {name}")
+    grads = {name: state["grads"].get(name) for name in state["weights"]}
+    parity.check_grads(engine, grads, f"{config}\n{what}", scale=scale, compare=compare(config))
 
 
 def _weights(engine: PipelineEngine, state: dict[str, dict[str, torch.Tensor]], config: Config, what: str) -> None:
-    for name, param in engine.named_parameters():
-        close(param, state["weights"][name], config, f"{what}: {name}")
+    parity.check_weights(engine, state["weights"], f"{config}\n{what}", compare=compare(config))
 
 
 def _buffers(engine: PipelineEngine, state: dict[str, dict[str, torch.Tensor]], config: Config) -> None:
@@ -348,7 +310,7 @@ def _evaluated(engine: PipelineEngine, once: Once, one: OneProcess | None, model
     def forward() -> torch.Tensor:
         one.seq.eval()  # type: ignore[union-attr]
         with torch.no_grad():
-            value = one.forward(x)  # type: ignore[union-attr]
+            value = one.forward(x, engine.bounds, DTYPES[config.precision])  # type: ignore[union-attr]
         one.seq.train()  # type: ignore[union-attr]
         return value  # type: ignore[return-value]
 
@@ -385,7 +347,7 @@ def _reloaded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, once: On
 
     def step() -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
         theirs.zero_grad()  # type: ignore[union-attr]
-        value = OneProcess(one.model, layout, loaded.bounds).step(parts, 1.0)  # type: ignore[union-attr]
+        value = one_step(one, layout, loaded.bounds, parts, 1.0)  # type: ignore[arg-type]
         theirs.step()  # type: ignore[union-attr]
         return value, _state(one.seq, grads=False)  # type: ignore[union-attr]
 
@@ -394,7 +356,7 @@ def _reloaded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, once: On
     _weights(loaded, expected[1], config, f"{where}: a step after loading (SGD's momentum loaded)")
 
 
-def _exported(engine: PipelineEngine, model: Model, once: Once, reference: Model | None, config: Config,
+def _exported(engine: PipelineEngine, model: Model, once: Once, one: OneProcess | None, config: Config,
               directory: str) -> None:  # fmt: skip
     """hf.save_pretrained writes the trained weights of the user's model: from_pretrained computes the one process's
     logits."""
@@ -404,7 +366,7 @@ def _exported(engine: PipelineEngine, model: Model, once: Once, reference: Model
 
     def logits() -> torch.Tensor:
         with torch.no_grad():
-            return reference.hf_model(x).logits  # type: ignore[union-attr, misc, no-any-return]
+            return one.model.hf_model(x).logits  # type: ignore[union-attr, misc, no-any-return]
 
     expected = once(logits)
     written = hf.save_pretrained(engine, model.hf_model, directory)  # type: ignore[arg-type]

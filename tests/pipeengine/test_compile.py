@@ -4,7 +4,6 @@ same compiled model, micro-batch by micro-batch (inductor on the CPU; real gloo 
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch
@@ -12,8 +11,19 @@ from torch import nn
 
 from pipeengine import PipelineEngine, launch
 from tests.pipeengine import ranks
-from tests.pipeengine.gpt_workers import Block, count_tokens, one_process_loss, padded_batch, tied_gpt, token_sum
-from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+from tests.pipeengine.gpt import (
+    Block,
+    count_tokens,
+    headwise_gpt,
+    one_process_loss,
+    padded_batch,
+    tied_gpt,
+    token_sum,
+    tp_batch,
+    tp_plan,
+    whole_token_sum,
+)
+from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both, train_like_one_process
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 M = 4  # micro-batches: dualpipe-v needs 2 per rank
@@ -34,38 +44,29 @@ def compiled_blocks(model: nn.Sequential, **options: object) -> nn.Sequential:
     return model
 
 
-def one_process(reference: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, summed: bool = False) -> float:
-    """The engine's loss on one process: micro-batch by micro-batch at the engine's shapes (a compiled region is
-    specialized to them), each loss backpropagated with its weight; gradients accumulate."""
-    if summed:
-        total = float(count_tokens(y))
-        losses = [token_sum(reference(a), b) / total for a, b in zip(x.chunk(m), y.chunk(m), strict=True)]
-    else:
-        losses = [one_process_loss(reference(a), b) / m for a, b in zip(x.chunk(m), y.chunk(m), strict=True)]
-    for loss in losses:
-        loss.backward()
-    return float(sum(loss.item() for loss in losses))
-
-
 def parity(schedule: str, options: dict[str, object] | None = None, tied: bool = False, steps: int = 2,
            summed: bool = False, trace: bool = False) -> None:  # fmt: skip
     """Loss, every gradient and the weights after AdamW equal one process running the same compiled blocks."""
     options = options or {}
     model = compiled_blocks(gpt(tied))
-    reference = compiled_blocks(copy.deepcopy(model))  # deepcopy keeps no compiled call: compile the copy too
+    # the one process runs micro-batch by micro-batch at the engine's shapes (a compiled region is specialized to
+    # them), each loss weighted as the engine weights it
+    one = OneProcess(model, token_sum if summed else one_process_loss)
+    compiled_blocks(one.model)  # deepcopy keeps no compiled call: compile the copy too
     loss_options = {"loss_count": count_tokens} if summed else {}
     engine = PipelineEngine(model, token_sum if summed else one_process_loss, num_microbatches=M, schedule=schedule,
                             **loss_options, **options)  # type: ignore[arg-type]  # fmt: skip
-    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2)
     what = f"compiled blocks, {schedule} {options} tied={tied}"
     for step in range(steps):
         x, y = padded_batch(2 * M, seed=step, microbatches=M)
         with engine.tracing() if trace and step else contextlib.nullcontext():
             loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        close(loss, one_process(reference, x, y, M, summed), f"{what} step {step}: loss")
-        check_grads(engine, reference, f"{what} step {step}")
+        expected = one.step([(x, y)], microbatches=M, count=count_tokens if summed else None)
+        close(loss, expected, f"{what} step {step}: loss")
+        check_grads(engine, one, f"{what} step {step}")
         step_both(*optimizers)
-    check_weights(engine, reference, f"{what} after {steps} AdamW steps")
+    check_weights(engine, one, f"{what} after {steps} AdamW steps")
     if trace:
         timeline = engine.timeline()
         if ranks.rank() == 0:  # the compiled computes are in the timeline, with the memory they held
@@ -78,8 +79,6 @@ def every_schedule() -> None:
         parity(schedule)
 
 
-
-
 def every_layer_compiled(model: nn.Sequential, **options: object) -> nn.Sequential:
     """What compile=True does to each stage's layers, done to the one-process reference."""
     for layer in model:
@@ -90,56 +89,50 @@ def every_layer_compiled(model: nn.Sequential, **options: object) -> nn.Sequenti
 def around_the_schedules() -> None:
     """Compiled blocks with activation checkpointing (one W pass then), a tie on one rank of a V and across ranks,
     a traced step, bf16; and compile=True compiling each layer of every stage itself."""
-    from tests.pipeengine.feature_workers import staged_reference
-
     parity("1f1b", {"checkpoint": "always"})
     parity("zb-h1", {"checkpoint": "always"}, steps=1)
     parity("zb-v", tied=True, steps=1)  # the embedding and the head on rank 0 of the V
     parity("1f1b", tied=True, summed=True, steps=1)  # across the two ranks, summed over the holders
     parity("zb-h1", trace=True)
     model = compiled_blocks(gpt())
-    reference = compiled_blocks(copy.deepcopy(model))
+    one = OneProcess(model, one_process_loss)
+    compiled_blocks(one.model)
     engine = PipelineEngine(model, one_process_loss, num_microbatches=M, schedule="zb-v", precision="bf16")
     x, y = padded_batch(2 * M, seed=5, microbatches=M)
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-    expected = staged_reference(reference, engine.bounds, x, y, M, torch.bfloat16, one_process_loss, 1.0)
+    expected = one.step([(x, y)], microbatches=M, bounds=engine.bounds, dtype=torch.bfloat16)
     close(loss, expected, "bf16 compiled blocks: loss")
-    check_grads(engine, reference, "bf16 compiled blocks")
+    check_grads(engine, one, "bf16 compiled blocks")
     model = gpt()  # compile=True: the engine compiles each layer; nothing compiled by the user
-    reference = every_layer_compiled(copy.deepcopy(model))
+    one = OneProcess(model, one_process_loss)
+    every_layer_compiled(one.model)
     engine = PipelineEngine(model, one_process_loss, num_microbatches=M, schedule="zb-h1", compile=True)
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for stage in engine.stages.values()
                for layer in stage)  # fmt: skip
     x, y = padded_batch(2 * M, seed=6, microbatches=M)
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-    close(loss, one_process(reference, x, y, M), "compile=True: loss")
-    check_grads(engine, reference, "compile=True")
-
-
+    close(loss, one.step([(x, y)], microbatches=M), "compile=True: loss")
+    check_grads(engine, one, "compile=True")
 
 
 def with_tensor_parallel_and_fsdp() -> None:
     """compile=True after tensor parallelism (tp=2) and before FSDP (dp=2), as torchtitan orders them; two ranks
     each (a compiled region is compiled on every rank: the fewer, the cheaper)."""
-    from tests.pipeengine.test_tensor_parallel import batch, count, plan, token_mean
-    from tests.pipeengine.test_tensor_parallel import gpt as tp_gpt
-    from tests.pipeengine.test_tensor_parallel import token_sum as tp_token_sum
-    from tests.pipeengine.workers import train_replicas_like_one_process
-
-    for options, data_parallel in (({"tensor_parallel": 2, "tp_plan": plan()}, 1), ({"fsdp": True}, 2)):
-        model = tp_gpt(blocks=2)
-        reference = every_layer_compiled(copy.deepcopy(model))
-        engine = PipelineEngine(model, tp_token_sum, num_microbatches=2, loss_count=count, compile=True,
+    for options, data_parallel in (({"tensor_parallel": 2, "tp_plan": tp_plan()}, 1), ({"fsdp": True}, 2)):
+        model = headwise_gpt(blocks=2)
+        one = OneProcess(model, one_process_loss)  # the token mean
+        every_layer_compiled(one.model)
+        engine = PipelineEngine(model, whole_token_sum, num_microbatches=2, loss_count=count_tokens, compile=True,
                                 data_parallel=data_parallel, **options)  # type: ignore[arg-type]  # fmt: skip
         optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2),
-                      torch.optim.AdamW(reference.parameters(), lr=1e-2))  # fmt: skip
+                      torch.optim.AdamW(one.parameters(), lr=1e-2))  # fmt: skip
         what = f"compile=True {options} dp={data_parallel}"
         # micro-batches of 4 rows, the shapes compiled on both sides: one replica's batch is 8 rows
-        train_replicas_like_one_process(
-            engine, reference, optimizers, token_mean, 1, what,
-            lambda step, d=data_parallel: [batch(8, seed=10 * step + r) for r in range(d)],  # type: ignore[misc]
+        train_like_one_process(
+            engine, one, optimizers, 1, what,
+            lambda step, d=data_parallel: [tp_batch(8, seed=10 * step + r) for r in range(d)],  # type: ignore[misc]
         )  # fmt: skip
-        check_weights(engine, reference, what)
+        check_weights(engine, one, what)
 
 
 def everything() -> None:
@@ -164,7 +157,7 @@ def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_lef
     keep_compiled_graphs()
     torch.manual_seed(0)
     block, head = Block(), nn.Linear(16, 16)
-    reference = copy.deepcopy(nn.Sequential(block, head))
+    one = OneProcess(nn.Sequential(block, head))  # eager
     block.compile(backend="aot_eager")
     x = torch.randn(2, 6, 16, requires_grad=True)
     out = head(block(x))
@@ -175,10 +168,8 @@ def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_lef
     assert weight_pass.fallback is None and {id(p) for _, _, ps in weight_pass.roots for p in ps} == {
         id(p) for p in head.parameters()}  # fmt: skip
     weight_pass.run()
-    x_ref = x.detach().clone().requires_grad_(True)
-    reference(x_ref).backward(grad)
-    close(input_grad, x_ref.grad, "the input gradient")  # type: ignore[arg-type]
-    for (name, mine), theirs in zip(nn.Sequential(block, head).named_parameters(), reference.parameters(), strict=True):
+    close(input_grad, one.input_gradient(x, grad), "the input gradient")  # type: ignore[arg-type]
+    for (name, mine), theirs in zip(nn.Sequential(block, head).named_parameters(), one.parameters(), strict=True):
         close(mine.grad, theirs.grad, f"{name}'s gradient")  # type: ignore[arg-type]
 
 

@@ -5,7 +5,6 @@ user's own profiler. Each against one process, on real gloo ranks where torch.di
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from pathlib import Path
 
@@ -17,9 +16,10 @@ from pipeengine import PipelineEngine, launch
 from pipeengine.core.dtensors import whole
 from schedules import Instruction
 from tests.pipeengine import ranks
-from tests.pipeengine.gpt_workers import count_tokens, one_process_loss, padded_batch, tied_gpt, token_sum
-from tests.pipeengine.models import SEEDED
-from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+from tests.pipeengine.gpt import count_tokens, one_process_loss, padded_batch, tied_gpt, token_sum
+from tests.pipeengine.models import MODELS, SEEDED, mlp, mse
+from tests.pipeengine.models import batch as model_batch
+from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both
 
 
 def accumulated(data_parallel: int, options: dict[str, object], summed: bool, tied: bool, steps: int = 2) -> None:
@@ -28,7 +28,7 @@ def accumulated(data_parallel: int, options: dict[str, object], summed: bool, ti
     model = tied_gpt(blocks=2)
     if not tied:  # its own head: nothing tied
         model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, one_process_loss)
     m = 2
     loss_options = {"loss_count": count_tokens} if summed else {}
     engine = PipelineEngine(model, token_sum if summed else one_process_loss, num_microbatches=m, schedule="1f1b",
@@ -38,17 +38,14 @@ def accumulated(data_parallel: int, options: dict[str, object], summed: bool, ti
         parts = [padded_batch(2 * m, seed=10 * step + r, microbatches=m) for r in range(data_parallel)]
         x, y = parts[engine.dp_rank]
         loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        if summed:  # one process: the token mean over the global batch
-            expected = one_process_loss(reference(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts]))
-        else:  # the mean of the replicas' means of their micro-batches' means
-            expected = torch.stack([one_process_loss(reference(mb_x), mb_y) for px, py in parts
-                                    for mb_x, mb_y in zip(px.chunk(m), py.chunk(m), strict=True)]).mean()  # fmt: skip
-        expected.backward()
-        close(loss, expected.item(), f"{what} step {step}: loss")
-        check_grads(engine, reference, f"{what}: gradients accumulated over {step + 1} steps")
-    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        # summed: one process's token mean over the global batch; else the mean of the replicas' means of their
+        # micro-batches' means
+        expected = one.step(parts) if summed else one.step(parts, microbatches=m)
+        close(loss, expected, f"{what} step {step}: loss")
+        check_grads(engine, one, f"{what}: gradients accumulated over {step + 1} steps")
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2)
     step_both(*optimizers)
-    check_weights(engine, reference, f"{what}: after AdamW on the accumulated gradients")
+    check_weights(engine, one, f"{what}: after AdamW on the accumulated gradients")
 
 
 def accumulation_on_two_ranks() -> None:
@@ -88,27 +85,26 @@ def replicas_buffers(directory: str, fsdp: bool) -> None:
     from pipeengine import consolidate
 
     model = normed()
-    reference = copy.deepcopy(model)  # replica 0's statistics: its micro-batches, in order, in training mode
+    one = OneProcess(model, nn.functional.mse_loss)  # replica 0's statistics: its micro-batches, in order, training
     m = 2
     engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=m, schedule="1f1b", data_parallel=2,
                             fsdp=fsdp, partition=[2, 5])  # fmt: skip
     parts = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(r)), torch.randn(8, 4)) for r in range(2)]
     x, y = parts[engine.dp_rank]
     engine.train_step(x if engine.first else None, y if engine.last else None)
-    with torch.no_grad():
-        for chunk in parts[0][0].chunk(m):
-            reference(chunk)
+    for chunk in parts[0][0].chunk(m):
+        one.forward(chunk)
     state = {name: value for name, value in engine.state_dict().items() if "running" in name}
     assert state or not any(True for _ in engine.parameters()), "every stage here holds a batch norm"
-    expected = reference.state_dict()
+    expected = one.seq.state_dict()
     for name, value in state.items():
         close(value, expected[name], f"fsdp={fsdp}: {name} on replica {engine.dp_rank}")
     engine.eval()
-    reference.eval()
+    one.seq.eval()
     probe = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
     out = engine.eval_step(probe if engine.first else None)
     if engine.last:
-        close(out, reference(probe).detach(), f"fsdp={fsdp}: eval on replica {engine.dp_rank}")  # type: ignore[arg-type]
+        close(out, one.forward(probe), f"fsdp={fsdp}: eval on replica {engine.dp_rank}")  # type: ignore[arg-type]
     engine.save(directory)
     ranks.barrier()
     saved = consolidate(directory)
@@ -127,9 +123,6 @@ def around_fsdp(directory: str) -> None:
 def no_view_warnings() -> None:
     """FSDP2 under bf16 does not warn that a stage (or its last layer) returned a view: the engine takes that output
     and changes nothing in place."""
-    from tests.pipeengine.models import MODELS
-    from tests.pipeengine.models import batch as model_batch
-
     build, loss_fn = MODELS["transformer"]
     engine = PipelineEngine(build(), loss_fn, num_microbatches=2, data_parallel=2, fsdp=True, precision="bf16")
     x, y = model_batch("transformer", 4, seed=engine.dp_rank)
@@ -145,36 +138,30 @@ def eval_between_sharded_steps() -> None:
     and eval go on like one process."""
     model = tied_gpt(blocks=2)
     model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, one_process_loss)
     engine = PipelineEngine(model, one_process_loss, num_microbatches=2, data_parallel=2, fsdp=True)
-    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2)
     for step in range(2):
         x, y = padded_batch(4, seed=step, microbatches=2)  # the same batch on both replicas: the mean is one's
         out = engine.eval_step(x if engine.first else None)
-        with torch.no_grad():
-            expected = reference(x)
+        expected = one.forward(x)
         if engine.last:
             close(out, expected, f"eval before step {step}")  # type: ignore[arg-type]
         sizes = {name: tuple(p.to_local().shape) for name, p in engine.named_parameters()}  # type: ignore[attr-defined]
-        assert all(shape[0] <= (dict(reference.named_parameters())[n].shape[0] + 1) // 2 for n, shape in sizes.items()
+        assert all(shape[0] <= (dict(one.seq.named_parameters())[n].shape[0] + 1) // 2 for n, shape in sizes.items()
                    ), f"eval left parameters gathered: {sizes}"  # fmt: skip
         loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        pairs = zip(x.chunk(2), y.chunk(2), strict=True)
-        reference_loss = torch.stack([one_process_loss(reference(a), b) for a, b in pairs]).mean()
-        reference_loss.backward()
-        close(loss, reference_loss.item(), f"step {step} after eval: loss")
-        check_grads(engine, reference, f"step {step} after eval")
+        close(loss, one.step([(x, y)], microbatches=2), f"step {step} after eval: loss")
+        check_grads(engine, one, f"step {step} after eval")
         step_both(*optimizers)
-    check_weights(engine, reference, "after eval, train, eval, train")
+    check_weights(engine, one, "after eval, train, eval, train")
 
 
 def fp16_sharded() -> None:
     """precision="fp16" with fsdp=True: the scaler unscales the sharded gradients, agrees on overflow and steps."""
-    from tests.pipeengine.feature_workers import staged_reference
-
     model = tied_gpt(blocks=2)
     model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, one_process_loss)
     m = 2
     engine = PipelineEngine(model, one_process_loss, num_microbatches=m, data_parallel=2, fsdp=True,
                             precision="fp16")  # fmt: skip
@@ -182,17 +169,16 @@ def fp16_sharded() -> None:
     x, y = parts[engine.dp_rank]
     engine.scaler.scale = scale = 2.0**8  # 2**16 overflows this model's fp16 logits' gradients (on any layout)
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-    union_x, union_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    expected = staged_reference(reference, engine.bounds, union_x, union_y, 2 * m, torch.float16, one_process_loss,
-                                scale)  # fmt: skip
+    union = [(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))]  # 2 m micro-batches, in order
+    expected = one.step(union, microbatches=2 * m, bounds=engine.bounds, dtype=torch.float16, scale=scale)
     close(loss, expected, "fp16 fsdp: loss")
     assert engine.scaler.unscale_() is False
-    check_grads(engine, reference, "fp16 fsdp: unscaled")
-    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    check_grads(engine, one, "fp16 fsdp: unscaled")
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2)
     assert engine.scaler.step(optimizers[0])
     engine.scaler.update()
     optimizers[1].step()
-    check_weights(engine, reference, "fp16 fsdp: after the scaler's step")
+    check_weights(engine, one, "fp16 fsdp: after the scaler's step")
 
 
 @pytest.mark.timeout(180)
@@ -218,22 +204,18 @@ def rowwise_plan() -> dict[str, object]:
 def around_tensor_parallel() -> None:
     """pp=2 x tp=2: a traced step of a stage ending on RowwiseParallel trains like one process and yields a timeline
     with its memory; fp16's scaler unscales the sharded gradients and steps like one process."""
-    from tests.pipeengine.feature_workers import staged_reference
-
     mse = nn.functional.mse_loss
     x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
     model = rowwise_mlp()
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, mse)
     engine = PipelineEngine(model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(),
                             partition=[3, 4])  # fmt: skip
-    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2)
     for traced in (False, True):
         with engine.tracing(optimizers[0]) if traced else contextlib.nullcontext():
             loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        expected = torch.stack([mse(reference(a), b) for a, b in zip(x.chunk(2), y.chunk(2), strict=True)]).mean()
-        expected.backward()
-        close(loss, expected.item(), f"traced={traced}: loss")
-        check_grads(engine, reference, f"tp=2, stage 0 ending on RowwiseParallel, traced={traced}")
+        close(loss, one.step([(x, y)], microbatches=2), f"traced={traced}: loss")
+        check_grads(engine, one, f"tp=2, stage 0 ending on RowwiseParallel, traced={traced}")
         step_both(*optimizers)
     timeline = engine.timeline()
     if ranks.rank() == 0:
@@ -241,20 +223,20 @@ def around_tensor_parallel() -> None:
         assert {span.action.kind.name for span in timeline.spans if span.is_compute} >= {"FORWARD", "BACKWARD"}  # type: ignore[union-attr]
         assert min(timeline.peak_memory) > 0 and timeline.allocated_peak is not None
     model = rowwise_mlp()
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, mse)
     engine = PipelineEngine(model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(),
                             partition=[3, 4], precision="fp16")  # fmt: skip
     scale = engine.scaler.scale
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-    expected = staged_reference(reference, engine.bounds, x, y, 2, torch.float16, mse, scale)
+    expected = one.step([(x, y)], microbatches=2, bounds=engine.bounds, dtype=torch.float16, scale=scale)
     # each tensor rank of a RowwiseParallel layer rounds its partial sum to fp16 before they are added, one process
     # rounds the whole sum: two such layers deep, a few of fp16's units (2**-10) apart, never float32's
     fp16 = {"rtol": 4 * 2.0**-10, "atol": 4 * 2.0**-10}
     torch.testing.assert_close(torch.tensor(loss), torch.tensor(expected), **fp16, msg=lambda m: f"fp16 tp=2 loss: {m}")
-    optimizers = torch.optim.SGD(engine.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    optimizers = torch.optim.SGD(engine.parameters(), lr=0.5), torch.optim.SGD(one.parameters(), lr=0.5)
     assert engine.scaler.step(optimizers[0])
     engine.scaler.update()
-    expected_grads = dict(reference.named_parameters())
+    expected_grads = dict(one.seq.named_parameters())
     for name, param in engine.named_parameters():
         torch.testing.assert_close(whole(param.grad), expected_grads[name].grad, **fp16,
                                    msg=lambda m, n=name: f"fp16 tp=2, {n}'s unscaled gradient: {m}")  # fmt: skip
@@ -273,8 +255,6 @@ def under_the_users_profiler(directory: str) -> None:
     """The user's torch.profiler keeps recording while the engine traces (inside or around it): the engine does not
     start a profiler of its own then (it says so), every instruction shows as a range named as in the timeline, and
     the user's trace exports. Without engine tracing the ranges show too."""
-    from tests.pipeengine.models import mlp, mse
-
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule="1f1b")
     x, y = torch.randn(4, 16), torch.randn(4, 4)
     engine.train_step(x if engine.first else None, y if engine.last else None)  # warm: sizes measured unwatched
@@ -305,8 +285,6 @@ def under_a_scheduled_profiler() -> None:
     """A traced step while the user's scheduled profiler waits or warms up (kineto prepared, not recording): the engine
     starts no profiler of its own then (torch would crash when the user's turns active), and the active step records
     the engine's ranges."""
-    from tests.pipeengine.models import mlp, mse
-
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, trace=True)
     x, y = torch.randn(4, 16), torch.randn(4, 4)
     plan = torch.profiler.schedule(wait=1, warmup=1, active=1)
@@ -336,8 +314,6 @@ def test_the_users_profiler_records_the_engines_instructions_while_it_traces(tmp
 
 
 def scaler_twice() -> None:
-    from tests.pipeengine.models import mlp, mse
-
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, precision="fp16")
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     x, y = torch.randn(4, 16), torch.randn(4, 4)
@@ -357,14 +333,13 @@ def recomputed_buffers() -> None:
     """checkpoint="always" recomputes each forward in backward, in training mode: batch norm's running statistics
     are updated once per micro-batch, as one process updates them, not twice."""
     model = normed()
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, nn.functional.mse_loss)
     engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, checkpoint="always", partition=[2, 5])
     x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
     engine.train_step(x if engine.first else None, y if engine.last else None)
-    with torch.no_grad():
-        for chunk in x.chunk(2):
-            reference(chunk)
-    expected = reference.state_dict()
+    for chunk in x.chunk(2):
+        one.forward(chunk)
+    expected = one.seq.state_dict()
     for name, value in engine.state_dict().items():
         if "running" in name or "batches" in name:
             close(value.float(), expected[name].float(), f"checkpoint='always': {name}")

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pipeengine import launch
-from tests.pipeengine import workers
+from tests.pipeengine.memory import traced_peak
+from tests.pipeengine.parity import model_parity
 
 pytestmark = [
     pytest.mark.cuda,
@@ -12,15 +13,26 @@ pytestmark = [
 ]
 
 
+def parity_on(
+    device: str, model_name: str, schedule: str, microbatches: list[int], sizes: list[int], chunks: int | None = None
+) -> None:
+    """model_parity with the engine on ``device`` and the reference on the CPU."""
+    model_parity(model_name, schedule, microbatches, sizes, chunks=chunks, device=device)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_one_cuda_rank_many_microbatches_on_streams(schedule: str) -> None:
-    launch(workers.parity_on, 1, args=("cuda", "transformer", schedule, [4, 8], [8, 16]), device="cuda", timeout=120)
+    launch(parity_on, 1, args=("cuda", "transformer", schedule, [4, 8], [8, 16]), device="cuda", timeout=120)
 
 
 @pytest.mark.timeout(300)
 def test_one_cuda_rank_interleaved_chunks() -> None:
-    launch(workers.parity_on, 1, args=("cuda", "transformer", "interleaved", [2, 4], [8, 4], 3), device="cuda")
+    launch(parity_on, 1, args=("cuda", "transformer", "interleaved", [2, 4], [8, 4], 3), device="cuda")
+
+
+def one_traced_step(schedule: str, path: str) -> None:
+    traced_peak(schedule, "never", path)  # without checkpointing
 
 
 @pytest.mark.timeout(300)
@@ -28,9 +40,7 @@ def test_one_cuda_rank_interleaved_chunks() -> None:
 def test_one_cuda_rank_predicts_its_measured_peak_memory(schedule: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import pickle
 
-    from tests.pipeengine.test_memory import traced_peaks
-
-    launch(traced_peaks, 1, args=([schedule], "never", str(tmp_path)), device="cuda", timeout=120)
+    launch(one_traced_step, 1, args=(schedule, str(tmp_path / f"{schedule}.pickle")), device="cuda", timeout=120)
     measured, predicted, _, allocated, full = pickle.loads((tmp_path / f"{schedule}.pickle").read_bytes())
     assert abs(predicted[0] - measured[0]) <= 0.10 * measured[0], (predicted, measured)  # the ledger's lifetimes
     assert allocated is not None and abs(full[0] - allocated[0]) <= 0.10 * allocated[0], (full, allocated)

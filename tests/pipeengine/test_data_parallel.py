@@ -2,8 +2,13 @@
 
 import pytest
 
-from pipeengine import launch
-from tests.pipeengine import workers
+from pipeengine import PipelineEngine, launch
+from tests.pipeengine.models import MODELS, batch
+from tests.pipeengine.parity import OneProcess, check_clipped, replicas_parity
+
+
+def dp_x_pp(model: str, schedule: str, data_parallel: int, m: int, size: int) -> None:
+    replicas_parity(model, schedule, data_parallel, m, size)
 
 
 @pytest.mark.timeout(240)
@@ -15,10 +20,25 @@ def test_dp_x_pp_equals_single_process_on_the_union_of_the_batches(
     model: str, schedule: str, data_parallel: int
 ) -> None:
     # 4 ranks: dp=2 x pp=2 (chunks for interleaved and zb-v), or dp=4 x pp=1
-    launch(workers.data_parallel_parity, 4, args=(model, schedule, data_parallel, 4, 8), timeout=90, in_process=True)
+    launch(dp_x_pp, 4, args=(model, schedule, data_parallel, 4, 8), timeout=90, in_process=True)
+
+
+def clipping(schedule: str, data_parallel: int = 1) -> None:
+    """clip_grad_norm_ across stages equals torch.nn.utils.clip_grad_norm_ on the whole model."""
+    build, loss_fn = MODELS["transformer"]
+    model = build()
+    one = OneProcess(model, loss_fn)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=4, schedule=schedule, data_parallel=data_parallel)
+    x, y = batch("transformer", 8, seed=3)
+    for norm_type, max_norm in ((2.0, 0.5), (float("inf"), 0.01), (1.0, 1e6)):
+        engine.zero_grad()
+        one.seq.zero_grad()
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        one.step([(x, y)])  # every replica had the same batch: the same mean
+        check_clipped(engine, one, max_norm, schedule, norm_type)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule, data_parallel", [("1f1b", 1), ("zb-v", 1), ("interleaved", 2)])
 def test_clip_grad_norm_across_stages_equals_torchs_on_the_whole_model(schedule: str, data_parallel: int) -> None:
-    launch(workers.clipping, 4, args=(schedule, data_parallel), timeout=60, in_process=True)
+    launch(clipping, 4, args=(schedule, data_parallel), timeout=60, in_process=True)

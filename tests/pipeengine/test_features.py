@@ -1,31 +1,134 @@
 """Training features: activation checkpointing and mixed precision."""
 
 import pytest
+import torch
 
-from pipeengine import launch
-from tests.pipeengine import feature_workers
+from pipeengine import PipelineEngine, launch
+from tests.pipeengine import ranks
+from tests.pipeengine.models import MODELS, batch
+from tests.pipeengine.parity import OneProcess, check_grads, close, model_parity
+
+
+def parity_checkpointed(model_name: str, schedule: str, checkpoint: str) -> None:
+    p = ranks.size()
+    model_parity(model_name, schedule, [p, 2 * p], [4 * p, 2 * p], checkpoint=checkpoint)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule, checkpoint", [("interleaved", "except_last")])  # "always": the composition matrix
 def test_checkpointed_training_equals_single_process(schedule: str, checkpoint: str) -> None:
-    launch(
-        feature_workers.parity_checkpointed, 2, args=("transformer", schedule, checkpoint), timeout=60, in_process=True
-    )
+    launch(parity_checkpointed, 2, args=("transformer", schedule, checkpoint), timeout=60, in_process=True)
+
+
+class SavedBytes:
+    """Bytes autograd holds for backward, live, and their peak (a saved_tensors_hooks pair); meta tensors hold none."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        import weakref
+
+        held = _Held(tensor)
+        size = 0 if tensor.device.type == "meta" else tensor.numel() * tensor.element_size()  # shape inference's
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(held, self._release, size)
+        return held
+
+    def _release(self, size: int) -> None:
+        self.live -= size
+
+    @staticmethod
+    def unpack(held: object) -> torch.Tensor:
+        return held.tensor  # type: ignore[attr-defined, no-any-return]
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def checkpoint_memory(schedule: str) -> None:
+    """Peak bytes saved for backward on each rank: checkpointing must cut them well down."""
+    build, loss_fn = MODELS["transformer"]
+    x, y = batch("transformer", 16, seed=0)
+    peaks = {}
+    for mode in ("never", "except_last", "always"):
+        engine = PipelineEngine(build(), loss_fn, num_microbatches=8, schedule=schedule, checkpoint=mode)
+        meter = SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            engine.train_step(x if engine.first else None, y if engine.last else None)
+        peaks[mode] = meter.peak
+    last = engine.last
+    assert peaks["always"] < 0.7 * peaks["never"], (ranks.rank(), peaks)  # 1F1B here: 304 -> 168 KB
+    if last:  # "except_last" spares the last stage
+        assert peaks["except_last"] == peaks["never"], peaks
+    else:
+        assert peaks["except_last"] == peaks["always"], (ranks.rank(), peaks)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_checkpointing_cuts_the_activations_held_for_backward(schedule: str) -> None:
-    launch(feature_workers.checkpoint_memory, 2, args=(schedule,), timeout=60, in_process=True)
+    launch(checkpoint_memory, 2, args=(schedule,), timeout=60, in_process=True)
+
+
+def mixed_precision(schedule: str, precision: str) -> None:
+    """Training under autocast equals one process that rounds the same way (float32 tolerance).
+
+    The one process does the engine's operations in its order (micro-batch by micro-batch, stage by stage under
+    autocast, the boundaries cast: OneProcess.step with bounds and dtype), so the two differ only by float32
+    summation order: the rtol 1e-5 / atol 4e-5 of every other parity test holds. A reference under plain autocast
+    over the whole batch would not round the boundaries, nor split the batch: its gradients differ by bf16's 2**-8
+    per operation, several percent in all.
+    """
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    build, loss_fn = MODELS["transformer"]
+    model = build()
+    one = OneProcess(model, loss_fn)
+    m = 4
+    engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule, precision=precision)
+    x, y = batch("transformer", 8, seed=0)
+    scale = engine.scaler.scale
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    expected = one.step([(x, y)], microbatches=m, bounds=engine.bounds, dtype=dtype, scale=scale)
+    engine.scaler.unscale_()
+    out = engine.eval_step(x if engine.first else None)
+    assert out is None or out.dtype == dtype, (precision, out.dtype)  # the stages really ran in autocast
+    close(loss, expected, f"{precision} {schedule}: loss")
+    assert all(param.grad is not None and param.grad.dtype == torch.float32 for _, param in engine.named_parameters())
+    check_grads(engine, one, f"{precision} {schedule}")
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("schedule, precision", [("zb-v", "bf16"), ("interleaved", "fp16")])  # more: the matrix
 def test_mixed_precision_equals_one_process_that_rounds_the_same_way(schedule: str, precision: str) -> None:
-    launch(feature_workers.mixed_precision, 2, args=(schedule, precision), timeout=60, in_process=True)
+    launch(mixed_precision, 2, args=(schedule, precision), timeout=60, in_process=True)
+
+
+def scaler_skips_together() -> None:
+    """fp16: an overflow on any rank skips the step on every rank and halves the scale."""
+    build, loss_fn = MODELS["transformer"]
+    engine = PipelineEngine(build(), loss_fn, num_microbatches=2, schedule="1f1b", precision="fp16")
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    x, y = batch("transformer", 4, seed=0)
+    before = {name: param.detach().clone() for name, param in engine.named_parameters()}
+    engine.scaler.scale = 2.0**60  # the scaled loss overflows fp16 on the way back
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    stepped = engine.scaler.step(optimizer)
+    engine.scaler.update()
+    everyone = ranks.all_gather_object(stepped)
+    assert everyone == [False] * ranks.size(), everyone
+    assert all(torch.equal(param, before[name]) for name, param in engine.named_parameters())
+    assert engine.scaler.scale == 2.0**59
+    optimizer.zero_grad()
+    engine.scaler.scale = 2.0**10
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    assert engine.scaler.step(optimizer)
+    assert any(not torch.equal(param, before[name]) for name, param in engine.named_parameters())
 
 
 @pytest.mark.timeout(120)
 def test_fp16_overflow_skips_the_step_on_every_rank() -> None:
-    launch(feature_workers.scaler_skips_together, 2, timeout=60, in_process=True)
+    launch(scaler_skips_together, 2, timeout=60, in_process=True)

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from pipeengine import EngineConfig, PipelineEngine, launch
 from schedules import build_schedule
 from tests.pipeengine import ranks
-from tests.pipeengine.gpt_workers import IGNORE, count_tokens, padded_batch, tied_gpt
+from tests.pipeengine.gpt import IGNORE, count_tokens, padded_batch, tied_gpt
 from tests.pipeengine.models import batch, mlp, mse
 
 ROOT = Path(__file__).parent.parent.parent

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -12,7 +10,7 @@ from pipeengine import PipelineEngine, launch
 from pipeengine.core.grid import Grid
 from tests.pipeengine import ranks
 from tests.pipeengine.models import batch, mlp, mse
-from tests.pipeengine.workers import check_grads, close
+from tests.pipeengine.parity import OneProcess, check_grads, close
 
 
 def test_the_grid_lays_ranks_out_as_device_mesh_does() -> None:
@@ -38,7 +36,7 @@ def transformed(expect_mesh: bool) -> None:
         return stage
 
     model = mlp()
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, mse)
     engine = PipelineEngine(model, mse, num_microbatches=2, parallelize=parallelize)
     assert len(seen) == len(engine.stages)  # once per stage of this rank, before its worker runs it
     if expect_mesh:
@@ -48,9 +46,8 @@ def transformed(expect_mesh: bool) -> None:
     else:
         assert seen == [None]  # in-process ranks have no torch.distributed
     x, y = batch("mlp", 4, seed=0)
-    close(engine.train_step(x if engine.first else None, y if engine.last else None), mse(reference(x), y), "loss")
-    mse(reference(x), y).backward()
-    check_grads(engine, reference, "a transformed stage")
+    close(engine.train_step(x if engine.first else None, y if engine.last else None), one.step([(x, y)]), "loss")
+    check_grads(engine, one, "a transformed stage")
 
     def not_a_module(stage: nn.Module, mesh: object) -> object:
         return "oops"

@@ -4,7 +4,6 @@ is downloaded."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 
@@ -14,68 +13,12 @@ from torch import nn
 
 from pipeengine import PipelineEngine, hf, launch
 from tests.pipeengine import ranks
-from tests.pipeengine.models import SEEDED
-from tests.pipeengine.workers import check_grads, check_weights, close, step_both
+from tests.pipeengine.hf_models import LENGTH, VOCAB, batch, build
+from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, LENGTH = 64, 8
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
-
-
-FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {  # family: (config, model, what makes it itself)
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 3,
-                                                         "max_window_layers": 1}),  # layer 1 slides, 0 does not
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 3}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 3, "pad_token_id": 0}),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": 3, "bos_token_id": 0,
-                                                                 "eos_token_id": 0}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
-                                                        "sliding_window": 3}),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
-                                                            "moe_intermediate_size": 16,
-                                                            "shared_expert_intermediate_size": 32}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    # refused: a step outside the decoder layers that the adapter does not take
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 3}),
-    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 3}),
-}
-
-
-def build(family: str, layers: int = 2, tied: bool = True, **options: object) -> nn.Module:
-    """A tiny causal LM of the family, the same weights on every rank (no dropout: equal to one process)."""
-    small = {"vocab_size": VOCAB, "tie_word_embeddings": tied}
-    if family == "gpt2":
-        config = transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=LENGTH, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                                         **small, **options)  # fmt: skip
-        kind = transformers.GPT2LMHeadModel
-    else:
-        config_name, model_name, own = FAMILIES[family]
-        sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "max_position_embeddings": LENGTH}  # fmt: skip
-        config = getattr(transformers, config_name)(**{**sizes, **small, **own, **options})
-        kind = getattr(transformers, model_name)
-    with SEEDED:
-        torch.manual_seed(0)
-        return kind(config)  # type: ignore[no-any-return]
-
-
-def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded rows: labels -100 on the padding (and the ids there arbitrary, as a collator leaves them); no id
-    below 2, the pad tokens of the families (a row starting with one would be a left-padded row, refused)."""
-    generator = torch.Generator().manual_seed(4000 + seed)
-    ids = torch.randint(2, VOCAB, (size, LENGTH), generator=generator)
-    labels = ids.clone()
-    lengths = torch.randint(2, LENGTH + 1, (size,), generator=generator)
-    labels[torch.arange(LENGTH)[None, :] >= lengths[:, None]] = hf.IGNORE
-    return ids, labels
 
 
 PAD = 0  # the pad token of the left-padded batches
@@ -94,6 +37,16 @@ def left_padded(size: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor]
     return (ids, (~padding).long()), labels
 
 
+def hf_loss(model: nn.Module, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+            ) -> torch.Tensor:  # fmt: skip
+    """HF's own loss of a whole batch: ``model(ids, labels=labels)``; left-padded (ids, mask): with its attention
+    mask."""
+    if isinstance(x, tuple):
+        ids, mask = x
+        return model(ids, attention_mask=mask, labels=labels).loss  # type: ignore[no-any-return]
+    return model(x, labels=labels).loss  # type: ignore[no-any-return]
+
+
 def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: int = 1,
            options: dict[str, object] | None = None, tied: bool = True, padding: str = "right",
            config: dict[str, object] | None = None, accumulate: int = 1) -> None:  # fmt: skip
@@ -102,34 +55,28 @@ def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: in
     (ids, mask)). ``accumulate``: train_steps before each optimizer step, no zero_grad between (gradients add)."""
     for schedule in schedules:
         model = build(family, layers, tied, **(config or {}))
-        reference = copy.deepcopy(model)
-        reference_seq = hf.sequential(reference)  # the same names as the engine's, on the reference's parameters
+        one = OneProcess(model, seq=hf.sequential, run=hf_loss)  # seq: the engine's names, on the copy's parameters
         m = 2 * ranks.size() // data_parallel
         engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=m, schedule=schedule,
                                 loss_count=hf.count_labels, data_parallel=data_parallel, **(options or {}))  # type: ignore[arg-type]  # fmt: skip
         # eps=1e-6 (as the other parity tests): a gradient near zero differs by rounding between any two summation
         # orders, and AdamW's default 1e-8 would turn that noise into steps of about lr
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
-        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+        reference_optimizer = torch.optim.AdamW(one.model.parameters(), lr=1e-3, eps=1e-6)
         what = f"{family} {schedule} dp={data_parallel} {options or ''} {config or ''} {padding} padding"
         for step in range(2):
             for part in range(accumulate):
                 seed = 10 * step + 3 * part
                 if padding == "left":
                     parts = [left_padded(2 * m, seed=seed + r) for r in range(data_parallel)]
-                    kwargs = {"attention_mask": torch.cat([p[0][1] for p in parts])}
-                    ids = torch.cat([p[0][0] for p in parts])
                 else:
-                    parts, kwargs = [batch(2 * m, seed=seed + r) for r in range(data_parallel)], {}  # type: ignore[misc]
-                    ids = torch.cat([p[0] for p in parts])  # type: ignore[misc]
+                    parts = [batch(2 * m, seed=seed + r) for r in range(data_parallel)]  # type: ignore[misc]
                 inputs, labels = parts[engine.dp_rank]
                 loss = engine.train_step(inputs if engine.first else None, labels if engine.last else None)
-                expected = reference(ids, labels=torch.cat([p[1] for p in parts]), **kwargs).loss
-                expected.backward()
-                close(loss, expected.item(), f"{what} step {step}.{part}: loss")
-                check_grads(engine, reference_seq, f"{what} step {step}, {part + 1} accumulated")
+                close(loss, one.step(parts), f"{what} step {step}.{part}: loss")
+                check_grads(engine, one, f"{what} step {step}, {part + 1} accumulated")
             step_both(optimizer, reference_optimizer)
-        check_weights(engine, reference_seq, what)
+        check_weights(engine, one, what)
 
 
 @pytest.mark.timeout(180)
@@ -225,17 +172,14 @@ def test_the_planner_plans_an_hf_model_like_any_sequential() -> None:
 
 def with_tensor_parallel() -> None:
     model = build("llama", layers=2, tied=False)
-    reference = copy.deepcopy(model)
-    reference_seq = hf.sequential(reference)
+    one = OneProcess(model, seq=hf.sequential, run=hf_loss)
     engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, loss_count=hf.count_labels,
                             tensor_parallel=2, tp_plan=hf.tp_plan(model))  # fmt: skip
     assert engine.mesh.shape == (1, ranks.size() // 2, 2)  # type: ignore[union-attr]
     ids, labels = batch(4, seed=0)
     loss = engine.train_step(ids if engine.first else None, labels if engine.last else None)
-    expected = reference(ids, labels=labels).loss
-    expected.backward()
-    close(loss, expected.item(), "llama tp=2: loss")
-    check_grads(engine, reference_seq, "llama tp=2")
+    close(loss, one.step([(ids, labels)]), "llama tp=2: loss")
+    check_grads(engine, one, "llama tp=2")
 
 
 @pytest.mark.timeout(180)

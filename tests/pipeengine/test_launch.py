@@ -8,16 +8,61 @@ from pathlib import Path
 import pytest
 
 from pipeengine import launch
-from tests.pipeengine import workers
+from tests.pipeengine import ranks
+from tests.pipeengine.parity import model_parity
 
 ROOT = Path(__file__).parent.parent.parent
+
+
+def report_world(path: str) -> None:
+    """Write this rank's view of the world to a file per rank."""
+    import torch
+    import torch.distributed as dist
+
+    with open(f"{path}.{dist.get_rank()}", "w") as out:
+        out.write(f"{dist.get_rank()} {dist.get_world_size()} {dist.get_backend()} {torch.get_num_threads()}")
+
+
+def report_world_late(path: str) -> None:
+    """report_world from a thread still running when this returns, then " atexit" from an atexit handler."""
+    import atexit
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    name = f"{path}.{dist.get_rank()}"
+    line = f"{dist.get_rank()} {dist.get_world_size()} {dist.get_backend()} {torch.get_num_threads()}"
+
+    def late() -> None:
+        time.sleep(0.3)
+        with open(name, "w") as out:
+            out.write(line)
+
+    def at_exit() -> None:
+        with open(name, "a") as out:
+            out.write(" atexit")
+
+    threading.Thread(target=late).start()  # not a daemon: the rank's exit waits for it, as Python's does
+    atexit.register(at_exit)
+
+
+def raise_on(rank: int) -> None:
+    if ranks.rank() == rank:
+        raise KeyError(f"raised on purpose by rank {rank}")
+    ranks.barrier()
+
+
+def train_like_one_process() -> None:
+    model_parity("mlp", "1f1b", [2], [4])
 
 
 @pytest.mark.timeout(60)
 def test_every_rank_runs_with_gloo_and_its_share_of_the_cores(tmp_path: Path) -> None:
     # written by a thread still running when fn returns, then by an atexit handler: a rank's exit waits
     # for its threads and runs its atexit handlers, as Python's exit does, in that order
-    launch(workers.report_world_late, 2, args=(str(tmp_path / "world"),), threads=1)
+    launch(report_world_late, 2, args=(str(tmp_path / "world"),), threads=1)
     seen = sorted((tmp_path / f"world.{r}").read_text() for r in range(2))
     assert seen == ["0 2 gloo 1 atexit", "1 2 gloo 1 atexit"]
 
@@ -51,21 +96,21 @@ def test_ranks_start_from_a_fork_server_that_imported_torch_and_let_go_of_its_pi
 @pytest.mark.timeout(60)
 def test_a_child_exception_is_re_raised_as_itself_naming_its_rank() -> None:
     with pytest.raises(KeyError, match="raised on purpose by rank 1") as caught:
-        launch(workers.raise_on, 2, args=(1,))
+        launch(raise_on, 2, args=(1,))
     assert "rank 1 of 2 is the cause" in "\n".join(caught.value.__notes__)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5])
 def test_nprocs_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(ValueError, match="nprocs must be a positive int"):
-        launch(workers.report_world, bad, args=("x",))  # type: ignore[arg-type]
+        launch(report_world, bad, args=("x",))  # type: ignore[arg-type]
 
 
 def test_cuda_ranks_need_a_gpu_each() -> None:
     import torch
 
     with pytest.raises(ValueError, match="NCCL cannot run two ranks on one GPU"):
-        launch(workers.report_world, torch.cuda.device_count() + 1, args=("x",), device="cuda")
+        launch(report_world, torch.cuda.device_count() + 1, args=("x",), device="cuda")
 
 
 @pytest.mark.timeout(120)
@@ -74,10 +119,10 @@ def test_under_torchrun_launch_joins_its_group(tmp_path: Path) -> None:
     script.write_text(
         "import sys\n"
         "from pipeengine import launch\n"
-        "from tests.pipeengine import workers\n"
+        "from tests.pipeengine.test_launch import report_world, train_like_one_process\n"
         "if __name__ == '__main__':\n"
-        f"    launch(workers.parity, 2, args=('mlp', '1f1b', [2], [4]))\n"
-        f"    launch(workers.report_world, 2, args=({str(tmp_path / 'world')!r},))\n"
+        "    launch(train_like_one_process, 2)\n"
+        f"    launch(report_world, 2, args=({str(tmp_path / 'world')!r},))\n"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -97,8 +142,8 @@ def test_under_torchrun_launch_joins_its_group(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_script_without_a_main_guard_gets_multiprocessings_own_explanation(tmp_path: Path) -> None:
     script = tmp_path / "unguarded.py"
-    script.write_text("from pipeengine import launch\nfrom tests.pipeengine import workers\n"
-                      "launch(workers.report_world, 2, args=('x',))\n")  # fmt: skip
+    script.write_text("from pipeengine import launch\nfrom tests.pipeengine.test_launch import report_world\n"
+                      "launch(report_world, 2, args=('x',))\n")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
     assert result.returncode != 0

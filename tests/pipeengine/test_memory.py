@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 from pathlib import Path
 
@@ -11,54 +10,18 @@ import torch
 from torch import nn
 
 from pipeengine import PipelineEngine, launch
-from schedules import Costs, Timeline, simulate
+from schedules import Costs, simulate
 from tests.pipeengine import ranks
+from tests.pipeengine.memory import activation_heavy, step_then_trace, traced_peak
 from tests.pipeengine.models import SEEDED
-from tests.pipeengine.workers import step_then_trace
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
-
-
-def activation_heavy() -> nn.Sequential:
-    """8 Linear(16)+Tanh blocks: 1 KB of weights each, 16 KB per tensor of a 256-row micro-batch."""
-    with SEEDED:
-        torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)])
-
-
-def ledger_costs(timeline: Timeline) -> Costs:
-    """The simulator fed what the ledger counts: the sizes between computes (the allocator's transients left out)."""
-    costs = Costs.from_timeline(timeline)
-    assert costs.memory is not None
-    return dataclasses.replace(costs, memory=costs.memory.without_transients())
 
 
 def traced_peaks(schedules: list[str], checkpoint: str, directory: str) -> None:
     """For each schedule, one traced step; rank 0 saves the measured peaks and the simulator's, fed the step's sizes."""
     for schedule in schedules:
         traced_peak(schedule, checkpoint, f"{directory}/{schedule}.pickle")
-
-
-def traced_peak(schedule: str, checkpoint: str, path: str) -> None:
-    m = 8
-    engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, num_microbatches=m, schedule=schedule,
-                            checkpoint=checkpoint, partition="uniform")  # fmt: skip
-    generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(256 * m, 16, generator=generator), torch.randn(256 * m, 16, generator=generator)
-    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
-    engine.train_step(x if engine.first else None, y if engine.last else None)
-    optimizer.step()  # now it has a momentum buffer: one copy of each parameter
-    with engine.tracing(optimizer):
-        engine.train_step(x if engine.first else None, y if engine.last else None)
-    timeline = engine.timeline()
-    if ranks.rank() == 0:
-        assert timeline is not None and timeline.memory is not None and timeline.sizes is not None
-        predicted = simulate(engine.last_program, ledger_costs(timeline))  # type: ignore[arg-type]
-        full = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]  # transients too
-        state = timeline.sizes.state
-        with open(path, "wb") as out:
-            pickle.dump((timeline.peak_memory, predicted.peak_memory, state, timeline.allocated_peak,
-                         full.peak_memory), out)  # fmt: skip
 
 
 def run(ranks_: int, schedules: list[str], checkpoint: str, tmp_path: Path, in_process: bool) -> list[tuple]:  # type: ignore[type-arg]

@@ -9,15 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.pipeengine.parity import replicas_parity
+
 ROOT = Path(__file__).parent.parent.parent
 
 SCRIPT = """
 from pipeengine import launch
-from tests.pipeengine import workers
+from tests.pipeengine.test_multinode import two_replicas
 if __name__ == "__main__":
-    # world 4 = 2 replicas of a 2-rank pipeline: each replica on one node, its gradients averaged across nodes
-    launch(workers.data_parallel_parity, 2, args=("transformer", "1f1b", 2, 4, 8))
+    launch(two_replicas, 2)
 """
+
+
+def two_replicas() -> None:
+    """World 4 = 2 replicas of a 2-rank pipeline: each replica on one node, its gradients averaged across nodes."""
+    replicas_parity("transformer", "1f1b", 2, 4, 8)
 
 
 def free_port() -> int:

@@ -6,10 +6,66 @@ schedules that exercise gloo's program (receives first), its second group, and s
 
 import pytest
 
-from pipeengine import launch
-from tests.pipeengine import workers
+from pipeengine import PipelineEngine, launch
+from tests.pipeengine import ranks as world
+from tests.pipeengine.models import MODELS, batch
+from tests.pipeengine.parity import OneProcess, check_eval, check_grads, model_parity
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
+
+
+def parity_models(models: list[str], schedule: str, microbatches: list[int], sizes: list[int]) -> None:
+    """model_parity for each model and m, one optimizer step per batch size for the largest m; the others keep
+    the first size (a new shape is inferred anew on the meta device, the costliest part of these tests)."""
+    for model_name in models:
+        for m in microbatches:
+            steps = sizes if m == microbatches[-1] else sizes[:1] * len(sizes)
+            model_parity(model_name, schedule, [m], steps, steps=len(steps))
+
+
+def parity_schedules(model_name: str, schedules: list[str], microbatches: list[int], sizes: list[int]) -> None:
+    for schedule in schedules:
+        model_parity(model_name, schedule, microbatches, sizes, steps=2)
+
+
+def parity_chunks(model_name: str, chunks: int, microbatches: list[int], sizes: list[int]) -> None:
+    """Interleaved with several chunks per rank: on one rank, every boundary is a local handoff."""
+    model_parity(model_name, "interleaved", microbatches, sizes, chunks=chunks)
+
+
+def accumulate_and_eval(model_name: str, schedule: str, m: int) -> None:
+    """Gradients accumulate over train_steps until zeroed; eval, train, eval leaves no stale state."""
+    build, loss_fn = MODELS[model_name]
+    model = build()
+    one = OneProcess(model, loss_fn)
+    engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule)
+    x0, y0 = batch(model_name, 2 * m, seed=10)
+    x1, y1 = batch(model_name, 4 * m, seed=11)
+
+    out = check_eval(engine, one, x0, "eval before training")
+    if not engine.last:
+        assert out is None
+
+    for x, y in ((x0, y0), (x1, y1)):  # no zero_grad in between: gradients add up
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        one.step([(x, y)])
+    check_grads(engine, one, f"{model_name} {schedule} two accumulated steps")
+
+    check_eval(engine, one, x1, "eval after training")
+    check_grads(engine, one, "eval does not touch gradients")
+
+
+def names_are_the_models(schedule: str) -> None:
+    """named_parameters and state_dict use the nn.Sequential's own names, and together cover the model."""
+    build, loss_fn = MODELS["transformer"]
+    model = build()
+    full = set(dict(model.named_parameters()))
+    state_keys = set(model.state_dict())
+    engine = PipelineEngine(model, loss_fn, num_microbatches=world.size() * 2, schedule=schedule)
+    local = [name for name, _ in engine.named_parameters()]
+    assert set(local) <= full and set(engine.state_dict()) <= state_keys
+    gathered = world.all_gather_object(list(engine.state_dict()))
+    assert sorted(k for keys in gathered for k in keys) == sorted(state_keys), "the ranks' state_dicts tile the model"
 
 
 def microbatch_counts(schedule: str, ranks: int) -> list[int]:
@@ -27,29 +83,29 @@ def test_loss_gradients_and_weights_equal_single_process(schedule: str, ranks: i
     unit = 2 * ranks  # every batch size splits evenly for every m above
     # a transformer stack with tuple boundaries (an MLP with a batch norm: every schedule in the composition matrix)
     sizes = [3 * unit, unit]  # with the largest m, the batch size changes between the two optimizer steps
-    launch(workers.parity_models, ranks, args=(["transformer"], schedule, ms, sizes), timeout=60, in_process=True)
+    launch(parity_models, ranks, args=(["transformer"], schedule, ms, sizes), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(180)
 def test_on_real_gloo_ranks_the_transport_trains_like_one_process() -> None:
     # 4 processes: receives-first streams, the second group for downward messages, one and two chunks per rank
-    launch(workers.parity_schedules, 4, args=("transformer", ["1f1b", "interleaved", "zb-v"], [4, 8], [8, 16]),
+    launch(parity_schedules, 4, args=("transformer", ["1f1b", "interleaved", "zb-v"], [4, 8], [8, 16]),
            timeout=90)  # fmt: skip
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["zb-v"])  # accumulation and eval with every schedule: the composition matrix
 def test_gradients_accumulate_and_eval_train_eval_leaves_no_state(schedule: str) -> None:
-    launch(workers.accumulate_and_eval, 2, args=("transformer", schedule, 4), timeout=60, in_process=True)
+    launch(accumulate_and_eval, 2, args=("transformer", schedule, 4), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(120)
 def test_parameter_names_are_the_sequentials_on_every_rank() -> None:
-    launch(workers.names_are_the_models, 4, args=("interleaved",), timeout=60, in_process=True)
+    launch(names_are_the_models, 4, args=("interleaved",), timeout=60, in_process=True)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_one_rank_with_several_chunks_hands_tensors_over_locally(model: str) -> None:
     # interleaved on 1 rank: stages 0..2 all here, every boundary a local handoff
-    launch(workers.parity_chunks, 1, args=(model, 3, [1, 3], [6, 3]), timeout=60, in_process=True)
+    launch(parity_chunks, 1, args=(model, 3, [1, 3], [6, 3]), timeout=60, in_process=True)

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import Partition, launch, measure, plan, solve
+from pipeengine import Partition, PipelineEngine, launch, measure, plan, solve
 from pipeengine.core.bounds import bounds_from_counts, check_bounds, stage_module
 from pipeengine.planner.partition import method_costs
 from schedules import Costs, build_schedule, simulate
-from tests.pipeengine import workers
+from tests.pipeengine import ranks
+from tests.pipeengine.models import MODELS, batch
 
 
 def brute_force(costs: list[float], stages: int) -> float:
@@ -183,6 +184,26 @@ def test_time_without_a_sample_says_so() -> None:
         plan(ten_x_widths(), 2, "time")
 
 
+def partition_agreement() -> None:
+    """Rank 0 alone has the sample: it measures, all agree; default 'time' with it, 'parameters' without."""
+    build, loss_fn = MODELS["transformer"]
+    x, y = batch("transformer", 8, seed=0)
+    engine = PipelineEngine(build(), loss_fn, num_microbatches=4, sample=x if ranks.rank() == 0 else None)
+    assert engine.partition.method == "time" and engine.partition.costs.time is not None
+    everyone = ranks.all_gather_object((engine.partition.bounds, engine.partition.costs.time))
+    assert all(view == everyone[0] for view in everyone), everyone
+    engine.train_step(x if engine.first else None, y if engine.last else None)  # and it trains
+    assert PipelineEngine(build(), loss_fn, num_microbatches=4).partition.method == "parameters"
+    explicit = PipelineEngine(build(), loss_fn, num_microbatches=4, partition=[3, 2, 2, 2])
+    assert explicit.partition.bounds == [(0, 3), (3, 5), (5, 7), (7, 9)]
+    try:
+        PipelineEngine(build(), loss_fn, num_microbatches=4, partition="time")  # no sample anywhere
+    except ValueError as error:
+        assert "needs sample=" in str(error) or "could not measure" in str(error), error
+    else:
+        raise AssertionError("partition='time' without a sample was accepted")
+
+
 @pytest.mark.timeout(120)
 def test_every_rank_builds_the_same_partition_from_the_first_ranks_measurements() -> None:
-    launch(workers.partition_agreement, 4, timeout=60, in_process=True)
+    launch(partition_agreement, 4, timeout=60, in_process=True)

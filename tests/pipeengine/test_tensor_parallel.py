@@ -4,88 +4,32 @@ collectives need torch.distributed)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pipeengine import PipelineEngine, launch
 from schedules import Costs, simulate
-from tests.pipeengine import gpt_workers, ranks
-from tests.pipeengine.gpt_workers import IGNORE, LENGTH, VOCAB, WIDTH, Embed, Head
-from tests.pipeengine.models import SEEDED
-from tests.pipeengine.test_memory import ledger_costs
-from tests.pipeengine.workers import (
+from tests.pipeengine import ranks
+from tests.pipeengine.gpt import WIDTH
+from tests.pipeengine.gpt import count_tokens as count
+from tests.pipeengine.gpt import headwise_gpt as gpt  # the GPT laid out head by head, for tensor parallelism
+from tests.pipeengine.gpt import one_process_loss as token_mean
+from tests.pipeengine.gpt import tp_batch as batch
+from tests.pipeengine.gpt import tp_plan as plan
+from tests.pipeengine.gpt import whole_token_sum as token_sum
+from tests.pipeengine.memory import ledger_costs
+from tests.pipeengine.parity import (
+    OneProcess,
     check_clipped,
     check_eval,
     check_weights,
     close,
     step_both,
-    train_replicas_like_one_process,
+    train_like_one_process,
 )
-
-HEAD_DIM = 4  # 4 heads of the width: 2 per rank at tp=2
-
-
-class Block(gpt_workers.Block):
-    """gpt_workers' block with qkv laid out head by head ([heads][q, k, v][head_dim]), so that a column shard
-    holds whole heads; the head count is the local width's (torchtitan's blocks do the same)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        qkv = self.qkv(self.norm1(x))
-        heads = qkv.shape[-1] // (3 * HEAD_DIM)  # this rank's heads
-        q, k, v = qkv.view(b, t, heads, 3, HEAD_DIM).unbind(3)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)  # fmt: skip
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, heads * HEAD_DIM))
-        return x + self.mlp(self.norm2(x))
-
-
-def gpt(tied: bool = False, blocks: int = 4) -> nn.Sequential:
-    with SEEDED:
-        torch.manual_seed(0)
-        embed, head = Embed(), Head()
-        if tied:
-            head.out.weight = embed.tokens.weight
-        return nn.Sequential(embed, *[Block() for _ in range(blocks)], head)
-
-
-def plan(tied: bool = False) -> dict[str, object]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    styles: dict[str, object] = {"*.qkv": ColwiseParallel(), "*.proj": RowwiseParallel(),
-                                 "*.mlp.0": ColwiseParallel(), "*.mlp.2": RowwiseParallel()}  # fmt: skip
-    if tied:  # the tie holds with one placement on both sides: the vocabulary dim, sharded
-        from torch.distributed.tensor import Replicate
-
-        styles["0.tokens"] = RowwiseParallel(input_layouts=Replicate())
-        styles["*.out"] = ColwiseParallel(use_local_output=False)  # gathered below: the loss takes whole logits
-    return styles
-
-
-def token_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-
-
-def token_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-
-
-def count(targets: torch.Tensor) -> torch.Tensor:
-    return (targets != IGNORE).sum()
-
-
-def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(3000 + seed)
-    tokens = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
-    targets = torch.randint(0, VOCAB, (size, LENGTH), generator=generator)
-    targets[: size // 2, -2:] = IGNORE  # padding in some rows
-    return tokens, targets
 
 
 def parity(schedule: str, data_parallel: int = 1, options: dict[str, object] | None = None, tied: bool = False,
@@ -93,17 +37,17 @@ def parity(schedule: str, data_parallel: int = 1, options: dict[str, object] | N
     """Loss, every gradient (gathered whole) and the weights after AdamW steps equal one process's token mean."""
     options = options or {}
     model = gpt(tied)
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, token_mean)
     engine = PipelineEngine(model, token_sum, num_microbatches=4, schedule=schedule, data_parallel=data_parallel,
                             tensor_parallel=2, tp_plan=plan(tied), loss_count=count, **options)  # type: ignore[arg-type]  # fmt: skip
     assert engine.mesh is not None and engine.mesh.mesh_dim_names == ("dp", "pp", "tp")  # type: ignore[attr-defined]
-    optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2))
     what = f"tp=2 {schedule} dp={data_parallel} {options} tied={tied}"
-    train_replicas_like_one_process(
-        engine, reference, optimizers, token_mean, steps, what,
+    train_like_one_process(
+        engine, one, optimizers, steps, what,
         lambda step: [batch(8, seed=10 * step + r) for r in range(data_parallel)],
     )  # fmt: skip
-    check_weights(engine, reference, f"{what} after {steps} steps")
+    check_weights(engine, one, f"{what} after {steps} steps")
 
 
 def every_schedule() -> None:
@@ -116,17 +60,17 @@ def every_schedule() -> None:
 def save_plain(directory: str) -> None:
     """tp=1 (in-process ranks): a step, then a checkpoint and the one-process reference beside it."""
     model = gpt()
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, token_mean)
     engine = PipelineEngine(model, token_sum, num_microbatches=2, loss_count=count, partition=[2, 4])
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
     x, y = batch(8, seed=50)
     engine.train_step(x if engine.first else None, y if engine.last else None)
-    token_mean(reference(x), y).backward()
+    one.step([(x, y)])
     step_both(optimizer, reference_optimizer)
     engine.save(directory, optimizer)
     if ranks.rank() == 0:
-        torch.save({"model": reference.state_dict(), "optimizer": reference_optimizer.state_dict()},
+        torch.save({"model": one.seq.state_dict(), "optimizer": reference_optimizer.state_dict()},
                    Path(directory) / "reference.pt")  # fmt: skip
 
 
@@ -134,18 +78,16 @@ def continue_from(directory: str, engine: PipelineEngine, optimizer: torch.optim
     """Load a checkpoint and its reference; one more step of both must agree, AdamW's moments included."""
     engine.load(directory, optimizer)
     saved = torch.load(Path(directory) / "reference.pt", weights_only=False)
-    reference = gpt()
-    reference.load_state_dict(saved["model"])
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    one = OneProcess(gpt(), token_mean)
+    one.seq.load_state_dict(saved["model"])
+    reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
     reference_optimizer.load_state_dict(saved["optimizer"])
-    check_weights(engine, reference, "after load")
+    check_weights(engine, one, "after load")
     x, y = batch(8, seed=seed)
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-    expected = token_mean(reference(x), y)
-    expected.backward()
-    close(loss, expected.item(), "loss after load")
+    close(loss, one.step([(x, y)]), "loss after load")
     step_both(optimizer, reference_optimizer)
-    check_weights(engine, reference, "one step after load")
+    check_weights(engine, one, "one step after load")
 
 
 def around_the_engine(plain: str, sharded: str) -> None:
@@ -163,16 +105,16 @@ def around_the_engine(plain: str, sharded: str) -> None:
     engine = PipelineEngine(gpt(), token_sum, num_microbatches=4, tensor_parallel=2, tp_plan=plan(), loss_count=count)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     continue_from(plain, engine, optimizer, seed=51)
-    reference = gpt()  # one process at the same weights: every stage's state, whole tensors
+    one = OneProcess(gpt(), token_mean)  # one process at the same weights: every stage's state, whole tensors
     everyone = ranks.all_gather_object(engine.state_dict())
-    reference.load_state_dict({k: v for state in everyone for k, v in state.items()})
+    one.seq.load_state_dict({k: v for state in everyone for k, v in state.items()})
     engine.zero_grad()
     x, y = batch(8, seed=52)
     engine.train_step(x if engine.first else None, y if engine.last else None)
-    token_mean(reference(x), y).backward()
+    one.step([(x, y)])
     for norm_type, max_norm in ((2.0, 0.05), (float("inf"), 0.01)):
-        check_clipped(engine, reference, max_norm, "tp=2", norm_type)
-    check_eval(engine, reference, x, "eval")
+        check_clipped(engine, one, max_norm, "tp=2", norm_type)
+    check_eval(engine, one, x, "eval")
     with engine.tracing(optimizer):
         engine.train_step(x if engine.first else None, y if engine.last else None)
     timeline = engine.timeline()

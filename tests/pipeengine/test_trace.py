@@ -5,8 +5,10 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from pipeengine import launch
+from pipeengine import PipelineEngine, launch
 from schedules import (
     Costs,
     Instruction,
@@ -22,11 +24,34 @@ from schedules import (
     replay,
     simulate,
 )
-from tests.pipeengine import workers
+from tests.pipeengine import ranks
+
+
+def traced_steps(path: str, schedule: str, microbatches: int) -> None:
+    """A warm-up step, then one traced train step and one traced eval step; rank 0 pickles the timelines."""
+    torch.manual_seed(0)  # compute (~2 ms a stage per micro-batch) well above per-message overheads
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(8)])
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule,
+                            partition="uniform")  # fmt: skip
+    x, y = torch.randn(64 * microbatches, 512), torch.randn(64 * microbatches, 512)
+    engine.train_step(x, y)
+    assert engine.timeline() is None  # not traced
+    with engine.tracing():
+        engine.train_step(x, y)
+        train = engine.timeline()
+        engine.eval_step(x)
+        evaluation = engine.timeline()
+    engine.train_step(x, y)
+    assert engine.timeline() is evaluation  # tracing is off again: the last traced step stays
+    if ranks.rank() == 0:
+        with open(path, "wb") as out:
+            pickle.dump((engine.schedule, train, evaluation), out)
+    else:
+        assert train is None and evaluation is None
 
 
 def traced_run(path: Path, in_process: bool) -> tuple[Schedule, Timeline, Timeline]:
-    launch(workers.traced_steps, 2, args=(str(path), "gpipe", 4), timeout=60, in_process=in_process)
+    launch(traced_steps, 2, args=(str(path), "gpipe", 4), timeout=60, in_process=in_process)
     with path.open("rb") as data:
         return pickle.load(data)  # type: ignore[no-any-return]
 

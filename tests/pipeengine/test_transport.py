@@ -15,7 +15,8 @@ from pipeengine.comm.base import Transfer
 from pipeengine.comm.loopback import Hub, LoopbackTransport
 from pipeengine.runtime.executor import HANDLERS
 from schedules import Kind, parse
-from tests.pipeengine import workers
+from tests.pipeengine import ranks
+from tests.pipeengine.parity import model_parity
 
 
 def on_threads(size: int, body: Callable[[LoopbackTransport], Any], timeout: float = 5.0) -> list[Any]:
@@ -118,9 +119,15 @@ def test_a_rank_that_fails_wakes_the_ranks_waiting_on_it_at_once() -> None:
     assert "rank 1 failed: KeyError" in said and "within timeout" not in said, said
 
 
+def raise_on(rank: int) -> None:
+    if ranks.rank() == rank:
+        raise KeyError(f"raised on purpose by rank {rank}")
+    ranks.barrier()
+
+
 def test_in_process_launch_re_raises_the_cause_naming_its_rank() -> None:
     with pytest.raises(KeyError, match="raised on purpose by rank 1") as caught:
-        launch(workers.raise_on, 3, args=(1,), in_process=True, timeout=30)
+        launch(raise_on, 3, args=(1,), in_process=True, timeout=30)
     notes = "\n".join(caught.value.__notes__)
     assert "rank 1 of 3 is the cause" in notes and "rank 0: PeerError" in notes
 
@@ -150,8 +157,12 @@ def test_the_config_is_one_frozen_value() -> None:
         config.num_microbatches = 8  # type: ignore[misc]
 
 
+def one_zb_h1_step() -> None:
+    model_parity("mlp", "zb-h1", [2], [4], 1)
+
+
 def test_every_kind_has_a_handler_and_a_missing_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(HANDLERS) == set(Kind)
     monkeypatch.delitem(HANDLERS, Kind.BACKWARD_WEIGHT)  # as if a new kind had no handler yet
     with pytest.raises(PipelineError, match=r"instruction \d+ of training step 0: 0W0 .*: the executor has no handler"):
-        launch(workers.parity, 2, args=("mlp", "zb-h1", [2], [4], 1), in_process=True, timeout=30)
+        launch(one_zb_h1_step, 2, in_process=True, timeout=30)

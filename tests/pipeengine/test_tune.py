@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import pickle
@@ -19,9 +18,9 @@ from pipeengine.planner.profiler import profile_layers
 from pipeengine.tune import Candidate, tune
 from schedules import SCHEDULES, Costs, registration, simulate
 from tests.pipeengine import ranks
+from tests.pipeengine.memory import activation_heavy, step_then_trace
 from tests.pipeengine.models import batch, mlp, mse
-from tests.pipeengine.test_memory import activation_heavy
-from tests.pipeengine.workers import check_grads, close, step_then_trace
+from tests.pipeengine.parity import OneProcess, check_grads, close
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -68,12 +67,11 @@ def test_an_unknown_schedule_or_a_micro_batch_count_that_fits_nothing_is_refused
 def train_the_choice(choice: Candidate) -> None:
     """The planner's choice, built from its engine_kwargs, trains like one process."""
     model = mlp()
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, mse)
     engine = PipelineEngine(model, mse, **choice.engine_kwargs())  # type: ignore[arg-type]
     x, y = batch("mlp", 16, seed=1)
-    close(engine.train_step(x if engine.first else None, y if engine.last else None), mse(reference(x), y), "loss")
-    mse(reference(x), y).backward()
-    check_grads(engine, reference, f"the planner's choice {choice.engine_kwargs()}")
+    close(engine.train_step(x if engine.first else None, y if engine.last else None), one.step([(x, y)]), "loss")
+    check_grads(engine, one, f"the planner's choice {choice.engine_kwargs()}")
 
 
 @pytest.mark.timeout(120)
@@ -83,14 +81,13 @@ def test_the_best_candidate_builds_an_engine_that_trains_like_one_process(result
 
 def auto(path: str) -> None:
     model = mlp()
-    reference = copy.deepcopy(model)
+    one = OneProcess(model, mse)
     x, y = batch("mlp", 16, seed=1)
     engine = PipelineEngine(model, mse, schedule="auto", sample=x if ranks.rank() == 0 else None)
     everyone = ranks.all_gather_object((engine.tuned, engine.num_microbatches, engine.partition.bounds))
     assert all(view == everyone[0] for view in everyone), everyone  # every rank built the same choice
-    close(engine.train_step(x if engine.first else None, y if engine.last else None), mse(reference(x), y), "loss")
-    mse(reference(x), y).backward()
-    check_grads(engine, reference, "schedule='auto'")
+    close(engine.train_step(x if engine.first else None, y if engine.last else None), one.step([(x, y)]), "loss")
+    check_grads(engine, one, "schedule='auto'")
     if ranks.rank() == 0:
         Path(path).write_text(f"{engine.tuned.schedule} {engine.num_microbatches}")  # type: ignore[union-attr]
 
