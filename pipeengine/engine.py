@@ -91,17 +91,24 @@ class PipelineEngine:
         self._stepper = Stepper(parts.executor, parts.programs, self.topology, layers, self.config, loss_fn,
                                 self._calls, self._tracing, lambda: list(self.parameters()))
         self.num_microbatches = self._stepper.num_microbatches
-        self.first, self.last = self._stepper.first, self._stepper.last
+        self.first = self._stepper.first  # this rank runs the first stage: it takes the inputs
+        self.last = self._stepper.last  # this rank runs the last stage: it takes the targets
         agree_max = functools.partial(self.topology.world.all_reduce, what="the loss scaler's overflow check", op="max")
         self.scaler = GradScaler(self.parameters, precision == "fp16", self.device, agree_max)
 
     def _expose(self, parts: Assembly) -> None:
         """What the engine shows of what this rank runs: its place on the grid, its stages, the schedule."""
-        self.topology, self.device, self.schedule = parts.topology, parts.device, parts.schedule
-        self.partition, self.bounds, self.stages = parts.partition, parts.partition.bounds, parts.stages
+        self.topology = parts.topology
+        self.device = parts.device
+        self.schedule = parts.schedule
+        self.partition = parts.partition
+        self.bounds = parts.partition.bounds
+        self.stages = parts.stages
         self.pipeline = self.topology.pipeline
         self.group = self.pipeline.group  # this pipeline's torch.distributed group (None: the default group)
-        self.pp_rank, self.dp_rank, self.tp_rank = self.topology.pp_rank, self.topology.dp_rank, self.topology.tp_rank
+        self.pp_rank = self.topology.pp_rank
+        self.dp_rank = self.topology.dp_rank
+        self.tp_rank = self.topology.tp_rank
         self.data_parallel = self.topology.grid.dp
         self.mesh = parts.mesh  # torch's DeviceMesh ("dp", "pp", "tp"), or None
 
