@@ -15,13 +15,14 @@ hidden state, so left-padded rows equal ``model(ids, attention_mask=mask)``.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeengine.hf.families import family_of, layer_kinds
+from pipeengine.hf.families import embedding_scale, family_of, layer_kinds, logits_step
 
 __all__ = ["IGNORE", "causal_lm_loss", "count_labels", "sequential"]
 
@@ -34,9 +35,10 @@ class Embed(nn.Module):
     attention mask given beside the ids goes on with the hidden state."""
 
     def __init__(self, tokens: nn.Module, config: Any, positions: nn.Module | None = None,
-                 drop: nn.Module | None = None) -> None:  # fmt: skip
+                 drop: nn.Module | None = None, scale: float = 1.0) -> None:  # fmt: skip
         super().__init__()
         self.tokens, self.positions, self.drop = tokens, positions, drop
+        self.scale = scale  # the family's embedding multiplier (Granite), taken where its model takes it
         self.config = config  # not a module: it holds no tensors
         self.dropout = float(getattr(config, "embedding_dropout", 0.0) or 0.0)  # Starcoder2's, after the embedding
 
@@ -45,6 +47,8 @@ class Embed(nn.Module):
         if mask is None:
             self._refuse_left_padding(input_ids)
         hidden: torch.Tensor = self.tokens(input_ids)
+        if self.scale != 1.0:
+            hidden = hidden * self.scale
         if self.positions is not None:
             hidden = hidden + self.positions(torch.arange(input_ids.shape[1], device=input_ids.device))
         if self.drop is not None:
@@ -76,6 +80,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.layer, self.rotary, self.gpt2 = layer, rotary, gpt2
         self.config, self.kind = config, kind  # not modules: no tensors
+        # Gemma 3's rotary embedding differs by layer type (local and global bases): it is asked for this one's
+        self.typed = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
 
     def forward(self, value: Value) -> Value:
         hidden, mask = value if isinstance(value, tuple) else (value, None)
@@ -84,7 +90,10 @@ class Decoder(nn.Module):
         if self.gpt2:
             out = self.layer(hidden, attention_mask=attention, position_ids=position_ids)
         else:
-            rotary = self.rotary(hidden, position_ids) if self.rotary is not None else None
+            rotary = None
+            if self.rotary is not None:
+                typed = (self.kind,) if self.typed else ()
+                rotary = self.rotary(hidden, position_ids, *typed)
             out = self.layer(hidden, attention_mask=attention, position_ids=position_ids, position_embeddings=rotary)
         out = out[0] if isinstance(out, tuple) else out
         return out if mask is None else (out, mask)
@@ -103,13 +112,22 @@ class Decoder(nn.Module):
 class Final(nn.Module):
     """The final norm and the head: hidden states -> logits (B, T, vocabulary)."""
 
-    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, head: nn.Module, times: float = 1.0, divided: float = 1.0,
+                 cap: float | None = None) -> None:  # fmt: skip
         super().__init__()
         self.norm, self.head = norm, head
+        self.times, self.divided, self.cap = times, divided, cap  # the family's last step (families.logits_step)
 
     def forward(self, value: Value) -> torch.Tensor:
         hidden = value[0] if isinstance(value, tuple) else value
-        return self.head(self.norm(hidden))  # type: ignore[no-any-return]
+        logits: torch.Tensor = self.head(self.norm(hidden))
+        if self.times != 1.0:
+            logits = logits * self.times  # Cohere
+        if self.divided != 1.0:
+            logits = logits / self.divided  # Granite
+        if self.cap is not None:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
 
 
 def sequential(model: nn.Module) -> nn.Sequential:
@@ -123,10 +141,10 @@ def sequential(model: nn.Module) -> nn.Sequential:
         family = family_of(model)
         rotary = getattr(base, "rotary_emb", None)
         kinds = layer_kinds(family, config, len(base.layers))
-        parts: list[nn.Module] = [Embed(base.embed_tokens, config)]
+        parts: list[nn.Module] = [Embed(base.embed_tokens, config, scale=embedding_scale(family, config))]
         parts += [Decoder(layer, config, copy.deepcopy(rotary) if rotary is not None else None, False, kind)
                   for layer, kind in zip(base.layers, kinds, strict=True)]  # fmt: skip
-        parts.append(Final(base.norm, head))  # type: ignore[arg-type]
+        parts.append(Final(base.norm, head, *logits_step(family, config)))  # type: ignore[arg-type]
     elif (gpt2 := getattr(model, "transformer", None)) is not None and all(
         hasattr(gpt2, part) for part in ("wte", "wpe", "h", "ln_f")
     ):

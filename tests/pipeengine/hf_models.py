@@ -32,11 +32,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {  # family: (config, 
                                                             "moe_intermediate_size": 16,
                                                             "shared_expert_intermediate_size": 32}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    # refused: a step outside the decoder layers that the adapter does not take
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 3}),
-    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    # a step outside the decoder layers, taken as the model takes it (a small softcap: one that changes the logits)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 3, "final_logit_softcapping": 0.5,
+                                                     "layer_types": ["sliding_attention", "full_attention"]}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),  # logit_scale 0.0625
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 3}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 3,
+                                                         "final_logit_softcapping": 0.5,
+                                                         "layer_types": ["sliding_attention", "full_attention"]}),
 }
 # fmt: on
 
