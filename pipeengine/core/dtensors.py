@@ -23,8 +23,8 @@ def is_dtensor(tensor: object) -> bool:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's tensor: a DTensor's shard; the tensor inside an AsyncCollectiveTensor (what RowwiseParallel's
     output is until first used), whose own storage cannot be read."""
-    if is_dtensor(tensor):
-        return tensor.to_local()  # type: ignore[attr-defined, no-any-return]
+    if is_dtensor(tensor):  # its shard may itself be an AsyncCollectiveTensor (RowwiseParallel's output, as the
+        tensor = tensor.to_local()  # type: ignore[attr-defined]  # next ColwiseParallel saves it for backward)
     module = sys.modules.get("torch.distributed._functional_collectives")  # not imported: none of them exists
     return tensor.elem if module is not None and isinstance(tensor, module.AsyncCollectiveTensor) else tensor
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pipeengine import PipelineEngine, launch
+from pipeengine.core.dtensors import whole
 from schedules import Costs, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.gpt import WIDTH
@@ -21,6 +23,7 @@ from tests.pipeengine.gpt import tp_batch as batch
 from tests.pipeengine.gpt import tp_plan as plan
 from tests.pipeengine.gpt import whole_token_sum as token_sum
 from tests.pipeengine.memory import ledger_costs
+from tests.pipeengine.models import SEEDED
 from tests.pipeengine.parity import (
     OneProcess,
     check_clipped,
@@ -128,9 +131,35 @@ def around_the_engine(plain: str, sharded: str) -> None:
             assert abs(full.peak_memory[rank] - allocated) <= 0.10 * allocated, (rank, full.peak_memory, allocated)
     optimizer.step()
     engine.save(sharded, optimizer)
+    traced_row_then_column()
     gathered = ranks.all_gather_object(engine.state_dict())
     if ranks.rank() == 0:  # what the tp=1 ranks that load it must hold
         torch.save({"engine": {k: v for s in gathered for k, v in s.items()}}, Path(sharded) / "state.pt")
+
+
+def traced_row_then_column() -> None:
+    """A traced step where a ColwiseParallel layer saves for its backward what the RowwiseParallel before it made
+    (an async collective's result inside a DTensor): measured like any other, its gradients those of an untraced
+    step (the ledger once read that tensor's storage, which cannot be read, and every rank failed)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    with SEEDED:
+        torch.manual_seed(3)
+        layers = [nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)]
+        model = nn.Sequential(*layers, nn.Linear(8, 8), nn.Linear(8, 1))
+    styles = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
+    engine = PipelineEngine(model, F.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=styles,
+                            partition=[6, 2])  # fmt: skip
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(4)), torch.zeros(4, 1)
+    untraced = engine.train_step(x if engine.first else None, y if engine.last else None)
+    grads = {name: whole(p.grad).clone() for name, p in engine.named_parameters()}  # type: ignore[arg-type]
+    engine.zero_grad()
+    with engine.tracing():
+        traced = engine.train_step(x if engine.first else None, y if engine.last else None)
+    close(traced, untraced, "row then column, traced: loss")
+    for name, param in engine.named_parameters():
+        close(whole(param.grad), grads[name], f"row then column, traced: {name}")  # type: ignore[arg-type]
+    assert ranks.rank() != 0 or engine.timeline() is not None
 
 
 def load_plain(sharded: str) -> None:
