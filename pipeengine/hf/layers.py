@@ -9,7 +9,11 @@ ties across ranks. Each decoder computes what it needs from what it receives: po
 ``create_sliding_window_causal_mask``, as the family decides per layer: families.py) and rotary
 embeddings from a copy of the model's rotary module of its own (a buffer shared across ranks would
 be refused). Given ``(input_ids, attention_mask)``, the 2-D mask crosses every stage beside the
-hidden state, so left-padded rows equal ``model(ids, attention_mask=mask)``.
+hidden state, so left-padded rows equal ``model(ids, attention_mask=mask)``. Built with ``packed=True`` it takes
+``(input_ids, position_ids)`` instead, rows packed with several documents whose positions restart at each (as
+transformers' DataCollatorWithFlattening makes them): the position ids cross every stage, and each layer's mask,
+made by the same functions from them, lets each document attend to itself alone, as
+``model(ids, position_ids=position_ids)`` does.
 """
 
 from __future__ import annotations
@@ -35,14 +39,20 @@ class Embed(nn.Module):
     attention mask given beside the ids goes on with the hidden state."""
 
     def __init__(self, tokens: nn.Module, config: Any, positions: nn.Module | None = None,
-                 drop: nn.Module | None = None, scale: float = 1.0) -> None:  # fmt: skip
+                 drop: nn.Module | None = None, scale: float = 1.0, packed: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.packed = packed  # the second input is the position ids of packed documents, not a mask
         self.tokens, self.positions, self.drop = tokens, positions, drop
         self.scale = scale  # the family's embedding multiplier (Granite), taken where its model takes it
         self.config = config  # not a module: it holds no tensors
         self.dropout = float(getattr(config, "embedding_dropout", 0.0) or 0.0)  # Starcoder2's, after the embedding
 
     def forward(self, value: Value) -> Value:
+        if self.packed and not isinstance(value, tuple):
+            raise ValueError(
+                "hf.sequential(model, packed=True) takes (input_ids, position_ids): rows of packed documents whose "
+                "position ids restart at each document; pass both, or build it without packed=True"
+            )
         input_ids, mask = value if isinstance(value, tuple) else (value, None)
         if mask is None:
             self._refuse_left_padding(input_ids)
@@ -50,7 +60,8 @@ class Embed(nn.Module):
         if self.scale != 1.0:
             hidden = hidden * self.scale
         if self.positions is not None:
-            hidden = hidden + self.positions(torch.arange(input_ids.shape[1], device=input_ids.device))
+            where = mask if self.packed else torch.arange(input_ids.shape[1], device=input_ids.device)
+            hidden = hidden + self.positions(where)
         if self.drop is not None:
             hidden = self.drop(hidden)
         if self.dropout:
@@ -76,8 +87,10 @@ class Embed(nn.Module):
 class Decoder(nn.Module):
     """One decoder layer, its positions, attention mask and rotary embeddings computed from what it receives."""
 
-    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None, gpt2: bool, kind: str) -> None:
+    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None, gpt2: bool, kind: str,
+                 packed: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.packed = packed  # what crosses beside the hidden state: position ids (packed documents), else a mask
         self.layer, self.rotary, self.gpt2 = layer, rotary, gpt2
         self.config, self.kind = config, kind  # not modules: no tensors
         # Gemma 3's rotary embedding differs by layer type (local and global bases): it is asked for this one's
@@ -85,8 +98,11 @@ class Decoder(nn.Module):
 
     def forward(self, value: Value) -> Value:
         hidden, mask = value if isinstance(value, tuple) else (value, None)
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        attention = self.mask(hidden, mask, position_ids)
+        if self.packed:  # the documents' own positions: transformers' mask functions find each from where they restart
+            position_ids, attention = mask, self.mask(hidden, None, mask)  # type: ignore[arg-type]
+        else:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            attention = self.mask(hidden, mask, position_ids)
         if self.gpt2:
             out = self.layer(hidden, attention_mask=attention, position_ids=position_ids)
         else:
@@ -130,10 +146,11 @@ class Final(nn.Module):
         return logits
 
 
-def sequential(model: nn.Module) -> nn.Sequential:
+def sequential(model: nn.Module, packed: bool = False) -> nn.Sequential:
     """An nn.Sequential computing what ``model`` (a causal LM) computes, sharing its parameters (see the module
     docstring); its ``hf_names`` maps each of its parameter and buffer names to the model's. An architecture it
-    does not know, or a family it does not compute exactly, is refused naming what it could not find or apply."""
+    does not know, or a family it does not compute exactly, is refused naming what it could not find or apply.
+    ``packed``: it takes (input_ids, position_ids) of rows packed with several documents (the module docstring)."""
     config = getattr(model, "config", None)
     head = getattr(model, "lm_head", None)
     base = getattr(model, "model", None)
@@ -141,16 +158,17 @@ def sequential(model: nn.Module) -> nn.Sequential:
         family = family_of(model)
         rotary = getattr(base, "rotary_emb", None)
         kinds = layer_kinds(family, config, len(base.layers))
-        parts: list[nn.Module] = [Embed(base.embed_tokens, config, scale=embedding_scale(family, config))]
-        parts += [Decoder(layer, config, copy.deepcopy(rotary) if rotary is not None else None, False, kind)
+        parts: list[nn.Module] = [Embed(base.embed_tokens, config, scale=embedding_scale(family, config),
+                                        packed=packed)]  # fmt: skip
+        parts += [Decoder(layer, config, copy.deepcopy(rotary) if rotary is not None else None, False, kind, packed)
                   for layer, kind in zip(base.layers, kinds, strict=True)]  # fmt: skip
         parts.append(Final(base.norm, head, *logits_step(family, config)))  # type: ignore[arg-type]
     elif (gpt2 := getattr(model, "transformer", None)) is not None and all(
         hasattr(gpt2, part) for part in ("wte", "wpe", "h", "ln_f")
     ):
         family_of(model)
-        parts = [Embed(gpt2.wte, config, gpt2.wpe, getattr(gpt2, "drop", None))]
-        parts += [Decoder(block, config, None, True, "full_attention") for block in gpt2.h]
+        parts = [Embed(gpt2.wte, config, gpt2.wpe, getattr(gpt2, "drop", None), packed=packed)]
+        parts += [Decoder(block, config, None, True, "full_attention", packed) for block in gpt2.h]
         parts.append(Final(gpt2.ln_f, head))  # type: ignore[arg-type]
     else:
         found = [name for name, _ in model.named_children()]

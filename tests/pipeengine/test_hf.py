@@ -180,12 +180,20 @@ def with_tensor_parallel() -> None:
     loss = engine.train_step(ids if engine.first else None, labels if engine.last else None)
     close(loss, one.step([(ids, labels)]), "llama tp=2: loss")
     check_grads(engine, one, "llama tp=2")
+    # the mask (left padding) and the position ids (packed rows) across tensor-parallel ranks, and sharded replicas
+    tensor = {"tensor_parallel": 2, "tp_plan": hf.tp_plan(model)}
+    parity("llama", ["1f1b"], options=tensor, tied=False, padding="left", config={"pad_token_id": PAD})
+    packed_parity("llama", ["1f1b"], options=tensor, tied=False)
+    parity("llama", ["1f1b"], data_parallel=2, options={"fsdp": True}, padding="left", config={"pad_token_id": PAD})
+    packed_parity("llama", ["1f1b"], data_parallel=2, options={"fsdp": True})
 
 
 @pytest.mark.timeout(180)
 def test_the_models_own_tensor_parallel_plan_translates_to_the_sequential() -> None:
+    """One stage over 2 tensor-parallel ranks (the plan is what is tested), then left padding and packed rows with
+    tensor_parallel=2 and with fsdp=True (data_parallel=2)."""
     assert hf.tp_plan(build("llama"))["*.layer.self_attn.q_proj"].__class__.__name__ == "ColwiseParallel"
-    launch(with_tensor_parallel, 2, timeout=120)  # one stage over 2 tensor-parallel ranks: the plan is what is tested
+    launch(with_tensor_parallel, 2, timeout=150)
 
 
 EXACT = ["llama", "qwen2-window", "qwen3", "mistral", "phi3", "starcoder2", "gemma", "mixtral", "qwen2_moe", "olmo2",
@@ -229,6 +237,71 @@ def left_padding() -> None:
 @pytest.mark.timeout(240)
 def test_left_padded_batches_with_their_mask_equal_hf_on_every_schedule() -> None:
     launch(left_padding, 2, timeout=200, in_process=True)
+
+
+DOCUMENTS = [[3, 5], [2, 2, 4], [LENGTH], [4, 4], [1, 7], [5, 3], [2, 6], [6, 2]]  # each row's documents' lengths
+
+
+def packed(size: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Rows packed with documents as transformers' DataCollatorWithFlattening makes them: ((ids, position_ids),
+    labels), the positions restarting at each document, the label of its first token -100 (no document predicts
+    another's)."""
+    generator = torch.Generator().manual_seed(6000 + seed)
+    ids = torch.randint(2, VOCAB, (size, LENGTH), generator=generator)
+    rows = [DOCUMENTS[(seed + r) % len(DOCUMENTS)] for r in range(size)]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    return (ids, positions), ids.masked_fill(positions == 0, hf.IGNORE)
+
+
+def separate_documents(model: nn.Module, x: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """The reference: each document of each row through the model on its own (``model(document)``), the summed
+    next-token loss of all of them over the count of labels that count."""
+    ids, positions = x
+    total = torch.zeros(())
+    for row in range(ids.shape[0]):
+        starts = [*(positions[row] == 0).nonzero().flatten().tolist(), ids.shape[1]]
+        for a, b in zip(starts[:-1], starts[1:], strict=False):
+            total = total + hf.causal_lm_loss(model(ids[row : row + 1, a:b]).logits, labels[row : row + 1, a:b])
+    return total / hf.count_labels(labels)
+
+
+def packed_parity(family: str, schedules: list[str], options: dict[str, object] | None = None,
+                  data_parallel: int = 1, tied: bool = True) -> None:  # fmt: skip
+    """Two AdamW steps on packed rows: the engine's loss and every gradient equal each document's run on its own."""
+    for schedule in schedules:
+        model = build(family, tied=tied, attn_implementation="sdpa" if family == "llama" else "eager")
+        one = OneProcess(model, seq=lambda m: hf.sequential(m, packed=True), run=separate_documents)
+        m = 2 * ranks.size() // data_parallel
+        engine = PipelineEngine(hf.sequential(model, packed=True), hf.causal_lm_loss, num_microbatches=m,
+                                schedule=schedule, loss_count=hf.count_labels, data_parallel=data_parallel,
+                                **(options or {}))  # type: ignore[arg-type]  # fmt: skip
+        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
+        reference_optimizer = torch.optim.AdamW(one.model.parameters(), lr=1e-3, eps=1e-6)
+        what = f"{family} {schedule} dp={data_parallel} {options or ''} packed"
+        for step in range(2):
+            parts = [packed(2 * m, seed=10 * step + r) for r in range(data_parallel)]
+            inputs, labels = parts[engine.dp_rank]
+            loss = engine.train_step(inputs if engine.first else None, labels if engine.last else None)
+            close(loss, one.step(parts), f"{what} step {step}: loss")
+            check_grads(engine, one, f"{what} step {step}")
+            step_both(optimizer, reference_optimizer)
+        check_weights(engine, one, what)
+
+
+def packed_rows() -> None:
+    packed_parity("llama", SCHEDULES)
+    packed_parity("gpt2", ["1f1b", "zb-v"])
+
+
+@pytest.mark.timeout(240)
+def test_packed_rows_equal_their_documents_run_separately_on_every_schedule() -> None:
+    launch(packed_rows, 2, timeout=200, in_process=True)
+
+
+def test_a_packed_sequential_without_position_ids_is_refused() -> None:
+    seq = hf.sequential(build("llama"), packed=True)
+    with pytest.raises(ValueError, match=r"packed=True\) takes \(input_ids, position_ids\)"):
+        seq(packed(2, seed=0)[0][0])
 
 
 def left_padded_without_mask() -> None:
