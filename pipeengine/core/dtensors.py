@@ -22,11 +22,14 @@ def is_dtensor(tensor: object) -> bool:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's tensor: a DTensor's shard; the tensor inside an AsyncCollectiveTensor (what RowwiseParallel's
-    output is until first used), whose own storage cannot be read."""
+    output is until first used), whose own storage cannot be read, once its collective completed (a gradient's
+    shard is then scaled or reduced in place: before the wait, that would race the collective)."""
     if is_dtensor(tensor):  # its shard may itself be an AsyncCollectiveTensor (RowwiseParallel's output, as the
         tensor = tensor.to_local()  # type: ignore[attr-defined]  # next ColwiseParallel saves it for backward)
     module = sys.modules.get("torch.distributed._functional_collectives")  # not imported: none of them exists
-    return tensor.elem if module is not None and isinstance(tensor, module.AsyncCollectiveTensor) else tensor
+    if module is not None and isinstance(tensor, module.AsyncCollectiveTensor):
+        return tensor.trigger_wait()  # type: ignore[no-any-return]  # its result, complete: read or written now
+    return tensor
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
