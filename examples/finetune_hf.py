@@ -3,13 +3,24 @@
     python examples/finetune_hf.py                              # a tiny Llama from a config, 2 CPU ranks
     python examples/finetune_hf.py --model path/to/model        # a local model (and its tokenizer), no download
     python examples/finetune_hf.py --schedule zb-v --steps 60
+    python examples/finetune_hf.py --packed                     # several paragraphs a row, positions restarting
 
 The text is train_gpt.py's: the Python standard library's own source, one paragraph a row, padded
-on the right (labels -100 there). The model goes through pipeengine.hf.sequential (its own
+on the right (labels -100 there); with --packed, paragraphs packed into full rows as transformers'
+DataCollatorWithFlattening packs them (position ids restarting at each, its first label -100), each
+attending to itself alone (hf.sequential(model, packed=True)). The model goes through pipeengine.hf.sequential (its own
 parameters, cut into stages), the loss is HF's (next-token cross entropy, token mean over the
 whole batch: hf.causal_lm_loss with loss_count=hf.count_labels), and at the end
 hf.save_pretrained writes out/finetuned, which AutoModelForCausalLM.from_pretrained loads.
-Without --model the tiny Llama reads characters (printable ASCII, train_gpt's vocabulary).
+Without --model the tiny Llama reads characters (printable ASCII, train_gpt's vocabulary), and a
+character-level tokenizer for them, built here (no download), is saved beside it: then
+
+    model = AutoModelForCausalLM.from_pretrained("out/finetuned")
+    tokenizer = AutoTokenizer.from_pretrained("out/finetuned")
+    ids = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=40, do_sample=False)
+    print(tokenizer.decode(ids[0]))
+
+which the example does at its end (--prompt).
 """
 
 from __future__ import annotations
@@ -44,6 +55,47 @@ def load(path: str | None) -> tuple[torch.nn.Module, object]:
     return LlamaForCausalLM(config), None
 
 
+def characters() -> object:
+    """A tokenizer of train_gpt's characters (one token each, in VOCAB's order: the ids the corpus is read in), built
+    with the tokenizers library, offline; what it cannot read is a space, as train_gpt reads it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(VOCAB)}, unk_token=" "))
+    tokenizer.normalizer = normalizers.Replace(Regex(r"[^\x20-\x7e\n]"), " ")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character its own
+    tokenizer.decoder = decoders.Fuse()  # joined as they are, no spaces between
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=" ", pad_token="\n", eos_token="\n")
+
+
+def packed_rows(rows: int, context: int, docs: list[tuple[int, int]], encode: object, pad: int,
+                generator: torch.Generator) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Rows filled with whole paragraphs (the last one cut at the row's end), positions restarting at each, its first
+    label -100 (no paragraph predicts the next); ((ids, position_ids), labels)."""
+    ids = torch.full((rows, context), pad, dtype=torch.int64)
+    positions = torch.zeros((rows, context), dtype=torch.int64)
+    for row in range(rows):
+        filled = 0
+        while filled < context:
+            start, end = docs[int(torch.randint(0, len(docs), (1,), generator=generator))]
+            tokens = torch.tensor(encode(start, end))[: context - filled]  # type: ignore[operator]
+            ids[row, filled : filled + len(tokens)] = tokens
+            positions[row, filled : filled + len(tokens)] = torch.arange(len(tokens))
+            filled += len(tokens)
+    return (ids, positions), ids.masked_fill(positions == 0, hf.IGNORE)
+
+
+def generate(directory: str, prompt: str, tokens: int) -> str:
+    """What the written model generates from ``prompt`` with the tokenizer beside it (greedy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0])  # type: ignore[no-any-return]
+
+
 def main(args: argparse.Namespace) -> None:
     talk = dist.get_rank() == 0
     say = print if talk else (lambda *_, **__: None)
@@ -60,8 +112,10 @@ def main(args: argparse.Namespace) -> None:
             return data[start : min(end, start + args.context)].tolist()
         return tokenizer(text[start:end])["input_ids"][: args.context]  # type: ignore[index, operator]
 
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    def batch() -> tuple[object, torch.Tensor]:
         """One paragraph a row, cut to the context and padded on the right: the padding's labels are -100."""
+        if args.packed:
+            return packed_rows(args.batch, args.context, docs, encode, pad, batches)
         ids = torch.full((args.batch, args.context), pad, dtype=torch.int64)
         labels = torch.full((args.batch, args.context), hf.IGNORE, dtype=torch.int64)
         for row, index in enumerate(torch.randint(0, len(docs), (args.batch,), generator=batches).tolist()):
@@ -70,10 +124,12 @@ def main(args: argparse.Namespace) -> None:
             labels[row, : len(tokens)] = tokens
         return ids, labels
 
-    engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=args.microbatches,
-                            schedule=args.schedule, loss_count=hf.count_labels)  # fmt: skip
+    engine = PipelineEngine(hf.sequential(model, packed=args.packed), hf.causal_lm_loss,
+                            num_microbatches=args.microbatches, schedule=args.schedule,
+                            loss_count=hf.count_labels)  # fmt: skip
     say(f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{engine.schedule.num_ranks} ranks, {args.schedule}", flush=True)  # fmt: skip
+        f"{engine.schedule.num_ranks} ranks, {args.schedule}{', packed rows' if args.packed else ''}",
+        flush=True)  # fmt: skip
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.learning_rate)
     started = time.perf_counter()
     for step in range(args.steps):
@@ -85,9 +141,11 @@ def main(args: argparse.Namespace) -> None:
             say(f"step {step:4d}  loss {loss:.3f}  ({time.perf_counter() - started:.0f} s)", flush=True)
     say(f"writing the trained model to {args.out} (an HF checkpoint)...", flush=True)
     written = hf.save_pretrained(engine, model, args.out)
-    if written is not None and tokenizer is not None:
-        tokenizer.save_pretrained(written)  # type: ignore[attr-defined]
-    say(f"wrote {args.out}: AutoModelForCausalLM.from_pretrained({args.out!r}) loads it", flush=True)
+    if written is not None:  # the model's own tokenizer, or the characters' (the tiny Llama)
+        (tokenizer if tokenizer is not None else characters()).save_pretrained(written)  # type: ignore[attr-defined]
+    say(f"wrote {args.out}: AutoModelForCausalLM.from_pretrained({args.out!r}) loads it, and its tokenizer", flush=True)
+    if written is not None and args.prompt:
+        say(f"generated: {generate(args.out, args.prompt, args.generate)!r}", flush=True)
 
 
 if __name__ == "__main__":
@@ -101,6 +159,9 @@ if __name__ == "__main__":
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--out", default=OUT)
+    parser.add_argument("--packed", action="store_true", help="several paragraphs a row, positions restarting at each")
+    parser.add_argument("--prompt", default="def ", help="generate from it with the written model ('' for none)")
+    parser.add_argument("--generate", type=int, default=40, help="tokens to generate")
     arguments = parser.parse_args()
     launch(main, arguments.ranks, args=(arguments,))
 

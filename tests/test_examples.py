@@ -1,5 +1,6 @@
 """Each example runs to completion in a reduced mode."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -53,10 +54,18 @@ def test_train_gpt_trains_samples_and_writes_its_timeline(tmp_path: Path) -> Non
 @pytest.mark.timeout(180)
 def test_finetune_hf_trains_and_writes_what_from_pretrained_loads(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    out = run(str(ROOT / "examples" / "finetune_hf.py"), "--steps", "11", "--batch", "8", "--out", str(tmp_path / "ft"))
+    out = run(str(ROOT / "examples" / "finetune_hf.py"), "--packed", "--steps", "11", "--batch", "8", "--out",
+              str(tmp_path / "ft"), "--generate", "12")  # fmt: skip
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
-    assert len(losses) == 2 and losses[-1] < losses[0] - 0.5, losses  # steps 0 and 10: 4.55 -> about 3.06
-    from transformers import AutoModelForCausalLM
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.5, losses  # steps 0 and 10 of packed rows: 4.5 -> 3.1
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "ft")
     assert type(model).__name__ == "LlamaForCausalLM" and model.lm_head.weight is model.model.embed_tokens.weight
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ft")  # the characters' tokenizer, written beside it
+    text = "def f(x):\n    return x"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text and len(tokenizer(text)["input_ids"]) == len(text)
+    generated = [line for line in out.splitlines() if line.startswith("generated: ")]
+    assert len(generated) == 1, out
+    text = ast.literal_eval(generated[0].removeprefix("generated: "))  # the prompt and 12 characters after it
+    assert text.startswith("def ") and len(text) == len("def ") + 12, text
