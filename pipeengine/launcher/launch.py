@@ -253,6 +253,8 @@ def _child(
         dist.init_process_group(
             "nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world, timeout=wait
         )
+        if device == "cpu":  # every rank's gloo mesh connected before any rank may finish: a rank whose fn returns at
+            dist.barrier()  # once would otherwise exit while a peer's connectFullMesh still waits on it (it failed so)
         fn(*args)
         dist.destroy_process_group()
         reports.put(Outcome(rank, time.time(), ok=True))
