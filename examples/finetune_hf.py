@@ -51,7 +51,8 @@ def load(path: str | None) -> tuple[torch.nn.Module, object]:
             return model, None
     config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-                         tie_word_embeddings=True)  # fmt: skip
+                         tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=None)  # fmt: skip  # characters: no begin or end token (pad: the tokenizer's)
     return LlamaForCausalLM(config), None
 
 
@@ -65,7 +66,7 @@ def characters() -> object:
     tokenizer.normalizer = normalizers.Replace(Regex(r"[^\x20-\x7e\n]"), " ")
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character its own
     tokenizer.decoder = decoders.Fuse()  # joined as they are, no spaces between
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=" ", pad_token="\n", eos_token="\n")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=" ", pad_token="\n")
 
 
 def packed_rows(rows: int, context: int, docs: list[tuple[int, int]], encode: object, pad: int,
