@@ -14,6 +14,7 @@ two differ by summation order alone.
     one.forward(x)                          a forward without gradients
     one.input_gradient(x, grad)             autograd from an output's gradient: the input's (the weights' in .grad)
     close, check_grads, check_weights, check_clipped, check_eval, step_both    the engine against it
+    save_reference, load_reference          the one process's state beside an engine's checkpoint
     train_like_one_process(...)             the usual loop: a train_step and the one process's step, compared
     model_parity, replicas_parity           tests/pipeengine/models.py's models through a schedule for a few steps
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
 
 RTOL, ATOL = 1e-5, 4e-5
+REFERENCE = "reference.pt"  # save_reference's file, beside a checkpoint
 
 Batch = tuple[Any, torch.Tensor]  # (inputs: a tensor or a tuple of them, targets)
 Compare = Callable[[Any, Any, str], None]
@@ -225,6 +228,19 @@ def step_both(optimizer: torch.optim.Optimizer | None, reference: torch.optim.Op
         if opt is not None:
             opt.step()
             opt.zero_grad()
+
+
+def save_reference(directory: str | Path, one: OneProcess, optimizer: torch.optim.Optimizer) -> None:
+    """Beside an engine's checkpoint, the one process's state and its optimizer's (written by rank 0)."""
+    if ranks.rank() == 0:
+        torch.save({"model": one.seq.state_dict(), "optimizer": optimizer.state_dict()}, Path(directory) / REFERENCE)
+
+
+def load_reference(directory: str | Path, one: OneProcess, optimizer: torch.optim.Optimizer) -> None:
+    """What save_reference wrote, into a fresh one process and its optimizer (over ``one.parameters()``)."""
+    saved = torch.load(Path(directory) / REFERENCE, weights_only=False)
+    one.seq.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
 
 
 def train_like_one_process(

@@ -9,7 +9,7 @@ import torch
 from pipeengine import PipelineEngine, consolidate, launch
 from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch, transformer
-from tests.pipeengine.parity import OneProcess, check_weights, close, step_both
+from tests.pipeengine.parity import OneProcess, check_weights, close, load_reference, save_reference, step_both
 
 
 def train_and_save(directory: str, schedule: str, steps: int, data_parallel: int = 1) -> None:
@@ -26,9 +26,7 @@ def train_and_save(directory: str, schedule: str, steps: int, data_parallel: int
         one.step([(x, y)])
         step_both(optimizer, reference_optimizer)
     engine.save(directory, optimizer)
-    if ranks.rank() == 0:
-        torch.save({"model": one.seq.state_dict(), "optimizer": reference_optimizer.state_dict()},
-                   Path(directory) / "reference.pt")  # fmt: skip
+    save_reference(directory, one, reference_optimizer)
 
 
 def load_and_continue(directory: str, schedule: str, steps_done: int) -> None:
@@ -37,11 +35,9 @@ def load_and_continue(directory: str, schedule: str, steps_done: int) -> None:
     engine = PipelineEngine(build(seed=123), loss_fn, num_microbatches=4, schedule=schedule)  # other weights
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
     engine.load(directory, optimizer)
-    saved = torch.load(Path(directory) / "reference.pt", weights_only=False)
     one = OneProcess(build(), loss_fn)
-    one.seq.load_state_dict(saved["model"])
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-3, eps=1e-6)
-    reference_optimizer.load_state_dict(saved["optimizer"])
+    load_reference(directory, one, reference_optimizer)
     check_weights(engine, one, "after load")
     x, y = batch("transformer", 8, seed=steps_done)
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)

@@ -26,6 +26,8 @@ from tests.pipeengine.parity import (
     check_clipped,
     check_eval,
     check_weights,
+    load_reference,
+    save_reference,
     train_like_one_process,
 )
 
@@ -151,9 +153,7 @@ def trained(directory: str, steps: int = 2, **options: object) -> PipelineEngine
     train_like_one_process(engine, one, (optimizer, reference_optimizer), steps, f"before saving {options}",
                            lambda step: replica_batches(step)[: engine.data_parallel])  # fmt: skip
     engine.save(directory, optimizer)
-    if ranks.rank() == 0:
-        torch.save({"model": one.seq.state_dict(), "optimizer": reference_optimizer.state_dict()},
-                   f"{directory}/reference.pt")  # fmt: skip
+    save_reference(directory, one, reference_optimizer)
     return engine
 
 
@@ -164,11 +164,9 @@ def continues(directory: str, **options: object) -> None:
     engine = PipelineEngine(build(seed=7), loss_fn, num_microbatches=4, **options)  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3)  # the checkpoint's lr (1e-2) must come back
     engine.load(directory, optimizer)
-    saved = torch.load(f"{directory}/reference.pt", weights_only=False)
     one = OneProcess(build(), loss_fn)
-    one.seq.load_state_dict(saved["model"])
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
-    reference_optimizer.load_state_dict(saved["optimizer"])
+    load_reference(directory, one, reference_optimizer)
     what = f"loaded into {options}"
     check_weights(engine, one, what)
     train_like_one_process(engine, one, (optimizer, reference_optimizer), 1, what,

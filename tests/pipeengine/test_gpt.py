@@ -15,6 +15,8 @@ from tests.pipeengine.parity import (
     check_clipped,
     check_weights,
     close,
+    load_reference,
+    save_reference,
     step_both,
     train_like_one_process,
 )
@@ -103,9 +105,7 @@ def tied_save(directory: str, schedule: str) -> None:
         one.step([(x, y)])
         step_both(optimizer, reference_optimizer)
     engine.save(directory, optimizer)
-    if ranks.rank() == 0:
-        torch.save({"model": one.seq.state_dict(), "optimizer": reference_optimizer.state_dict()},
-                   Path(directory) / "reference.pt")  # fmt: skip
+    save_reference(directory, one, reference_optimizer)
 
 
 def tied_load(directory: str, schedule: str) -> None:
@@ -114,11 +114,9 @@ def tied_load(directory: str, schedule: str) -> None:
                             loss_count=count_tokens)  # fmt: skip
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     engine.load(directory, optimizer)
-    saved = torch.load(Path(directory) / "reference.pt", weights_only=False)
     one = OneProcess(tied_gpt(), one_process_loss)
-    one.seq.load_state_dict(saved["model"])
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
-    reference_optimizer.load_state_dict(saved["optimizer"])
+    load_reference(directory, one, reference_optimizer)
     check_weights(engine, one, "after load")
     x, y = padded_batch(8, seed=7, microbatches=ranks.size())
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)

@@ -52,25 +52,30 @@ def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: in
            config: dict[str, object] | None = None, accumulate: int = 1) -> None:  # fmt: skip
     """Two AdamW steps: the engine's loss and every gradient equal HF's token mean over the whole global batch
     (``model(ids, labels=labels)``; left padding: ``model(ids, attention_mask=mask, labels=labels)``, the engine given
-    (ids, mask)). ``accumulate``: train_steps before each optimizer step, no zero_grad between (gradients add)."""
+    (ids, mask); "packed": rows of documents, a row a micro-batch, the engine given (ids, position_ids) and equal to
+    each document run on its own). ``accumulate``: train_steps before each optimizer step, no zero_grad between
+    (gradients add)."""
+    packing = padding == "packed"
+    make = {"left": left_padded, "packed": packed}.get(padding, batch)
     for schedule in schedules:
         model = build(family, layers, tied, **(config or {}))
-        one = OneProcess(model, seq=hf.sequential, run=hf_loss)  # seq: the engine's names, on the copy's parameters
+        # seq: the engine's names, on the copy's parameters
+        one = OneProcess(model, seq=lambda m: hf.sequential(m, packed=packing),
+                         run=separate_documents if packing else hf_loss)  # fmt: skip
         m = 2 * ranks.size() // data_parallel
-        engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=m, schedule=schedule,
-                                loss_count=hf.count_labels, data_parallel=data_parallel, **(options or {}))  # type: ignore[arg-type]  # fmt: skip
+        engine = PipelineEngine(hf.sequential(model, packed=packing), hf.causal_lm_loss, num_microbatches=m,
+                                schedule=schedule, loss_count=hf.count_labels, data_parallel=data_parallel,
+                                **(options or {}))  # type: ignore[arg-type]  # fmt: skip
         # eps=1e-6 (as the other parity tests): a gradient near zero differs by rounding between any two summation
         # orders, and AdamW's default 1e-8 would turn that noise into steps of about lr
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
         reference_optimizer = torch.optim.AdamW(one.model.parameters(), lr=1e-3, eps=1e-6)
         what = f"{family} {schedule} dp={data_parallel} {options or ''} {config or ''} {padding} padding"
+        rows = m if packing else 2 * m
         for step in range(2):
             for part in range(accumulate):
                 seed = 10 * step + 3 * part
-                if padding == "left":
-                    parts = [left_padded(2 * m, seed=seed + r) for r in range(data_parallel)]
-                else:
-                    parts = [batch(2 * m, seed=seed + r) for r in range(data_parallel)]  # type: ignore[misc]
+                parts = [make(rows, seed=seed + r) for r in range(data_parallel)]  # type: ignore[operator]
                 inputs, labels = parts[engine.dp_rank]
                 loss = engine.train_step(inputs if engine.first else None, labels if engine.last else None)
                 close(loss, one.step(parts), f"{what} step {step}.{part}: loss")
@@ -185,7 +190,8 @@ def with_tensor_parallel() -> None:
     # the mask (left padding) across tensor-parallel ranks, the position ids (packed rows) across sharded replicas
     tensor = {"tensor_parallel": 2, "tp_plan": hf.tp_plan(model)}
     parity("llama", ["1f1b"], options=tensor, tied=False, padding="left", config={"pad_token_id": PAD})
-    packed_parity("llama", ["1f1b"], data_parallel=2, options={"fsdp": True})
+    parity("llama", ["1f1b"], data_parallel=2, options={"fsdp": True}, padding="packed",
+           config={"attn_implementation": "sdpa"})  # fmt: skip
 
 
 @pytest.mark.timeout(180)
@@ -265,32 +271,9 @@ def separate_documents(model: nn.Module, x: tuple[torch.Tensor, torch.Tensor], l
     return total / hf.count_labels(labels)
 
 
-def packed_parity(family: str, schedules: list[str], options: dict[str, object] | None = None,
-                  data_parallel: int = 1, tied: bool = True) -> None:  # fmt: skip
-    """Two AdamW steps on packed rows: the engine's loss and every gradient equal each document's run on its own."""
-    for schedule in schedules:
-        model = build(family, tied=tied, attn_implementation="sdpa" if family == "llama" else "eager")
-        one = OneProcess(model, seq=lambda m: hf.sequential(m, packed=True), run=separate_documents)
-        m = 2 * ranks.size() // data_parallel
-        engine = PipelineEngine(hf.sequential(model, packed=True), hf.causal_lm_loss, num_microbatches=m,
-                                schedule=schedule, loss_count=hf.count_labels, data_parallel=data_parallel,
-                                **(options or {}))  # type: ignore[arg-type]  # fmt: skip
-        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
-        reference_optimizer = torch.optim.AdamW(one.model.parameters(), lr=1e-3, eps=1e-6)
-        what = f"{family} {schedule} dp={data_parallel} {options or ''} packed"
-        for step in range(2):
-            parts = [packed(m, seed=10 * step + r) for r in range(data_parallel)]  # a row a micro-batch
-            inputs, labels = parts[engine.dp_rank]
-            loss = engine.train_step(inputs if engine.first else None, labels if engine.last else None)
-            close(loss, one.step(parts), f"{what} step {step}: loss")
-            check_grads(engine, one, f"{what} step {step}")
-            step_both(optimizer, reference_optimizer)
-        check_weights(engine, one, what)
-
-
 def packed_rows() -> None:
-    packed_parity("llama", SCHEDULES)
-    packed_parity("gpt2", ["zb-v"])  # its learned positions taken at the documents' own
+    parity("llama", SCHEDULES, padding="packed", config={"attn_implementation": "sdpa"})
+    parity("gpt2", ["zb-v"], padding="packed", config={"attn_implementation": "eager"})  # its learned positions
 
 
 @pytest.mark.timeout(240)

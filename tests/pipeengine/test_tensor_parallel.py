@@ -30,6 +30,8 @@ from tests.pipeengine.parity import (
     check_eval,
     check_weights,
     close,
+    load_reference,
+    save_reference,
     step_both,
     train_like_one_process,
 )
@@ -72,19 +74,15 @@ def save_plain(directory: str) -> None:
     one.step([(x, y)])
     step_both(optimizer, reference_optimizer)
     engine.save(directory, optimizer)
-    if ranks.rank() == 0:
-        torch.save({"model": one.seq.state_dict(), "optimizer": reference_optimizer.state_dict()},
-                   Path(directory) / "reference.pt")  # fmt: skip
+    save_reference(directory, one, reference_optimizer)
 
 
 def continue_from(directory: str, engine: PipelineEngine, optimizer: torch.optim.Optimizer, seed: int) -> None:
     """Load a checkpoint and its reference; one more step of both must agree, AdamW's moments included."""
     engine.load(directory, optimizer)
-    saved = torch.load(Path(directory) / "reference.pt", weights_only=False)
     one = OneProcess(gpt(), token_mean)
-    one.seq.load_state_dict(saved["model"])
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
-    reference_optimizer.load_state_dict(saved["optimizer"])
+    load_reference(directory, one, reference_optimizer)
     check_weights(engine, one, "after load")
     x, y = batch(8, seed=seed)
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
