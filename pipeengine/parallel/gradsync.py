@@ -195,9 +195,10 @@ class Syncs:
     @property
     def gathered(self) -> Callable[[], list[nn.Parameter]] | None:
         """The parameters gathered whole during a step, looked up when asked; None where no sync gathers any."""
-        if not any(type(sync).gathered is not GradientSync.gathered for sync in self.order):
+        gathering = [sync for sync in self.order if sync.gathered()]
+        if not gathering:
             return None
-        return lambda: [param for sync in self.order for param in sync.gathered()]
+        return lambda: [param for sync in gathering for param in sync.gathered()]
 
     @contextlib.contextmanager
     def whole(self, module: nn.Module) -> Iterator[None]:
