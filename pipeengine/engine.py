@@ -6,7 +6,9 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from pipeengine.core.specs import Tensors
 from pipeengine.runtime.precision import GradScaler
 from pipeengine.runtime.stage import LossFn
 from pipeengine.train.checkpoint import Checkpoints
+from pipeengine.train.extras import Loaded
 from pipeengine.train.parameters import Parameters
 from pipeengine.train.stepping import StageLayers, Stepper
 from pipeengine.train.tracing import Tracing
@@ -157,19 +160,20 @@ class PipelineEngine:
         self._calls.agree(Call.CLIP)
         return self._params.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
-    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
-        """Write a checkpoint (every rank calls it), loadable into any partition (pipeengine.train.checkpoint)."""
+    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, *,
+             background: bool = False, **extra: Any) -> Path | Future[Path]:
+        """Checkpoint this rank's part, the optimizer, generators and ``extra`` (pipeengine.train.checkpoint)."""
         self._calls.agree(Call.SAVE)
-        return self._checkpoints.save(directory, optimizer)
+        return self._checkpoints.save(directory, optimizer, extra, background)
 
-    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> Path:
-        """Load the latest checkpoint in ``directory`` (and the optimizer's state), whatever partition saved it."""
+    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, **extra: Any
+             ) -> Loaded:  # fmt: skip
+        """Load the latest checkpoint, saved in any layout, and each ``extra``: the plain values saved (a dict)."""
         self._calls.agree(Call.LOAD)
-        return self._checkpoints.load(directory, optimizer)
+        return self._checkpoints.load(directory, optimizer, extra)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's state_dict on world rank 0, None elsewhere (every rank calls it): whole CPU tensors under
-        the model's own keys, in its order, a tied weight under each of its names (what hf.save_pretrained writes)."""
+        """The whole model's state_dict (CPU, the model's keys and order, ties under each name) on world rank 0."""
         self._calls.agree(Call.EXPORT)
         return self._checkpoints.full_state()
 

@@ -128,6 +128,14 @@ class Transport(abc.ABC):
     def subgroup(self, ranks: Sequence[int]) -> Transport | None:
         """A group of some of this group's ranks; every rank calls it (in the same order): None outside it."""
 
+    def side_channel(self) -> Transport:
+        """A second group over the same ranks, for a thread of its own (a background checkpoint's): its collectives
+        never meet this group's. Every rank calls it, in the same order."""
+        made = self.subgroup(range(self.size))
+        if made is None:  # every rank is in it
+            raise RuntimeError(f"rank {self.rank} is missing from its own group's copy")
+        return made
+
     def of_group(self, group: dist.ProcessGroup) -> Transport:
         """A transport of the same backend over another torch.distributed group this rank is in (a mesh's)."""
         raise ValueError(f"the {self.name} transport has no torch.distributed groups")

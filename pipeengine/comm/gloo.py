@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.comm.backends import BACKENDS
-from pipeengine.comm.base import Transfer
+from pipeengine.comm.base import Transfer, Transport
 from pipeengine.comm.distributed import Distributed
 
 __all__ = ["GlooTransport", "second_group"]
@@ -35,6 +35,9 @@ class GlooTransport(Distributed):
         super().__init__(group, device, timeout)
         self._wait_for = datetime.timedelta(seconds=timeout)
         self._down: dist.ProcessGroup | None = None
+
+    def side_channel(self) -> Transport:
+        return type(self)(dist.new_group(list(self.ranks), backend="gloo"), self.device, self.timeout)
 
     def open_channels(self) -> None:
         """The second group, for messages to a lower rank (without it, they share the first)."""

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.comm.backends import BACKENDS
-from pipeengine.comm.base import Transfer
+from pipeengine.comm.base import Transfer, Transport
 from pipeengine.comm.distributed import Distributed
+from pipeengine.comm.gloo import GlooTransport
 from pipeengine.comm.streams import Streams
 
 __all__ = ["NcclTransport"]
@@ -30,6 +31,11 @@ class NcclTransport(Distributed):
         super().__init__(group, device, timeout)
         self.streams = Streams(device)
         self._outstanding: list[tuple[dist.Work, float]] = []  # waited on the stream, not yet seen complete
+
+    def side_channel(self) -> Transport:
+        """On gloo over the same ranks: what a background thread sends is on the CPU (NCCL's kernels would share the
+        GPU with the step's)."""
+        return GlooTransport(dist.new_group(list(self.ranks), backend="gloo"), torch.device("cpu"), self.timeout)
 
     def post(self, transfers: Sequence[Transfer]) -> None:
         ops = [

@@ -32,12 +32,8 @@ FOLDER = "shards"
 _ONE_AT_A_TIME = threading.Lock()  # in-process ranks load in threads: DCP's loader and warnings' filters are global
 
 
-def write(target: Path, state: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any] | None) -> None:
-    """This rank's state (DTensors as they are) and its optimizer's, named (every rank of the world calls it)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
-
+def flatten(state: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What DCP writes for this rank's state (DTensors as they are) and its optimizer's, named."""
     flat: dict[str, Any] = {f"model.{name}": value.detach() for name, value in state.items()}
     if optimizer is not None:
         for name, fields in optimizer["state"].items():
@@ -45,13 +41,22 @@ def write(target: Path, state: Mapping[str, torch.Tensor], optimizer: Mapping[st
         for group in optimizer["param_groups"]:
             hyper = pickle.dumps({key: value for key, value in group.items() if key != "params"})  # one object:
             flat.update({f"hparams.{name}": hyper for name in group["params"]})  # DCP would flatten a dict
+    return flat
+
+
+def write(target: Path, flat: dict[str, Any], group: Any = None) -> None:
+    """Write ``flatten``'s dict; every rank of the world calls it, DCP planning over ``group`` (None: the default
+    group; a background write passes a group of its own)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
     try:
-        save(flat, storage_writer=FileSystemWriter(str(target / FOLDER)))
+        save(flat, storage_writer=FileSystemWriter(str(target / FOLDER)), process_group=group)
     except CheckpointException as error:  # every rank gets it: name what failed where (its text is "ranks: ...")
         causes = "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}" for rank, (cause, _) in
                            sorted(error.failures.items()))  # fmt: skip
-        raise OSError(f"writing the shards of {target.name} failed ({causes}); the previous checkpoint is intact "
-                      "and 'latest' still points at it") from error
+        raise OSError(f"writing the shards of {target.name} failed ({causes})") from error
 
 
 def read(

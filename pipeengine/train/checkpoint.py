@@ -5,10 +5,13 @@
       checkpoint-3/meta.json    the layers, the model's keys, which file holds which names, and the
                                 other names of tied weights (each stored once, under its first name)
       checkpoint-3/part-0.pt    {"model": state_dict, "optimizer": state by parameter name}, per pipeline rank
+      checkpoint-3/extra.pt     the caller's extras (an LR scheduler, the data's position, a step count)
+      checkpoint-3/rng/         every rank's random generators (pipeengine.train.extras)
 
 A save writes a new checkpoint-N (each file to a temporary name, then renamed), waits for
 every rank, then points `latest` at it and removes the older ones: a crash mid-save
-leaves the previous checkpoint intact and `latest` pointing at it. Only the first
+leaves the previous checkpoint intact and `latest` pointing at it (pipeengine.train.writing;
+background=True writes in a thread while the training goes on). Only the first
 data-parallel replica writes whole tensors; with fsdp=True every rank writes its own shards
 instead (format 2, pipeengine.parallel.fsdp_checkpoint). Either loads into any partition, replica count
 and sharding. The directory must be shared by all ranks.
@@ -18,9 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +33,12 @@ from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import spread, whole
 from pipeengine.parallel import fsdp_checkpoint
+from pipeengine.train import extras
+from pipeengine.train.files import few, latest_number, resolve
 from pipeengine.train.parameters import Parameters
+from pipeengine.train.writing import Background, Snapshot, commit, write
 
-__all__ = ["Checkpoints", "consolidate", "load_checkpoint", "save_checkpoint"]
-
-LATEST = "latest"
+__all__ = ["Checkpoints", "consolidate", "load_checkpoint"]
 
 
 class Checkpoints:
@@ -46,66 +49,60 @@ class Checkpoints:
         self.keys = list(model.state_dict())  # to tell a checkpoint of another model, and its key order
         self.params, self.topology, self.sharded = params, topology, sharded
         self.writer = topology.dp_rank == 0 and topology.tp_rank == 0  # the first replica, tensor index 0: one copy
+        self.background = Background()
+        self.channel: Transport | None = None  # the background writes' own group, made at the first
 
-    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None) -> Path:
+    @property
+    def grid(self) -> list[int]:
+        return [self.topology.grid.dp, self.topology.grid.pp, self.topology.grid.tp]
+
+    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
+             extra: Mapping[str, Any], background: bool) -> Path | Future[Path]:  # fmt: skip
+        """Every rank calls it: a pending background write ends first (its failure raised here, on every rank)."""
+        self.background.wait()
+        world = self.topology.world
+        root = Path(directory)
+        number = torch.tensor([latest_number(root) + 1 if world.rank == 0 else 0], device=world.device)
+        world.broadcast(number, 0, "the number of the new checkpoint")  # every rank writes into the same one
+        snapshot = self._snapshot(root / f"checkpoint-{int(number.item())}", optimizer, extra, copied=background)
+        if not background:
+            return commit(world, snapshot.target, write(snapshot))
+        self.channel = self.channel or world.side_channel()
+        return self.background.start(snapshot.staged(), self.channel)
+
+    def _snapshot(self, target: Path, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
+                  copied: bool) -> Snapshot:  # fmt: skip
+        """What this rank writes (every rank: DTensors gather, unless each writes its shards)."""
         state, names = self.params.owned_state(gather=not self.sharded)  # whole tensors, or each rank's shards
-        return save_checkpoint(directory, state, optimizer, names, layers=self.layers, keys=self.keys,
-                               aliases=self.params.ties.aliases, writer=self.writer, pipeline=self.topology.pipeline,
-                               world=self.topology.world, sharded=self.sharded)  # fmt: skip
+        named = _named_optimizer_state(optimizer, names, gather=not self.sharded) if optimizer is not None else None
+        world = self.topology.world
+        part = meta = None
+        if self.writer:
+            rank = self.topology.pipeline.rank
+            if not self.sharded:
+                part = (f"part-{rank}.pt", {"model": {k: v.detach().cpu() for k, v in state.items()},
+                                            "optimizer": named})  # fmt: skip
+            listed = self.topology.pipeline.all_gather_object(list(state), "the names each rank saves")
+            if rank == 0:
+                form = "shards/pp-{}" if self.sharded else "part-{}.pt"
+                meta = {"format": 2 if self.sharded else 1, "layers": self.layers, "keys": self.keys,
+                        "tied": dict(self.params.ties.aliases), "parts": {form.format(r): held for r, held in
+                        enumerate(listed)}, "grid": self.grid, "extras": sorted(extra)}  # fmt: skip
+        return Snapshot(
+            target, world.rank, part, fsdp_checkpoint.flatten(state, named) if self.sharded else None, meta,
+            extras.extra_states(extra, copied) if world.rank == 0 else None, extras.rng_state(world.device),
+        )
 
-    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None) -> Path:
+    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
+             extra: Mapping[str, Any]) -> extras.Loaded:  # fmt: skip
+        self.background.wait()
         names = {id(param): name for name, param in self.params.named()}
-        return load_checkpoint(directory, self.params.stages.values(), optimizer, names, expected=set(self.keys))
+        target = load_checkpoint(directory, self.params.stages.values(), optimizer, names, expected=set(self.keys))
+        same = json.loads((target / "meta.json").read_text()).get("grid") == self.grid
+        return extras.restore(target, extra, self.topology.world.rank, self.topology.world.device, same)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         return self.params.full_state(self.keys, self.writer, self.topology.world.rank)
-
-
-def save_checkpoint(
-    directory: str | os.PathLike[str],
-    state: Mapping[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
-    names: Mapping[int, str],
-    *,
-    layers: list[str],
-    keys: list[str],
-    aliases: Mapping[str, str],
-    writer: bool,
-    pipeline: Transport,
-    world: Transport,
-    sharded: bool = False,
-) -> Path:
-    """Write this rank's part of a new checkpoint; every rank of the world must call it. ``sharded``: ``state`` and
-    the optimizer's hold DTensors, each rank's shards written as they are (``writer`` lists the names)."""
-    root = Path(directory)
-    rank = pipeline.rank
-    number = torch.tensor([_latest_number(root) + 1 if world.rank == 0 else 0], device=world.device)
-    world.broadcast(number, 0, "the number of the new checkpoint")  # every rank writes into the same one
-    target = root / f"checkpoint-{int(number.item())}"
-    # every rank: DTensors gather, unless each writes its shards
-    named = _named_optimizer_state(optimizer, names, gather=not sharded) if optimizer is not None else None
-    if sharded:
-        fsdp_checkpoint.write(target, state, named)  # every rank, collectively; the folder is DCP's
-    if writer:
-        target.mkdir(parents=True, exist_ok=True)
-        if not sharded:
-            payload = {"model": {k: v.detach().cpu() for k, v in state.items()}, "optimizer": named}
-            _write_atomically(target / f"part-{rank}.pt", lambda path: torch.save(payload, path))
-        listed = pipeline.all_gather_object(list(state), "the names each rank saves")  # in the stages' order
-        if rank == 0:
-            form = "shards/pp-{}" if sharded else "part-{}.pt"
-            parts = {form.format(r): held for r, held in enumerate(listed)}
-            meta = {"format": 2 if sharded else 1, "layers": layers, "keys": keys, "tied": dict(aliases),
-                    "parts": parts}  # fmt: skip
-            _write_atomically(target / "meta.json", lambda path: Path(path).write_text(json.dumps(meta, indent=1)))
-    world.barrier("the other ranks to finish writing their parts")  # every part is on disk before `latest` moves
-    if world.rank == 0:
-        _write_atomically(root / LATEST, lambda path: Path(path).write_text(target.name))
-        for old in root.glob("checkpoint-*"):
-            if old != target and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-    world.barrier("rank 0 to point 'latest' at the new checkpoint")
-    return target
 
 
 def load_checkpoint(
@@ -117,14 +114,14 @@ def load_checkpoint(
     expected: set[str],
 ) -> Path:
     """Load the names this rank's modules hold (and its optimizer's state) from the latest checkpoint."""
-    target = _resolve(Path(directory))
+    target = resolve(Path(directory))
     meta = json.loads((target / "meta.json").read_text())
     tied: dict[str, str] = meta.get("tied", {})  # another name of a tied weight -> the name it is stored under
     present = {key for keys in meta["parts"].values() for key in keys} | set(tied)
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
         raise ValueError(
-            f"{target} is not a checkpoint of this model: missing {_few(missing)}, unexpected {_few(unexpected)}; "
+            f"{target} is not a checkpoint of this model: missing {few(missing)}, unexpected {few(unexpected)}; "
             "load a checkpoint saved from the same nn.Sequential"
         )
     modules = list(modules)
@@ -147,7 +144,7 @@ def load_checkpoint(
 
 def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The whole model's state_dict from the latest checkpoint, under the nn.Sequential's names (no ranks needed)."""
-    target = _resolve(Path(directory))
+    target = resolve(Path(directory))
     meta = json.loads((target / "meta.json").read_text())
     stored = [key for part in meta["parts"].values() for key in part]
     tied: dict[str, str] = meta.get("tied", {})
@@ -210,7 +207,7 @@ def _load_named_optimizer_state(
     by_index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     absent = [name for name in by_index if name not in groups]
     if absent:
-        raise ValueError(f"{target} holds no optimizer state for {_few(absent)}: was it saved with optimizer=?")
+        raise ValueError(f"{target} holds no optimizer state for {few(absent)}: was it saved with optimizer=?")
     for group in current["param_groups"]:
         group.update(groups[by_index[group["params"][0]]])  # the hyperparameters saved with these parameters
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -222,35 +219,3 @@ def _load_named_optimizer_state(
     optimizer.load_state_dict(current)
 
 
-def _latest_number(root: Path) -> int:
-    try:
-        return int((root / LATEST).read_text().strip().removeprefix("checkpoint-"))
-    except (FileNotFoundError, ValueError):
-        return max((int(p.name.split("-")[1]) for p in root.glob("checkpoint-*") if p.name.split("-")[1].isdigit()),
-                   default=0)  # fmt: skip
-
-
-def _resolve(root: Path) -> Path:
-    pointer = root / LATEST
-    if not pointer.exists():
-        raise FileNotFoundError(f"{root} holds no checkpoint (no '{LATEST}' file): save one with engine.save()")
-    return root / pointer.read_text().strip()
-
-
-def _write_atomically(path: Path, write: Any) -> None:
-    """Write to a temporary file beside ``path``, then rename it over: readers see the old file or the new."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _few(names: list[str], shown: int = 6) -> str:
-    if not names:
-        return "none"
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more

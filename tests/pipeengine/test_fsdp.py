@@ -302,7 +302,7 @@ def test_checkpoints_each_rank_writes_its_shards_and_any_sharding_loads_them(tmp
     for name, value in reference.items():  # the engine trained like one process: the suite's fp32 tolerance
         torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
     launch(continues, 2, args=(str(sharded),), timeout=60, in_process=True)  # dp=1, no processes
-    with pytest.raises(OSError, match=r"rank 1: OSError: disk full \(planted\).*previous checkpoint is intact"):
+    with pytest.raises(OSError, match=r"rank 1: OSError: disk full \(planted\).*'latest' still points at checkpoint-1"):
         launch(save_that_fails, 4, args=(str(sharded),), timeout=60)
     assert (sharded / "latest").read_text() == target.name
     after = consolidate(sharded)

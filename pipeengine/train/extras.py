@@ -1,0 +1,92 @@
+"""What a checkpoint holds beside the model and the optimizer: the caller's extras, and every rank's random state.
+
+    checkpoint-N/extra.pt        {name: {"state": obj.state_dict()} or {"value": plain value}}, written once
+    checkpoint-N/rng/rank-R.pt   world rank R's generators: torch's CPU one, its CUDA device's, Python's ``random``
+
+An extra is anything with state_dict()/load_state_dict() (torch.distributed.checkpoint's Stateful: an LR
+scheduler, a pipeengine.ReplicaLoader, a GradScaler) or a plain value (a step count). Every rank passes the same
+extras and every rank restores them. The generators come back only where the layout is the one that saved them
+(the same grid of ranks): elsewhere a rank runs other layers, and no draw of the old run is its to repeat.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeengine.train.files import write_atomically
+
+__all__ = ["Loaded", "is_stateful"]
+
+EXTRAS, RNG = "extra.pt", "rng"
+
+
+class Loaded(dict[str, Any]):
+    """What engine.load restored: the plain values saved as extras, by name (a dict), and where from (``path``)."""
+
+    def __init__(self, values: Mapping[str, Any], path: Path) -> None:
+        super().__init__(values)
+        self.path = path
+
+
+def is_stateful(value: object) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def extra_states(extra: Mapping[str, Any], copied: bool) -> dict[str, dict[str, Any]]:
+    """What extra.pt holds; ``copied``: deep copies, for a write that runs while training changes the originals."""
+    taken = {name: {"state": value.state_dict()} if is_stateful(value) else {"value": value}
+             for name, value in extra.items()}  # fmt: skip
+    return copy.deepcopy(taken) if copied else taken
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's generators now (copies)."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def write(target: Path, extras: dict[str, Any] | None, rng: dict[str, Any], world_rank: int) -> None:
+    """This rank's files: its generators, and (the one rank given them) the extras."""
+    (target / RNG).mkdir(parents=True, exist_ok=True)
+    write_atomically(target / RNG / f"rank-{world_rank}.pt", lambda path: torch.save(rng, path))
+    if extras is not None:
+        write_atomically(target / EXTRAS, lambda path: torch.save(extras, path))
+
+
+def restore(target: Path, extra: Mapping[str, Any], world_rank: int, device: torch.device, same_layout: bool
+            ) -> Loaded:  # fmt: skip
+    """Load each stateful extra, return the plain values; restore this rank's generators if ``same_layout``."""
+    saved: dict[str, dict[str, Any]] = {}
+    if (target / EXTRAS).exists():
+        saved = torch.load(target / EXTRAS, map_location="cpu", weights_only=True)
+    absent = sorted(set(extra) - set(saved))
+    if absent:
+        held = ", ".join(sorted(saved)) or "none"
+        raise KeyError(f"{target} holds no extra named {', '.join(absent)} (it holds: {held}); pass to engine.load "
+                       "the names given to engine.save")  # fmt: skip
+    for name, value in extra.items():
+        if is_stateful(value):
+            if "state" not in saved[name]:
+                raise TypeError(f"extra {name!r} was saved as a plain value, {saved[name]['value']!r}, and cannot "
+                                f"load into a {type(value).__name__}: pass it as it was saved")  # fmt: skip
+            value.load_state_dict(saved[name]["state"])
+    if same_layout and (target / RNG / f"rank-{world_rank}.pt").exists():
+        rng = torch.load(target / RNG / f"rank-{world_rank}.pt", map_location="cpu", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        random.setstate(_as_state(rng["python"]))
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    return Loaded({name: entry["value"] for name, entry in saved.items() if "value" in entry}, target)
+
+
+def _as_state(value: Any) -> Any:
+    """random.setstate wants the tuples it gave (a load may return lists)."""
+    return tuple(_as_state(v) for v in value) if isinstance(value, list | tuple) else value

@@ -1,0 +1,155 @@
+"""Resuming: a run saved at step K and resumed is the uninterrupted run, bit for bit, in the same layout (dropout, an
+LR scheduler and the data's position included), and reads the same global samples in another layout; a background
+write that fails leaves `latest` where it was. Real gloo processes: each rank's random generator is its process's.
+Restarts after a killed rank: test_examples.py (train_gpt) and test_launch.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from pipeengine import PipelineEngine, ReplicaLoader, latest_checkpoint, launch
+from pipeengine.core.dtensors import local
+from tests.pipeengine import ranks
+from tests.pipeengine.parity import close
+
+STEPS, SAVED_AT, WIDTH = 4, 2, 16
+
+
+def model(dropout: float) -> nn.Sequential:
+    """Eight layers: a block is Linear, GELU, Dropout, Linear (tensor parallel: the first by columns, the last by
+    rows, the dropout on each rank's columns)."""
+    torch.manual_seed(0)
+
+    def block() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * WIDTH, WIDTH))
+
+    return nn.Sequential(nn.Linear(4, WIDTH), *[block() for _ in range(6)], nn.Linear(WIDTH, 2))
+
+
+def dataset() -> TensorDataset:
+    """40 samples (five global batches of 8): inputs, targets, and each sample's index (what a replica read)."""
+    data = torch.Generator().manual_seed(5)
+    return TensorDataset(torch.randn(40, 4, generator=data), torch.randn(40, 2, generator=data), torch.arange(40))
+
+
+Run = tuple[list[float], list[list[int]], dict[str, torch.Tensor]]
+
+
+def run(directory: str, options: dict[str, Any], *, resume: bool = False, dropout: float = 0.1,
+        background: bool = False, reseed: bool = False) -> Run:  # fmt: skip
+    """STEPS steps of AdamW under a StepLR, saving at SAVED_AT (or resuming there): the losses, the global samples
+    each step read (every replica's together) and this rank's final parameters (a shard: its local part)."""
+    engine = PipelineEngine(model(dropout), F.mse_loss, **{"num_microbatches": 4, **options})
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    data = ReplicaLoader(dataset(), batch_size=8, replicas=engine.data_parallel, rank=engine.dp_rank, seed=1)
+    start = 0
+    if resume:
+        start = engine.load(directory, optimizer, scheduler=scheduler, data=data)["step"]
+        if reseed:  # the negative control: what a resume without the generators' state draws
+            torch.manual_seed(1234 + ranks.rank())
+    losses, read, pending = [], [], None
+    batches = data.forever()
+    for step in range(start, STEPS):
+        x, y, index = next(batches)
+        losses.append(engine.train_step(x if engine.first else None, y if engine.last else None))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        shares = dict(ranks.all_gather_object((engine.dp_rank, index.tolist())))  # every rank of a replica reads its
+        read.append(sorted(i for share in shares.values() for i in share))  # replica's share: once each
+        if step + 1 == SAVED_AT and not resume:
+            pending = engine.save(directory, optimizer, background=background, scheduler=scheduler, data=data,
+                                  step=step + 1)  # fmt: skip
+    if background:
+        assert pending is not None and pending.result() == latest_checkpoint(directory)  # type: ignore[union-attr]
+    return losses, read, {name: local(p).detach().clone() for name, p in engine.named_parameters()}
+
+
+def equal_resume(directory: str, options: dict[str, Any], background: bool = False) -> None:
+    """Every loss and every parameter after the resume equals (torch.equal) the uninterrupted run's."""
+    losses, read, weights = run(directory, options, background=background)
+    again, read_again, resumed = run(directory, options, resume=True)
+    what = f"{options} background={background}"
+    assert again == losses[SAVED_AT:], f"{what}: losses {again} after the resume, {losses[SAVED_AT:]} uninterrupted"
+    assert read_again == read[SAVED_AT:], f"{what}: the resumed run read other samples"
+    differ = [name for name in weights if not torch.equal(weights[name], resumed[name])]
+    assert weights.keys() == resumed.keys() and not differ, f"{what}: parameters differ after the resume: {differ}"
+
+
+def tp_plan() -> dict[str, object]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"*.0": ColwiseParallel(), "*.3": RowwiseParallel()}
+
+
+DP2 = {"data_parallel": 2}
+SAME_LAYOUT: list[tuple[dict[str, Any], bool]] = [
+    *(({**DP2, "schedule": schedule}, index % 2 == 1) for index, schedule in
+      enumerate(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"])),
+    ({**DP2, "schedule": "1f1b", "fsdp": True}, True),  # the sharded format, written in the background
+    ({**DP2, "schedule": "zb-h1", "fsdp": True}, False),
+    ({"schedule": "1f1b", "tensor_parallel": 2, "tp_plan": "plan"}, True),
+]  # fmt: skip
+
+
+def every_same_layout(directory: str) -> None:
+    for index, (options, background) in enumerate(SAME_LAYOUT):
+        if options.get("tp_plan") == "plan":
+            options = {**options, "tp_plan": tp_plan()}
+        equal_resume(f"{directory}/{index}", options, background)
+    # the negative control: without the generators' state the dropout draws otherwise, and the test sees it
+    losses, _, _ = run(f"{directory}/control", {**DP2, "schedule": "1f1b"})
+    again, _, _ = run(f"{directory}/control", {**DP2, "schedule": "1f1b"}, resume=True, reseed=True)
+    assert again != losses[SAVED_AT:], "reseeding after the load changed nothing: the dropout draws nothing here"
+
+
+def other_layouts(directory: str) -> None:
+    """Saved on dp=2 x pp=2, resumed on dp=1 x pp=4 and dp=4 x pp=1: the same global samples, the same losses
+    within float32's tolerance (no dropout: another layout draws otherwise)."""
+    losses, read, _ = run(directory, {**DP2, "schedule": "1f1b"}, dropout=0.0)
+    for options in ({"schedule": "1f1b"}, {"data_parallel": 4, "schedule": "gpipe", "num_microbatches": 2}):
+        again, read_again, _ = run(directory, options, resume=True, dropout=0.0)
+        assert read_again == read[SAVED_AT:], f"{options}: read {read_again}, the uninterrupted run {read[SAVED_AT:]}"
+        for step, (a, b) in enumerate(zip(again, losses[SAVED_AT:], strict=True)):
+            close(a, b, f"{options}: the loss {step} steps after the resume")
+
+
+def failing_write(directory: str) -> None:
+    """Rank 1's background write of the second checkpoint fails (its generators' file): `latest` stays on the
+    first, whose files are all there, and the next call raises on every rank, naming the rank and the fault."""
+    from pipeengine.train import extras
+
+    engine = PipelineEngine(model(0.1), F.mse_loss, num_microbatches=2, data_parallel=2, schedule="1f1b")
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    engine.save(directory, optimizer, step=1)
+    if ranks.rank() == 1:
+        def broken(path: Path, write: Any) -> None:
+            raise OSError("disk full (planted)")
+
+        extras.write_atomically = broken  # type: ignore[assignment]
+    engine.save(directory, optimizer, background=True, step=2)  # returns: the write fails in its thread
+    with pytest.raises(OSError, match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\).*"
+                                      r"'latest' still points at checkpoint-1"):  # fmt: skip
+        engine.load(directory, optimizer)
+    assert latest_checkpoint(directory) == Path(directory) / "checkpoint-1"
+    assert not (Path(directory) / "checkpoint-2").exists()  # the partial one is removed
+    assert engine.load(directory, optimizer)["step"] == 1  # the previous one loads, whole
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_is_the_uninterrupted_run_in_every_schedule_dp_fsdp_and_tp(tmp_path: Path) -> None:
+    launch(every_same_layout, 4, args=(str(tmp_path),), timeout=120)
+
+
+@pytest.mark.timeout(200)
+def test_another_layout_resumes_at_the_same_global_samples_and_a_failed_write_moves_nothing(tmp_path: Path) -> None:
+    launch(other_layouts, 4, args=(str(tmp_path / "layouts"),), timeout=120)
+    launch(failing_write, 2, args=(str(tmp_path / "fault"),), timeout=60)
