@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeengine.core import pending
 from pipeengine.core.config import DEFAULT_TIMEOUT
 from pipeengine.errors import PeerError
-from pipeengine.launcher.outcome import Outcome, raise_cause
+from pipeengine.launcher.outcome import Outcome, describe, raise_cause
 
 __all__ = ["launch"]
 
@@ -56,6 +57,7 @@ def launch(
     reuse_memory: bool = True,
     in_process: bool = False,
     grace: float = GRACE,
+    max_restarts: int = 0,
 ) -> None:
     """Run ``fn(*args)`` on ``nprocs`` local ranks, each with the default process group initialised.
 
@@ -65,6 +67,11 @@ def launch(
     (default: the cores shared out). ``reuse_memory``: CPU ranks keep freed memory for reuse
     (see keep_freed_memory). Re-raises the failing rank's exception, with a note naming the rank
     and what every other rank was doing; the others get ``grace`` seconds to stop by themselves.
+    ``max_restarts``: after a failure (a rank raised, died or hung), report the cause on stderr,
+    stop every rank and start them all again as fresh processes, at most this many times; ``fn``
+    resumes from its last checkpoint (README: Resuming and restarts). Under torchrun, its own
+    --max-restarts does this. A checkpoint still being written in the background is finished
+    before a rank ends (pipeengine.core.pending).
     A rank whose ``fn`` returned exits without tearing down its interpreter: close the files it
     writes (see _exit).
 
@@ -74,6 +81,11 @@ def launch(
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    if max_restarts and in_process:
+        raise ValueError("in-process ranks are threads of this process and cannot start afresh: max_restarts needs "
+                         "processes (in_process=False)")
     if in_process:
         if device not in (None, "cpu"):
             raise ValueError(f"in-process ranks compute on the CPU, got device={device!r}")
@@ -95,27 +107,37 @@ def launch(
         _join_torchrun(fn, nprocs, args, device, timeout)
         return
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    for attempt in range(max_restarts + 1):
+        outcomes = _run_once(fn, nprocs, tuple(args), device, timeout, threads, reuse_memory, grace)
+        if attempt == max_restarts or describe(outcomes) == "":
+            raise_cause(outcomes, nprocs, restarts=attempt)
+            return
+        print(f"pipeengine.launcher.launch: {describe(outcomes)}; every rank stopped, starting all {nprocs} again "
+              f"(restart {attempt + 1} of max_restarts={max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device: str, timeout: float, threads: int,
+              reuse_memory: bool, grace: float) -> dict[int, Outcome]:  # fmt: skip
+    """Start the ranks as fresh processes, wait for them all (stopping the others after a failure): their ends."""
     context = _context()
     store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
     reports: multiprocessing.Queue[Outcome] = context.Queue()
     children = [
         context.Process(
             target=_child,
-            args=(rank, nprocs, store.port, fn, tuple(args), device, timeout, threads, reuse_memory, reports,
-                  os.getpid()),
+            args=(rank, nprocs, store.port, fn, args, device, timeout, threads, reuse_memory, reports, os.getpid()),
             name=f"pipeengine-rank-{rank}",
         )
         for rank in range(nprocs)
-    ]  # fmt: skip
+    ]
     started: list[multiprocessing.process.BaseProcess] = []
     try:
         for child in children:
             child.start()  # spawn fails here if the caller's script lacks `if __name__ == "__main__":`
             started.append(child)
-        outcomes = _supervise(children, reports, grace)
+        return _supervise(children, reports, grace)
     finally:
         _stop(started)
-    raise_cause(outcomes, nprocs)
 
 
 def _join_torchrun(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], device: str, timeout: float) -> None:
@@ -131,9 +153,21 @@ def _join_torchrun(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], dev
     if not dist.is_initialized():
         # once per process: a second init against torchrun's store could read the first one's stale
         # addresses and hang, so the group stays for later launch() calls and goes at exit
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        wait = datetime.timedelta(seconds=timeout)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart:  # torchrun started the ranks again (--max-restarts): its agent's store still holds the keys of the
+            # last attempt's group, whose addresses are gone; gloo would connect to them ("Connection refused")
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,  # type: ignore[attr-defined]
+                                   is_master=not agent and rank == 0, timeout=wait, multi_tenant=True)  # fmt: skip
+            store = dist.PrefixStore(f"pipeengine/attempt-{restart}", client)  # type: ignore[attr-defined]
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
+        else:
+            dist.init_process_group(backend, timeout=wait)
         atexit.register(_destroy_group)
     fn(*args)
+    pending.finish()  # a background checkpoint's write, before torchrun's group goes
 
 
 def _destroy_group() -> None:
@@ -256,6 +290,7 @@ def _child(
         if device == "cpu":  # every rank's gloo mesh connected before any rank may finish: a rank whose fn returns at
             dist.barrier()  # once would otherwise exit while a peer's connectFullMesh still waits on it (it failed so)
         fn(*args)
+        pending.finish()  # a checkpoint written in the background completes (or fails: the rank's failure)
         dist.destroy_process_group()
         reports.put(Outcome(rank, time.time(), ok=True))
         _exit(0)

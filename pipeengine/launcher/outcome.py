@@ -29,11 +29,11 @@ class Outcome:
     died: bool = False  # it exited (by any code or signal) without a report
 
 
-def raise_cause(outcomes: dict[int, Outcome], nprocs: int) -> None:
-    """Re-raise the causing rank's error, with a note naming it and what every other rank saw; None if all ok."""
+def cause(outcomes: dict[int, Outcome]) -> tuple[int, Outcome] | None:
+    """The causing rank and its outcome (see the module), or None if every rank ended well."""
     failures = {rank: o for rank, o in outcomes.items() if not o.ok}
     if not failures:
-        return
+        return None
 
     def blame(item: tuple[int, Outcome]) -> tuple[int, float]:
         _, outcome = item
@@ -43,13 +43,34 @@ def raise_cause(outcomes: dict[int, Outcome], nprocs: int) -> None:
             return (2, outcome.when)
         return (3 if outcome.waiting else 1, outcome.when)
 
-    root, cause = min(failures.items(), key=blame)
+    return min(failures.items(), key=blame)
+
+
+def describe(outcomes: dict[int, Outcome]) -> str:
+    """One line: which rank caused a failure and what it was ("" if none)."""
+    found = cause(outcomes)
+    if found is None:
+        return ""
+    root, outcome = found
+    return f"rank {root} {outcome.fate or ('raised ' + outcome.summary if not outcome.died else outcome.summary)}"
+
+
+def raise_cause(outcomes: dict[int, Outcome], nprocs: int, restarts: int = 0) -> None:
+    """Re-raise the causing rank's error, with a note naming it and what every other rank saw; None if all ok.
+    ``restarts``: how many times the ranks were started again before this run (said in the note)."""
+    found = cause(outcomes)
+    if found is None:
+        return
+    root, cause_ = found
+    failures = {rank: o for rank, o in outcomes.items() if not o.ok}
     others = [f"  rank {r}: {o.summary or o.fate}" for r, o in sorted(failures.items()) if r != root]
     context = f"pipeengine.launcher.launch: rank {root} of {nprocs} is the cause"
+    if restarts:
+        context += f", in the last of {restarts + 1} runs (max_restarts={restarts} spent)"
     context += ("; what the other ranks saw:\n" + "\n".join(others)) if others else ""
-    if cause.fate or cause.died:
-        raise LaunchError(f"rank {root} {cause.fate or cause.summary}\n{context}")
-    if cause.error is None:
-        raise LaunchError(f"rank {root} raised {cause.summary}\n{cause.trace}\n{context}")
-    cause.error.add_note(f"{context}\n\ntraceback on rank {root}:\n{cause.trace}")
-    raise cause.error
+    if cause_.fate or cause_.died:
+        raise LaunchError(f"rank {root} {cause_.fate or cause_.summary}\n{context}")
+    if cause_.error is None:
+        raise LaunchError(f"rank {root} raised {cause_.summary}\n{cause_.trace}\n{context}")
+    cause_.error.add_note(f"{context}\n\ntraceback on rank {root}:\n{cause_.trace}")
+    raise cause_.error

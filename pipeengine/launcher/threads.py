@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pipeengine.comm.loopback import INTERRUPTED, Hub, LoopbackTransport, bind
+from pipeengine.core import pending
 from pipeengine.errors import PeerError
 from pipeengine.launcher.outcome import Outcome, raise_cause
 
@@ -42,6 +43,7 @@ def _run(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: floa
             with hub.cond:  # one rank at a time until each first waits (see pipeengine.comm.loopback)
                 hub.cond.wait_for(lambda: hub.turn >= rank)
             fn(*args)
+            pending.finish()  # this rank's background checkpoint
             outcomes[rank] = Outcome(rank, time.time(), ok=True)
         except BaseException as error:  # noqa: BLE001  (report everything; the others are told at once)
             outcomes[rank] = Outcome(rank, time.time(), error=error, summary=f"{type(error).__name__}: {error}",

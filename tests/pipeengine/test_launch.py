@@ -113,18 +113,45 @@ def test_cuda_ranks_need_a_gpu_each() -> None:
         launch(report_world, torch.cuda.device_count() + 1, args=("x",), device="cuda")
 
 
+def resume_or_crash(directory: str) -> None:
+    """The README's resume idiom over 4 steps, a checkpoint after each; the first time, rank 1 is killed in step 2.
+    Each run writes down the step it started from."""
+    import signal
+
+    import torch
+    from torch.nn import functional as F
+
+    from pipeengine import PipelineEngine, latest_checkpoint
+    from tests.pipeengine.models import batch, mlp
+
+    engine = PipelineEngine(mlp(), F.mse_loss, num_microbatches=2)
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    start = engine.load(directory, optimizer)["step"] if latest_checkpoint(directory) else 0
+    with open(f"{directory}/starts.{ranks.rank()}", "a") as out:
+        out.write(f"{start}\n")
+    for step in range(start, 4):
+        if step == 2 and ranks.rank() == 1 and start == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch("mlp", 4, seed=step)
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        optimizer.step()
+        engine.save(directory, optimizer, step=step + 1)
+
+
 @pytest.mark.timeout(120)
-def test_under_torchrun_launch_joins_its_group(tmp_path: Path) -> None:
+def test_under_torchrun_launch_joins_its_group_and_max_restarts_resumes(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(
         "import sys\n"
         "from pipeengine import launch\n"
-        "from tests.pipeengine.test_launch import report_world, train_like_one_process\n"
+        "from tests.pipeengine.test_launch import report_world, resume_or_crash, train_like_one_process\n"
         "if __name__ == '__main__':\n"
+        f"    launch(resume_or_crash, 2, args=({str(tmp_path)!r},))\n"
         "    launch(train_like_one_process, 2)\n"
         f"    launch(report_world, 2, args=({str(tmp_path / 'world')!r},))\n"
     )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", str(script)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = tmp_path / "torchrun.log"
     with log.open("w") as out:
@@ -137,6 +164,32 @@ def test_under_torchrun_launch_joins_its_group(tmp_path: Path) -> None:
         "0 2 gloo",
         "1 2 gloo",
     ]
+    # torchrun started both ranks again once; they resumed after the last checkpoint before the kill (step 2)
+    assert [(tmp_path / f"starts.{r}").read_text().split() for r in range(2)] == [["0", "2"], ["0", "2"]]
+    assert (tmp_path / "latest").read_text() == "checkpoint-4"
+
+
+def fails_each_time(path: str) -> None:
+    with open(f"{path}.{ranks.rank()}", "a") as out:
+        out.write("started\n")
+    if ranks.rank() == 1:
+        raise RuntimeError("the same fault again (planted)")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_every_time_stops_after_max_restarts_with_its_cause(tmp_path: Path,
+                                                                               capfd: pytest.CaptureFixture[str]
+                                                                               ) -> None:  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"the same fault again") as raised:
+        launch(fails_each_time, 2, args=(str(tmp_path / "runs"),), max_restarts=2, timeout=30)
+    assert "in the last of 3 runs (max_restarts=2 spent)" in "\n".join(raised.value.__notes__)
+    assert [(tmp_path / f"runs.{r}").read_text().count("started") for r in range(2)] == [3, 3]
+    said = capfd.readouterr().err
+    for restart in (1, 2):
+        assert (f"rank 1 raised RuntimeError: the same fault again (planted); every rank stopped, starting all 2 "
+                f"again (restart {restart} of max_restarts=2)") in said, said  # fmt: skip
+    with pytest.raises(ValueError, match="max_restarts needs processes"):
+        launch(fails_each_time, 2, args=("x",), max_restarts=1, in_process=True)
 
 
 @pytest.mark.timeout(120)
