@@ -4,6 +4,7 @@
     python examples/train_gpt.py --schedule interleaved --steps 100
     torchrun --nproc-per-node 4 examples/train_gpt.py           # the same, launched by torchrun
     python examples/train_gpt.py --tensor-parallel 2            # 2 stages, each split over 2 ranks
+    python examples/train_gpt.py --checkpoint-every 50 --max-restarts 2   # survives a crash (see below)
 
 Two machines, two replicas of a 2-rank pipeline (run on each, with its --node-rank):
 
@@ -16,7 +17,12 @@ first and the last stage share that weight across ranks. A document is a paragra
 source (up to a blank line); each row of a batch is one document, padded to the context, and
 the loss is the mean over the real tokens of the whole batch (padding ignored), as one process
 would compute it. The first stage's rank feeds the inputs, the last stage's rank the targets.
-At the end it samples a few lines and writes the last step's measured timeline (PNG and trace).
+At the end it samples a few lines and writes the last step's measured timeline (PNG and trace) into --out.
+
+With --checkpoint-every N it saves into --out every N steps (in the background: the write overlaps the next
+step) and at the end: the model, AdamW's state, the LR schedule, the data's position and the step. Started again
+with the same --out it resumes from the latest checkpoint, and with --max-restarts K the launcher starts every
+rank again after a failure, up to K times: the job ends with the weights an uninterrupted run ends with.
 """
 
 from __future__ import annotations
@@ -33,11 +39,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine, ReplicaLoader, latest_checkpoint, launch
 from schedules import SCHEDULES
 
 RANKS, SCHEDULE, STEPS, LAYERS, WIDTH, HEADS, CONTEXT, BATCH, MICROBATCHES = 4, "1f1b", 300, 6, 128, 4, 64, 32, 8
-LEARNING_RATE, TRACE_EVERY, CORPUS_BYTES, OUT, IGNORE = 3e-3, 50, 2_000_000, "out/gpt", -100
+LEARNING_RATE, TRACE_EVERY, CORPUS_BYTES, OUT, IGNORE, LOG_EVERY = 3e-3, 50, 2_000_000, "out/gpt", -100, 10
 VOCAB = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII; anything else reads as a space
 INDEX = {c: i for i, c in enumerate(VOCAB)}
 
@@ -147,29 +153,36 @@ def documents(data: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b - a > 8]
 
 
+class Rows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """One document per row, cut to the context and padded after it: its padded targets are ignored (causal
+    attention: the real tokens never see the padding after them)."""
+
+    def __init__(self, data: torch.Tensor, docs: list[tuple[int, int]], context: int) -> None:
+        self.data, self.docs, self.context = data, docs, context
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.docs[index]
+        text = self.data[start : min(end, start + self.context + 1)]
+        row = torch.zeros(self.context + 1, dtype=torch.int64)
+        targets = torch.full((self.context,), IGNORE, dtype=torch.int64)
+        row[: len(text)] = text
+        targets[: len(text) - 1] = text[1:]
+        return row[:-1], targets
+
+
 def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     talk = dist.get_rank() == 0  # the first stage of the first replica
     say = print if talk else (lambda *_, **__: None)
     say(f"reading the corpus (the standard library's source, {CORPUS_BYTES / 1e6:g} MB) on rank 0...", flush=True)
     data = corpus(device)
-    docs = documents(data)
-    batches = torch.Generator().manual_seed(0)
-
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        """One document per row, cut to the context and padded after it: its padded targets are ignored."""
-        rows = torch.zeros(args.batch, args.context + 1, dtype=torch.int64)
-        targets = torch.full((args.batch, args.context), IGNORE, dtype=torch.int64)
-        for row, index in enumerate(torch.randint(0, len(docs), (args.batch,), generator=batches).tolist()):
-            start, end = docs[index]
-            text = data[start : min(end, start + args.context + 1)]
-            rows[row, : len(text)] = text
-            targets[row, : len(text) - 1] = text[1:]
-        return rows[:, :-1], targets  # causal attention: the real tokens never see the padding after them
-
+    rows = Rows(data, documents(data), args.context)
     torch.manual_seed(0)  # the same model on every rank; each keeps its stages
     model = gpt(args.layers, args.width, args.heads, args.context)
-    sample, _ = batch()
+    sample = torch.stack([rows[i][0] for i in range(args.batch)])
     say("building the pipeline: every rank checks it has the same model, rank 0 times each layer on a sample batch "
         "to cut the stages...", flush=True)
     parallel = {"tensor_parallel": args.tensor_parallel, "tp_plan": tensor_parallel_plan()} if (
@@ -177,39 +190,54 @@ def main(args: argparse.Namespace) -> None:
     engine = PipelineEngine(model, summed_loss, num_microbatches=args.microbatches, schedule=args.schedule,
                             sample=sample, data_parallel=args.data_parallel, loss_count=real_tokens,
                             **parallel)  # type: ignore[arg-type]  # fmt: skip
-    batches.manual_seed(1 + engine.dp_rank)  # the same batches along a pipeline, others on each replica
+    # --batch rows a step in all, each replica its share (the same rows along a pipeline)
+    loader = ReplicaLoader(rows, args.batch, replicas=engine.data_parallel, rank=engine.dp_rank)
     if talk:
         print(f"{sum(p.numel() for p in model.parameters()):,} parameters (embedding and head tied), "
-              f"{len(docs):,} documents in {data.numel():,} characters of stdlib, "
+              f"{len(rows):,} documents in {data.numel():,} characters of stdlib, "
               f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline, "
               f"{args.tensor_parallel} tensor-parallel rank(s) a stage")  # fmt: skip
         print(engine.partition, flush=True)
-    optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE) if list(engine.parameters()) else None
-    bubble, started, tokens = float("nan"), time.perf_counter(), 0
-    for step in range(args.steps):
-        x, y = batch()
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps, eta_min=LEARNING_RATE / 10)
+    resumable = {"scheduler": schedule, "data": loader}  # what a checkpoint holds beside the model and optimizer
+    start = 0
+    if args.checkpoint_every and latest_checkpoint(args.out) is not None:
+        start = engine.load(args.out, optimizer, **resumable)["step"]
+        say(f"resumed from {latest_checkpoint(args.out)} at step {start}", flush=True)
+    batches = loader.forever()
+    bubble, started, tokens, writing = float("nan"), time.perf_counter(), 0, None
+    timeline = None
+    for step in range(start, args.steps):
+        x, y = next(batches)
         traced = step % TRACE_EVERY == TRACE_EVERY - 1 or step == args.steps - 1
         with engine.tracing() if traced else contextlib.nullcontext():
             loss = engine.train_step(x if engine.first else None, y if engine.last else None)
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad()
+        if writing is not None:  # the checkpoint written while this step ran: complete (or its failure raised)
+            writing.result()
+            writing = None
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
         tokens += int(real_tokens(y))
         timeline = engine.timeline()
         if traced and timeline is not None:
             bubble = timeline.bubble_fraction
-        if talk and (step % 10 == 0 or step == args.steps - 1):
+        if talk and (step % args.log_every == 0 or step == args.steps - 1):
             rate = tokens * engine.data_parallel / (time.perf_counter() - started)
             measured = "n/a" if bubble != bubble else f"{bubble:.1%}"  # nan until the first traced step
             print(f"step {step:4d}  loss {loss:.3f}  {rate:8.0f} tokens/s  bubble {measured} (measured)", flush=True)
+        done = step + 1
+        if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
+            writing = engine.save(args.out, optimizer, background=done < args.steps, step=done, **resumable)
     say(f"sampling {args.sample_chars} characters after 'def ' ({args.sample_chars} eval_steps through the "
         "pipeline)...", flush=True)
     generate(engine, args, device)
     if talk and timeline is not None:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        timeline.plot(f"{args.out}_timeline.png", title=f"{args.schedule}, last step, measured")
-        timeline.to_chrome_trace(f"{args.out}_timeline.json")
-        print(f"wrote {args.out}_timeline.png and {args.out}_timeline.json")
+        os.makedirs(args.out, exist_ok=True)
+        timeline.plot(f"{args.out}/timeline.png", title=f"{args.schedule}, last step, measured")
+        timeline.to_chrome_trace(f"{args.out}/timeline.json")
+        print(f"wrote {args.out}/timeline.png and {args.out}/timeline.json")
 
 
 @torch.no_grad()
@@ -248,6 +276,10 @@ if __name__ == "__main__":
     parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
     parser.add_argument("--sample-chars", type=int, default=120)
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA when there is a GPU per rank")
-    parser.add_argument("--out", default=OUT, help="prefix of the timeline files")
+    parser.add_argument("--out", default=OUT, help="folder of the timeline and the checkpoints")
+    parser.add_argument("--log-every", type=int, default=LOG_EVERY, help="steps between printed lines")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none); "
+                        "a run with the same --out resumes from the latest")  # fmt: skip
+    parser.add_argument("--max-restarts", type=int, default=0, help="times every rank starts again after a failure")
     arguments = parser.parse_args()
-    launch(main, arguments.ranks, args=(arguments,), device=arguments.device)
+    launch(main, arguments.ranks, args=(arguments,), device=arguments.device, max_restarts=arguments.max_restarts)

@@ -1,11 +1,17 @@
 """Each example runs to completion in a reduced mode."""
 
 import ast
+import os
+import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from pipeengine import consolidate
 
 ROOT = Path(__file__).parent.parent
 
@@ -32,23 +38,85 @@ def test_plot_schedules_draws_every_schedule(tmp_path: Path) -> None:
     assert "interleaved (p=4, m=8, v=2)" in out and (tmp_path / "schedules.png").stat().st_size > 20_000
 
 
-@pytest.mark.timeout(180)
-def test_train_gpt_trains_samples_and_writes_its_timeline(tmp_path: Path) -> None:
+GPT = [str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--tensor-parallel", "2", "--steps", "12", "--layers",
+       "2", "--batch", "8", "--microbatches", "2", "--checkpoint-every", "5"]  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupted_weights(tmp_path: Path) -> None:
     # the README's tensor-parallel command, smaller: 2 ranks, one stage over both (pipelining: test_gpt, test_parity)
-    out = run(
-        str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--tensor-parallel", "2", "--steps", "6",
-        "--layers", "2", "--batch", "8", "--microbatches", "2", "--sample-chars", "5", "--out", str(tmp_path / "gpt"),
-    )  # fmt: skip
+    out = run(*GPT, "--sample-chars", "5", "--log-every", "11", "--out", str(tmp_path / "whole"))
     lines = out.splitlines()
     said = [line.split(" ")[0] for line in lines if line.endswith("...")]  # never silent while it works
     assert said == ["reading", "building", "sampling"], lines
     steps = [line for line in lines if line.startswith("step")]
-    assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 5
+    assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 11
     first, last = (float(line.split()[3]) for line in steps)
     assert first > 4.0 and last < first - 0.5, (first, last)  # about ln(96) = 4.56 at the start; it learns (-> 3.4)
     samples = [line for line in out.splitlines() if line.startswith("sample: 'def ")]
     assert len(samples) == 2 and all(len(eval(line[len("sample: ") :])) == 4 + 5 for line in samples)
-    assert (tmp_path / "gpt_timeline.png").stat().st_size > 10_000 and (tmp_path / "gpt_timeline.json").exists()
+    assert (tmp_path / "whole" / "timeline.png").stat().st_size > 10_000
+    assert (tmp_path / "whole" / "timeline.json").exists()
+    assert (tmp_path / "whole" / "latest").read_text() == "checkpoint-3"  # after steps 5, 10 and the last, 12
+
+    # again, a rank SIGKILLed once the step drawn at random is printed: the launcher starts both ranks again, they
+    # resume from the latest checkpoint and end on the same weights
+    kill_after = random.Random().randrange(0, 11)
+    command = [sys.executable, *GPT, "--sample-chars", "0", "--log-every", "1", "--max-restarts", "2", "--out",
+               str(tmp_path / "killed")]  # fmt: skip
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    printed, seen, killed = [], set(), None
+    try:
+        for line in job.stdout:  # type: ignore[union-attr]
+            printed.append(line.rstrip())
+            seen |= descendants(job.pid)
+            if killed is None and line.startswith(f"step {kill_after:4d}"):
+                killed = max(pid for pid in descendants(job.pid) if parent(parent(pid)) == job.pid)  # a rank
+                os.kill(killed, signal.SIGKILL)
+        assert job.wait(timeout=120) == 0, "\n".join(printed[-30:])
+    finally:
+        job.kill()
+    why = f"killed after step {kill_after}:\n" + "\n".join(printed)
+    assert killed is not None and any("died from signal SIGKILL; every rank stopped, starting all 2 again" in line
+                                      for line in printed), why  # fmt: skip
+    done = [int(line.split()[1]) for line in printed if line.startswith("step")]
+    repeated = len(done) - len(set(done))
+    assert sorted(set(done)) == list(range(12)) and repeated <= 5, why  # at most the steps since the checkpoint
+    resumed_from = [line for line in printed if line.startswith("resumed from")]
+    if kill_after % 5 != 4:  # (else the kill may land before or after the checkpoint written after the next step)
+        assert len(resumed_from) == (kill_after >= 5), why
+    whole, resumed = consolidate(tmp_path / "whole"), consolidate(tmp_path / "killed")
+    assert [name for name in whole if not torch.equal(whole[name], resumed[name])] == [], why
+    alive = [pid for pid in seen if running(pid)]
+    assert not alive, f"left behind: {alive}"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (up := parent(int(entry.name))) is not None:
+            children.setdefault(up, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def parent(pid: int | None) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
 
 
 @pytest.mark.timeout(180)
