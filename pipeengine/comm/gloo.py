@@ -37,7 +37,8 @@ class GlooTransport(Distributed):
         self._down: dist.ProcessGroup | None = None
 
     def side_channel(self) -> Transport:
-        return type(self)(dist.new_group(list(self.ranks), backend="gloo"), self.device, self.timeout)
+        group = dist.new_group(list(self.ranks), backend="gloo", timeout=self._wait_for)
+        return type(self)(group, self.device, self.timeout)
 
     def open_channels(self) -> None:
         """The second group, for messages to a lower rank (without it, they share the first)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +36,8 @@ class NcclTransport(Distributed):
     def side_channel(self) -> Transport:
         """On gloo over the same ranks: what a background thread sends is on the CPU (NCCL's kernels would share the
         GPU with the step's)."""
-        return GlooTransport(dist.new_group(list(self.ranks), backend="gloo"), torch.device("cpu"), self.timeout)
+        group = dist.new_group(list(self.ranks), backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        return GlooTransport(group, torch.device("cpu"), self.timeout)
 
     def post(self, transfers: Sequence[Transfer]) -> None:
         ops = [

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from pipeengine.core import pending
 from pipeengine.core.config import DEFAULT_TIMEOUT
 from pipeengine.errors import PeerError
-from pipeengine.launcher.outcome import Outcome, describe, raise_cause
+from pipeengine.launcher.outcome import Outcome, cause, describe, raise_cause
 
 __all__ = ["launch"]
 
@@ -112,8 +112,10 @@ def launch(
         if attempt == max_restarts or describe(outcomes) == "":
             raise_cause(outcomes, nprocs, restarts=attempt)
             return
+        found = cause(outcomes)
+        trace = f"\n{found[1].trace.rstrip()}" if found is not None and found[1].trace else ""
         print(f"pipeengine.launcher.launch: {describe(outcomes)}; every rank stopped, starting all {nprocs} again "
-              f"(restart {attempt + 1} of max_restarts={max_restarts})", file=sys.stderr, flush=True)  # fmt: skip
+              f"(restart {attempt + 1} of max_restarts={max_restarts}){trace}", file=sys.stderr, flush=True)
 
 
 def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device: str, timeout: float, threads: int,

@@ -97,3 +97,15 @@ class GradScaler:
                     self._good_steps = 0
         self._found_inf = None
         self._stepped = False
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The scale and the good steps toward its growth, as torch.amp.GradScaler's (a checkpoint's extra)."""
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._good_steps}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        if not self.enabled:  # no scaling here (not fp16): nothing to restore, as torch.amp.GradScaler
+            return
+        self.scale = float(state["scale"])
+        self.growth_factor, self.backoff_factor = float(state["growth_factor"]), float(state["backoff_factor"])
+        self.growth_interval, self._good_steps = int(state["growth_interval"]), int(state["_growth_tracker"])

@@ -60,18 +60,30 @@ class Checkpoints:
              extra: Mapping[str, Any], background: bool) -> Path | Future[Path]:  # fmt: skip
         """Every rank calls it: a pending background write ends first (its failure raised here, on every rank)."""
         self.background.wait()
+        taken = extras.extra_states(extra, copied=background)  # every rank: what cannot be resumed is refused
         world = self.topology.world
         root = Path(directory)
-        number = torch.tensor([latest_number(root) + 1 if world.rank == 0 else 0], device=world.device)
-        world.broadcast(number, 0, "the number of the new checkpoint")  # every rank writes into the same one
-        snapshot = self._snapshot(root / f"checkpoint-{int(number.item())}", optimizer, extra, copied=background)
+        number = self._number(root)
+        snapshot = self._snapshot(root / f"checkpoint-{number}", optimizer, taken)
         if not background:
             return commit(world, snapshot.target, write(snapshot))
         self.channel = self.channel or world.side_channel()
         return self.background.start(snapshot.staged(), self.channel)
 
-    def _snapshot(self, target: Path, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
-                  copied: bool) -> Snapshot:  # fmt: skip
+    def _number(self, root: Path) -> int:
+        """The new checkpoint's number, read by world rank 0 and sent to every rank; or every rank raises what
+        reading the directory raised there."""
+        world = self.topology.world
+        try:
+            mine: int | str = latest_number(root) + 1 if world.rank == 0 else 0
+        except OSError as error:
+            mine = f"{type(error).__name__}: {error}"
+        found = world.all_gather_object(mine, "the number of the new checkpoint")[0]
+        if isinstance(found, str):
+            raise OSError(f"cannot save into {root}: rank 0 cannot read it ({found})")
+        return int(found)
+
+    def _snapshot(self, target: Path, optimizer: torch.optim.Optimizer | None, taken: dict[str, Any]) -> Snapshot:
         """What this rank writes (every rank: DTensors gather, unless each writes its shards)."""
         state, names = self.params.owned_state(gather=not self.sharded)  # whole tensors, or each rank's shards
         named = _named_optimizer_state(optimizer, names, gather=not self.sharded) if optimizer is not None else None
@@ -87,19 +99,20 @@ class Checkpoints:
                 form = "shards/pp-{}" if self.sharded else "part-{}.pt"
                 meta = {"format": 2 if self.sharded else 1, "layers": self.layers, "keys": self.keys,
                         "tied": dict(self.params.ties.aliases), "parts": {form.format(r): held for r, held in
-                        enumerate(listed)}, "grid": self.grid, "extras": sorted(extra)}  # fmt: skip
+                        enumerate(listed)}, "grid": self.grid, "extras": sorted(taken)}  # fmt: skip
         return Snapshot(
             target, world.rank, part, fsdp_checkpoint.flatten(state, named) if self.sharded else None, meta,
-            extras.extra_states(extra, copied) if world.rank == 0 else None, extras.rng_state(world.device),
+            taken if world.rank == 0 else None, extras.rng_state(world.device),
         )
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
              extra: Mapping[str, Any]) -> extras.Loaded:  # fmt: skip
         self.background.wait()
+        saved = extras.check(resolve(Path(directory)), extra)  # a refused extra before anything is loaded
         names = {id(param): name for name, param in self.params.named()}
         target = load_checkpoint(directory, self.params.stages.values(), optimizer, names, expected=set(self.keys))
         same = json.loads((target / "meta.json").read_text()).get("grid") == self.grid
-        return extras.restore(target, extra, self.topology.world.rank, self.topology.world.device, same)
+        return extras.restore(target, saved, extra, self.topology.world.rank, self.topology.world.device, same)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         return self.params.full_state(self.keys, self.writer, self.topology.world.rank)
@@ -209,7 +222,8 @@ def _load_named_optimizer_state(
     if absent:
         raise ValueError(f"{target} holds no optimizer state for {few(absent)}: was it saved with optimizer=?")
     for group in current["param_groups"]:
-        group.update(groups[by_index[group["params"][0]]])  # the hyperparameters saved with these parameters
+        if group["params"]:  # (a group may hold no parameter of this rank's: nothing names its hyperparameters)
+            group.update(groups[by_index[group["params"][0]]])  # the hyperparameters saved with these parameters
     params = [p for group in optimizer.param_groups for p in group["params"]]
     current["state"] = {
         i: {key: spread(v, params[i]) if isinstance(v, torch.Tensor) and v.dim() else v

@@ -12,6 +12,7 @@ extras and every rank restores them. The generators come back only where the lay
 from __future__ import annotations
 
 import copy
+import io
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,9 +40,23 @@ def is_stateful(value: object) -> bool:
 
 
 def extra_states(extra: Mapping[str, Any], copied: bool) -> dict[str, dict[str, Any]]:
-    """What extra.pt holds; ``copied``: deep copies, for a write that runs while training changes the originals."""
+    """What extra.pt holds (every rank takes it: a failure is every rank's, before any collective). It must load
+    with torch.load(weights_only=True), as a resume does: tensors, numbers, strings, and lists, tuples and dicts of
+    them; anything else is refused here, naming the extra. ``copied``: deep copies, for a background write."""
     taken = {name: {"state": value.state_dict()} if is_stateful(value) else {"value": value}
              for name, value in extra.items()}  # fmt: skip
+    for name, entry in taken.items():
+        buffer = io.BytesIO()
+        try:
+            torch.save(entry, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as error:  # noqa: BLE001  (what fails is named, with what to do)
+            kind = f"the state_dict() of a {type(extra[name]).__name__}" if "state" in entry else \
+                f"a {type(extra[name]).__name__}"  # fmt: skip
+            raise TypeError(f"extra {name!r} is {kind}, which a resume could not load (torch.load(weights_only="
+                            f"True): {type(error).__name__}: {str(error).splitlines()[0][:200]}); pass tensors, "
+                            "numbers, strings, or lists and dicts of them (int(x), str(path))") from None  # fmt: skip
     return copy.deepcopy(taken) if copied else taken
 
 
@@ -61,9 +76,9 @@ def write(target: Path, extras: dict[str, Any] | None, rng: dict[str, Any], worl
         write_atomically(target / EXTRAS, lambda path: torch.save(extras, path))
 
 
-def restore(target: Path, extra: Mapping[str, Any], world_rank: int, device: torch.device, same_layout: bool
-            ) -> Loaded:  # fmt: skip
-    """Load each stateful extra, return the plain values; restore this rank's generators if ``same_layout``."""
+def check(target: Path, extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """What extra.pt holds, once it is known that every extra asked for is there, as it was saved (before anything
+    is loaded: a refused load changes nothing)."""
     saved: dict[str, dict[str, Any]] = {}
     if (target / EXTRAS).exists():
         saved = torch.load(target / EXTRAS, map_location="cpu", weights_only=True)
@@ -73,10 +88,20 @@ def restore(target: Path, extra: Mapping[str, Any], world_rank: int, device: tor
         raise KeyError(f"{target} holds no extra named {', '.join(absent)} (it holds: {held}); pass to engine.load "
                        "the names given to engine.save")  # fmt: skip
     for name, value in extra.items():
+        if is_stateful(value) and "state" not in saved[name]:
+            raise TypeError(f"extra {name!r} was saved as a plain value, {saved[name]['value']!r}, and cannot "
+                            f"load into a {type(value).__name__}: pass it as it was saved")  # fmt: skip
+        if not is_stateful(value) and "state" in saved[name]:
+            raise TypeError(f"extra {name!r} was saved from an object with state_dict(); pass that object (it "
+                            f"loads in place), not a {type(value).__name__}")  # fmt: skip
+    return saved
+
+
+def restore(target: Path, saved: dict[str, dict[str, Any]], extra: Mapping[str, Any], world_rank: int,
+            device: torch.device, same_layout: bool) -> Loaded:  # fmt: skip
+    """Load each stateful extra, return the plain values; restore this rank's generators if ``same_layout``."""
+    for name, value in extra.items():
         if is_stateful(value):
-            if "state" not in saved[name]:
-                raise TypeError(f"extra {name!r} was saved as a plain value, {saved[name]['value']!r}, and cannot "
-                                f"load into a {type(value).__name__}: pass it as it was saved")  # fmt: skip
             value.load_state_dict(saved[name]["state"])
     if same_layout and (target / RNG / f"rank-{world_rank}.pt").exists():
         rng = torch.load(target / RNG / f"rank-{world_rank}.pt", map_location="cpu", weights_only=True)

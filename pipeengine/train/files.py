@@ -11,6 +11,8 @@ from typing import Any
 __all__ = ["LATEST", "latest_checkpoint"]
 
 LATEST = "latest"
+_UMASK = os.umask(0o022)  # read (it can only be set): put back at once
+os.umask(_UMASK)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -44,6 +46,7 @@ def write_atomically(path: Path, write: Callable[[str], Any]) -> None:
         write(temporary)
         with open(temporary, "rb+") as written:
             os.fsync(written.fileno())
+        os.chmod(temporary, 0o666 & ~_UMASK)  # as open() would have made it (mkstemp's are the owner's alone)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

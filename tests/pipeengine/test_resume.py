@@ -45,14 +45,18 @@ Run = tuple[list[float], list[list[int]], dict[str, torch.Tensor]]
 def run(directory: str, options: dict[str, Any], *, resume: bool = False, dropout: float = 0.1,
         background: bool = False, reseed: bool = False) -> Run:  # fmt: skip
     """STEPS steps of AdamW under a StepLR, saving at SAVED_AT (or resuming there): the losses, the global samples
-    each step read (every replica's together) and this rank's final parameters (a shard: its local part)."""
+    each step read (every replica's together) and this rank's final parameters (a shard: its local part). fp16: the
+    loss scale doubles after every good step (the scaler is an extra: a small gradient's fp16 rounding depends on
+    it)."""
     engine = PipelineEngine(model(dropout), F.mse_loss, **{"num_microbatches": 4, **options})
+    if engine.scaler.enabled:
+        engine.scaler.scale, engine.scaler.growth_interval = 2.0**13, 1
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     data = ReplicaLoader(dataset(), batch_size=8, replicas=engine.data_parallel, rank=engine.dp_rank, seed=1)
     start = 0
     if resume:
-        start = engine.load(directory, optimizer, scheduler=scheduler, data=data)["step"]
+        start = engine.load(directory, optimizer, scheduler=scheduler, data=data, scaler=engine.scaler)["step"]
         if reseed:  # the negative control: what a resume without the generators' state draws
             torch.manual_seed(1234 + ranks.rank())
     losses, read, pending = [], [], None
@@ -60,14 +64,15 @@ def run(directory: str, options: dict[str, Any], *, resume: bool = False, dropou
     for step in range(start, STEPS):
         x, y, index = next(batches)
         losses.append(engine.train_step(x if engine.first else None, y if engine.last else None))
-        optimizer.step()
+        engine.scaler.step(optimizer)  # (without fp16: optimizer.step())
+        engine.scaler.update()
         scheduler.step()
         optimizer.zero_grad()
         shares = dict(ranks.all_gather_object((engine.dp_rank, index.tolist())))  # every rank of a replica reads its
         read.append(sorted(i for share in shares.values() for i in share))  # replica's share: once each
         if step + 1 == SAVED_AT and not resume:
             pending = engine.save(directory, optimizer, background=background, scheduler=scheduler, data=data,
-                                  step=step + 1)  # fmt: skip
+                                  scaler=engine.scaler, step=step + 1)  # fmt: skip
     if background:
         assert pending is not None and pending.result() == latest_checkpoint(directory)  # type: ignore[union-attr]
     return losses, read, {name: local(p).detach().clone() for name, p in engine.named_parameters()}
@@ -91,32 +96,35 @@ def tp_plan() -> dict[str, object]:
 
 
 DP2 = {"data_parallel": 2}
-SAME_LAYOUT: list[tuple[dict[str, Any], bool]] = [
-    *(({**DP2, "schedule": schedule}, index % 2 == 1) for index, schedule in
-      enumerate(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"])),
-    ({**DP2, "schedule": "1f1b", "fsdp": True}, True),  # the sharded format, written in the background
-    ({**DP2, "schedule": "zb-h1", "fsdp": True}, False),
-    ({"schedule": "1f1b", "tensor_parallel": 2, "tp_plan": "plan"}, True),
-]  # fmt: skip
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 
 
-def every_same_layout(directory: str) -> None:
-    for index, (options, background) in enumerate(SAME_LAYOUT):
-        if options.get("tp_plan") == "plan":
-            options = {**options, "tp_plan": tp_plan()}
-        equal_resume(f"{directory}/{index}", options, background)
-    # the negative control: without the generators' state the dropout draws otherwise, and the test sees it
-    losses, _, _ = run(f"{directory}/control", {**DP2, "schedule": "1f1b"})
-    again, _, _ = run(f"{directory}/control", {**DP2, "schedule": "1f1b"}, resume=True, reseed=True)
+def every_schedule(directory: str) -> None:
+    """On 2 ranks (pp=2), every schedule, every other one saving in the background; then the negative control:
+    without the generators' state the dropout draws otherwise, and the test sees it; then a failing write."""
+    for index, schedule in enumerate(SCHEDULES):
+        equal_resume(f"{directory}/{index}", {"schedule": schedule}, background=index % 2 == 1)
+    equal_resume(f"{directory}/fp16", {"schedule": "1f1b", "precision": "fp16"})  # the loss scale resumes too
+    losses, _, _ = run(f"{directory}/control", {"schedule": "1f1b"})
+    again, _, _ = run(f"{directory}/control", {"schedule": "1f1b"}, resume=True, reseed=True)
     assert again != losses[SAVED_AT:], "reseeding after the load changed nothing: the dropout draws nothing here"
+    failing_write(f"{directory}/fault")
+    refused(f"{directory}/refused")
 
 
-def other_layouts(directory: str) -> None:
-    """Saved on dp=2 x pp=2, resumed on dp=1 x pp=4 and dp=4 x pp=1: the same global samples, the same losses
-    within float32's tolerance (no dropout: another layout draws otherwise)."""
-    losses, read, _ = run(directory, {**DP2, "schedule": "1f1b"}, dropout=0.0)
+def replicas_shards_and_layouts(directory: str) -> None:
+    """On 4 ranks: dp=2 x pp=2, fsdp=True (the sharded format, in the background and not), tensor_parallel=2 x
+    pp=2. Then saved on dp=2 x pp=2, resumed on dp=1 x pp=4 and dp=4 x pp=1: the same global samples, the same
+    losses within float32's tolerance (no dropout: another layout draws otherwise)."""
+    for index, (options, background) in enumerate([
+        ({**DP2, "schedule": "1f1b"}, True), ({**DP2, "schedule": "1f1b", "fsdp": True}, True),
+        ({**DP2, "schedule": "zb-h1", "fsdp": True}, False),
+        ({"schedule": "1f1b", "tensor_parallel": 2, "tp_plan": tp_plan()}, True),
+    ]):  # fmt: skip
+        equal_resume(f"{directory}/{index}", options, background)
+    losses, read, _ = run(f"{directory}/layouts", {**DP2, "schedule": "1f1b"}, dropout=0.0)
     for options in ({"schedule": "1f1b"}, {"data_parallel": 4, "schedule": "gpipe", "num_microbatches": 2}):
-        again, read_again, _ = run(directory, options, resume=True, dropout=0.0)
+        again, read_again, _ = run(f"{directory}/layouts", options, resume=True, dropout=0.0)
         assert read_again == read[SAVED_AT:], f"{options}: read {read_again}, the uninterrupted run {read[SAVED_AT:]}"
         for step, (a, b) in enumerate(zip(again, losses[SAVED_AT:], strict=True)):
             close(a, b, f"{options}: the loss {step} steps after the resume")
@@ -127,29 +135,63 @@ def failing_write(directory: str) -> None:
     first, whose files are all there, and the next call raises on every rank, naming the rank and the fault."""
     from pipeengine.train import extras
 
-    engine = PipelineEngine(model(0.1), F.mse_loss, num_microbatches=2, data_parallel=2, schedule="1f1b")
+    engine = PipelineEngine(model(0.1), F.mse_loss, num_microbatches=2, schedule="1f1b")
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     engine.save(directory, optimizer, step=1)
+    kept = extras.write_atomically
     if ranks.rank() == 1:
         def broken(path: Path, write: Any) -> None:
             raise OSError("disk full (planted)")
 
         extras.write_atomically = broken  # type: ignore[assignment]
-    engine.save(directory, optimizer, background=True, step=2)  # returns: the write fails in its thread
-    with pytest.raises(OSError, match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\).*"
-                                      r"'latest' still points at checkpoint-1"):  # fmt: skip
-        engine.load(directory, optimizer)
+    try:
+        engine.save(directory, optimizer, background=True, step=2)  # returns: the write fails in its thread
+        with pytest.raises(OSError, match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\).*"
+                                          r"'latest' still points at checkpoint-1"):  # fmt: skip
+            engine.load(directory, optimizer)
+    finally:
+        extras.write_atomically = kept  # type: ignore[assignment]
     assert latest_checkpoint(directory) == Path(directory) / "checkpoint-1"
     assert not (Path(directory) / "checkpoint-2").exists()  # the partial one is removed
     assert engine.load(directory, optimizer)["step"] == 1  # the previous one loads, whole
 
 
+def refused(directory: str) -> None:
+    """What cannot be saved or resumed is refused on every rank at once (and the ranks stay in step), a refused load
+    changes nothing; a rank whose optimizer group is empty (the first layer's own learning rate) saves and loads."""
+    import threading
+
+    engine = PipelineEngine(model(0.1), F.mse_loss, num_microbatches=2, schedule="1f1b")
+    first = {id(p) for p in engine.stages[min(engine.stages)].parameters()} if ranks.rank() == 0 else set()
+    groups = [{"params": [p for p in engine.parameters() if id(p) in first], "lr": 0.01},
+              {"params": [p for p in engine.parameters() if id(p) not in first]}]  # fmt: skip
+    optimizer = torch.optim.SGD(groups, lr=0.1)  # rank 1's first group holds nothing
+    for value, kind in ((threading.Lock(), "a lock"), (Path("x"), "a PosixPath")):
+        with pytest.raises(TypeError, match=rf"extra 'odd' is {kind}, which a resume could not load"):
+            engine.save(directory, optimizer, odd=value)
+    with pytest.raises(OSError, match=r"cannot save into .*: rank 0 cannot read it \(NotADirectoryError"):
+        engine.save(f"{__file__}/under-a-file", optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    engine.save(directory, optimizer, scheduler=scheduler, step=3)
+    before = {name: p.detach().clone() for name, p in engine.named_parameters()}
+    with torch.no_grad():
+        for p in engine.parameters():
+            p.add_(1.0)
+    with pytest.raises(KeyError, match=r"holds no extra named data \(it holds: scheduler, step\)"):
+        engine.load(directory, optimizer, data=None)
+    with pytest.raises(TypeError, match=r"extra 'scheduler' was saved from an object with state_dict\(\); pass"):
+        engine.load(directory, optimizer, scheduler=5)
+    assert all(not torch.equal(p, before[name]) for name, p in engine.named_parameters())  # nothing was loaded
+    assert engine.load(directory, optimizer, scheduler=scheduler)["step"] == 3
+    assert all(torch.equal(p, before[name]) for name, p in engine.named_parameters())
+    assert [g["lr"] for g in optimizer.param_groups] == [0.01, 0.1]
+
+
 @pytest.mark.timeout(300)
-def test_a_resumed_run_is_the_uninterrupted_run_in_every_schedule_dp_fsdp_and_tp(tmp_path: Path) -> None:
-    launch(every_same_layout, 4, args=(str(tmp_path),), timeout=120)
+def test_every_schedule_resumes_exactly_and_a_failed_write_moves_nothing(tmp_path: Path) -> None:
+    launch(every_schedule, 2, args=(str(tmp_path),), timeout=120)
 
 
-@pytest.mark.timeout(200)
-def test_another_layout_resumes_at_the_same_global_samples_and_a_failed_write_moves_nothing(tmp_path: Path) -> None:
-    launch(other_layouts, 4, args=(str(tmp_path / "layouts"),), timeout=120)
-    launch(failing_write, 2, args=(str(tmp_path / "fault"),), timeout=60)
+@pytest.mark.timeout(300)
+def test_replicas_fsdp_and_tp_resume_exactly_and_another_layout_reads_the_same_samples(tmp_path: Path) -> None:
+    launch(replicas_shards_and_layouts, 4, args=(str(tmp_path),), timeout=120)
