@@ -68,7 +68,7 @@ class Checkpoints:
         if not background:
             return commit(world, snapshot.target, write(snapshot))
         self.channel = self.channel or world.side_channel()
-        return self.background.start(snapshot.staged(), self.channel)
+        return self.background.start(snapshot.staged(self.background.buffers), self.channel)
 
     def _number(self, root: Path) -> int:
         """The new checkpoint's number, read by world rank 0 and sent to every rank; or every rank raises what

@@ -48,18 +48,26 @@ class Snapshot:
     extras: dict[str, Any] | None  # world rank 0: the caller's extras
     rng: dict[str, Any]  # this rank's generators
 
-    def staged(self) -> Snapshot:
-        """The same with every tensor copied (to the CPU; a DTensor's shard where it is): the training may go on."""
-        return dataclasses.replace(self, part=_copied(self.part), shards=_copied(self.shards))
+    def staged(self, buffers: dict[str, torch.Tensor]) -> Snapshot:
+        """The same with every tensor copied (to the CPU; a DTensor's shard where it is): the training may go on.
+        ``buffers``: the last staging's CPU copies, filled again where they fit (no allocation, no page faults)."""
+        return dataclasses.replace(self, part=_copied(self.part, buffers, "part"),
+                                   shards=_copied(self.shards, buffers, "shards"))  # fmt: skip
 
 
-def _copied(value: Any) -> Any:
+def _copied(value: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().clone() if is_dtensor(value) else value.detach().to("cpu", copy=True)
+        if is_dtensor(value):
+            return value.detach().clone()
+        held = buffers.get(key)
+        if held is not None and held.shape == value.shape and held.dtype == value.dtype:
+            return held.copy_(value.detach())
+        buffers[key] = value.detach().to("cpu", copy=True)
+        return buffers[key]
     if isinstance(value, dict):
-        return {key: _copied(v) for key, v in value.items()}
+        return {k: _copied(v, buffers, f"{key}/{k}") for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_copied(v) for v in value)
+        return type(value)(_copied(v, buffers, f"{key}/{i}") for i, v in enumerate(value))
     return value
 
 
@@ -113,6 +121,7 @@ class Background:
 
     def __init__(self) -> None:
         self.future: Future[Path] | None = None
+        self.buffers: dict[str, torch.Tensor] = {}  # the staged copies, reused by the next write (once it waits)
 
     def start(self, snapshot: Snapshot, channel: Transport) -> Future[Path]:
         future: Future[Path] = Future()
