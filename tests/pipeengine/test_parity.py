@@ -89,8 +89,8 @@ def test_loss_gradients_and_weights_equal_single_process(schedule: str, ranks: i
 @pytest.mark.timeout(180)
 def test_on_real_gloo_ranks_the_transport_trains_like_one_process() -> None:
     # 4 processes: receives-first streams, the second group for downward messages, one and two chunks per rank
-    launch(parity_schedules, 4, args=("transformer", ["1f1b", "interleaved", "zb-v"], [4, 8], [8, 16]),
-           timeout=90)  # fmt: skip
+    # (interleaved and every other schedule on gloo processes: the composition matrix, test_resume)
+    launch(parity_schedules, 4, args=("transformer", ["1f1b", "zb-v"], [4, 8], [8, 16]), timeout=90)
 
 
 @pytest.mark.timeout(120)
