@@ -36,6 +36,7 @@ from pipeengine.core import pending
 from pipeengine.core.config import DEFAULT_TIMEOUT
 from pipeengine.errors import PeerError
 from pipeengine.launcher.outcome import Outcome, cause, describe, raise_cause
+from pipeengine.launcher.torchrun import join
 
 __all__ = ["launch"]
 
@@ -104,7 +105,7 @@ def launch(
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         if device == "cpu" and reuse_memory:
             keep_freed_memory()
-        _join_torchrun(fn, nprocs, args, device, timeout)
+        join(fn, nprocs, args, device, timeout)
         return
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     for attempt in range(max_restarts + 1):
@@ -140,41 +141,6 @@ def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device
         return _supervise(children, reports, grace)
     finally:
         _stop(started)
-
-
-def _join_torchrun(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], device: str, timeout: float) -> None:
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs))
-    if local_world != nprocs:
-        raise ValueError(
-            f"launch(nprocs={nprocs}) runs under torchrun with {local_world} processes per node; "
-            "make them agree (torchrun --nproc-per-node N)"
-        )
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        # once per process: a second init against torchrun's store could read the first one's stale
-        # addresses and hang, so the group stays for later launch() calls and goes at exit
-        wait = datetime.timedelta(seconds=timeout)
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restart:  # torchrun started the ranks again (--max-restarts): its agent's store still holds the keys of the
-            # last attempt's group, whose addresses are gone; gloo would connect to them ("Connection refused")
-            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,  # type: ignore[attr-defined]
-                                   is_master=not agent and rank == 0, timeout=wait, multi_tenant=True)  # fmt: skip
-            store = dist.PrefixStore(f"pipeengine/attempt-{restart}", client)  # type: ignore[attr-defined]
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
-        else:
-            dist.init_process_group(backend, timeout=wait)
-        atexit.register(_destroy_group)
-    fn(*args)
-    pending.finish()  # a background checkpoint's write, before torchrun's group goes
-
-
-def _destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def keep_freed_memory() -> bool:
