@@ -149,20 +149,26 @@ def main(args: argparse.Namespace) -> None:
         say(f"generated: {generate(args.out, args.prompt, args.generate)!r}", flush=True)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="a local HF causal LM (a folder with its config and weights)")
-    parser.add_argument("--ranks", type=int, default=RANKS)
-    parser.add_argument("--schedule", default=SCHEDULE)
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--batch", type=int, default=BATCH)
-    parser.add_argument("--context", type=int, default=CONTEXT)
-    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
-    parser.add_argument("--out", default=OUT)
-    parser.add_argument("--packed", action="store_true", help="several paragraphs a row, positions restarting at each")
-    parser.add_argument("--prompt", default="def ", help="generate from it with the written model ('' for none)")
-    parser.add_argument("--generate", type=int, default=40, help="tokens to generate")
-    arguments = parser.parse_args()
-    launch(main, arguments.ranks, args=(arguments,))
+def parser() -> argparse.ArgumentParser:
+    """The command line; --help shows each default."""
+    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = made.add_argument
+    add("--model", help="a local HF causal LM (a folder with its config and weights); default: a tiny Llama made here")
+    add("--ranks", type=int, default=RANKS, help="processes on this machine")
+    add("--schedule", default=SCHEDULE, help="the pipeline schedule")
+    add("--steps", type=int, default=STEPS, help="optimizer steps")
+    add("--batch", type=int, default=BATCH, help="rows a step")
+    add("--context", type=int, default=CONTEXT, help="tokens a row")
+    add("--microbatches", type=int, default=MICROBATCHES, help="micro-batches a step")
+    add("--learning-rate", type=float, default=LEARNING_RATE, help="AdamW's learning rate")
+    add("--out", default=OUT, help="folder the fine-tuned model is written to (save_pretrained)")
+    add("--packed", action="store_true", help="several paragraphs a row, positions restarting at each")
+    add("--prompt", default="def ", help="generate from it with the written model ('' for none)")
+    add("--generate", type=int, default=40, help="tokens to generate")
+    return made
 
+
+if __name__ == "__main__":
+    arguments = parser().parse_args()
+    launch(main, arguments.ranks, args=(arguments,))

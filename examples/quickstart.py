@@ -49,12 +49,18 @@ def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> 
         print(f"measured bubble {measured.bubble_fraction:.1%}: wrote {timeline}.png and {timeline}.json")
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line; --help shows each default."""
+    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    made.add_argument("--ranks", type=int, default=RANKS, help="processes, one stage each")
+    made.add_argument("--schedule", default=SCHEDULE, choices=list(SCHEDULES), help="the pipeline schedule")
+    made.add_argument("--microbatches", type=int, default=MICROBATCHES, help="micro-batches a step")
+    made.add_argument("--steps", type=int, default=STEPS, help="optimizer steps")
+    made.add_argument("--timeline", help="write the last step's measured timeline to PATH.png and PATH.json")
+    return made
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=RANKS)
-    parser.add_argument("--schedule", default=SCHEDULE, choices=list(SCHEDULES))
-    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--timeline", help="write the last step's measured timeline to PATH.png and PATH.json")
-    args = parser.parse_args()
+    args = parser().parse_args()
     launch(main, args.ranks, args=(args.schedule, args.microbatches, args.steps, args.timeline))

@@ -9,7 +9,7 @@
 Two machines, two replicas of a 2-rank pipeline (run on each, with its --node-rank):
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --rdzv-backend c10d \
-        --rdzv-endpoint HOST:29500 examples/train_gpt.py --ranks 2 --data-parallel 2
+        --rdzv-endpoint HOST:29500 examples/train_gpt.py --data-parallel 2
 
 The model is an nn.Sequential of blocks (embedding, transformer blocks, head), split into
 stages by measured time, its output projection tied to the token embedding (as GPT-2's): the
@@ -261,25 +261,33 @@ def generate(engine: PipelineEngine, args: argparse.Namespace, device: torch.dev
             print("sample:", repr("".join(VOCAB[i] for i in line)))
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line; --help shows each default. Under torchrun, --ranks defaults to its processes per node."""
+    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = made.add_argument
+    add("--ranks", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", RANKS)),
+        help="processes on this machine (under torchrun: its --nproc-per-node)")  # fmt: skip
+    add("--data-parallel", type=int, default=1, help="replicas of the pipeline")
+    add("--tensor-parallel", type=int, default=1, help="ranks a stage's blocks are split over")
+    add("--schedule", default=SCHEDULE, choices=list(SCHEDULES), help="the pipeline schedule")
+    add("--steps", type=int, default=STEPS, help="optimizer steps")
+    add("--layers", type=int, default=LAYERS, help="transformer blocks")
+    add("--width", type=int, default=WIDTH, help="the model's width")
+    add("--heads", type=int, default=HEADS, help="attention heads")
+    add("--context", type=int, default=CONTEXT, help="characters a row")
+    add("--batch", type=int, default=BATCH, help="rows a step, all replicas together")
+    add("--microbatches", type=int, default=MICROBATCHES, help="micro-batches a step")
+    add("--sample-chars", type=int, default=120, help="characters sampled at the end")
+    add("--device", choices=["cpu", "cuda"], help="default: CUDA when there is a GPU per rank")
+    add("--out", default=OUT, help="folder of the timeline and the checkpoints")
+    add("--log-every", type=int, default=LOG_EVERY, help="steps between printed lines")
+    add("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none); a run with the same "
+        "--out resumes from the latest")  # fmt: skip
+    add("--max-restarts", type=int, default=0, help="times every rank starts again after a failure")
+    return made
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=RANKS, help="processes on this machine")
-    parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline")
-    parser.add_argument("--tensor-parallel", type=int, default=1, help="ranks a stage's blocks are split over")
-    parser.add_argument("--schedule", default=SCHEDULE, choices=list(SCHEDULES))
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--layers", type=int, default=LAYERS, help="transformer blocks")
-    parser.add_argument("--width", type=int, default=WIDTH)
-    parser.add_argument("--heads", type=int, default=HEADS)
-    parser.add_argument("--context", type=int, default=CONTEXT)
-    parser.add_argument("--batch", type=int, default=BATCH)
-    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-    parser.add_argument("--sample-chars", type=int, default=120)
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA when there is a GPU per rank")
-    parser.add_argument("--out", default=OUT, help="folder of the timeline and the checkpoints")
-    parser.add_argument("--log-every", type=int, default=LOG_EVERY, help="steps between printed lines")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none); "
-                        "a run with the same --out resumes from the latest")  # fmt: skip
-    parser.add_argument("--max-restarts", type=int, default=0, help="times every rank starts again after a failure")
-    arguments = parser.parse_args()
+    arguments = parser().parse_args()
     launch(main, arguments.ranks, args=(arguments,), device=arguments.device, max_restarts=arguments.max_restarts)

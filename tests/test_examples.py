@@ -137,3 +137,34 @@ def test_finetune_hf_trains_and_writes_what_from_pretrained_loads(tmp_path: Path
     assert len(generated) == 1, out
     text = ast.literal_eval(generated[0].removeprefix("generated: "))  # the prompt and 12 characters after it
     assert text.startswith("def ") and len(text) == len("def ") + 12, text
+
+
+def example(name: str) -> object:
+    """An example's module, imported as a library would (its `if __name__ == "__main__":` part not run; the examples
+    folder on the path, as a script's own folder is)."""
+    import importlib.util
+
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.append(str(ROOT / "examples"))
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.mark.parametrize("name", ["quickstart", "train_gpt", "finetune_hf"])
+def test_every_examples_help_shows_each_option_with_its_default(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = example(name).parser()  # type: ignore[attr-defined]
+    lines = parser.format_help().split("\noptions:\n", 1)[1].splitlines()
+    for action in parser._actions:
+        if action.default in (None, False, "==SUPPRESS==") or not action.option_strings:
+            continue
+        start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(action.option_strings[0]))
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  -")), len(lines))
+        said = " ".join(" ".join(lines[start:end]).split())
+        assert f"(default: {action.default})" in said, (name, said)
+    if name == "train_gpt":  # under torchrun (its processes per node in the environment), --ranks need not repeat it
+        assert parser.parse_args([]).ranks == 4
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert example(name).parser().parse_args([]).ranks == 2  # type: ignore[attr-defined]
