@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeengine import PipelineEngine, ReplicaLoader, latest_checkpoint, launch
-from schedules import SCHEDULES
+from schedules import SCHEDULES, simulate
 
 RANKS, SCHEDULE, STEPS, LAYERS, WIDTH, HEADS, CONTEXT, BATCH, MICROBATCHES = 4, "1f1b", 300, 6, 128, 4, 64, 32, 8
 LEARNING_RATE, TRACE_EVERY, CORPUS_BYTES, OUT, IGNORE, LOG_EVERY = 3e-3, 50, 2_000_000, "out/gpt", -100, 10
@@ -198,6 +198,10 @@ def main(args: argparse.Namespace) -> None:
               f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline, "
               f"{args.tensor_parallel} tensor-parallel rank(s) a stage")  # fmt: skip
         print(engine.partition, flush=True)
+        simulated = simulate(engine.schedule).bubble_fraction
+        print(f"{args.schedule}: bubble {simulated:.1%} simulated (equal costs, free messages); the measured one, of "
+              f"a step traced every {TRACE_EVERY} steps and the last, also counts the waits on messages and the host's "
+              "work between instructions, and stages that are not equal", flush=True)  # fmt: skip
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps, eta_min=LEARNING_RATE / 10)
     resumable = {"scheduler": schedule, "data": loader}  # what a checkpoint holds beside the model and optimizer
@@ -225,8 +229,8 @@ def main(args: argparse.Namespace) -> None:
             bubble = timeline.bubble_fraction
         if talk and (step % args.log_every == 0 or step == args.steps - 1):
             rate = tokens * engine.data_parallel / (time.perf_counter() - started)
-            measured = "n/a" if bubble != bubble else f"{bubble:.1%}"  # nan until the first traced step
-            print(f"step {step:4d}  loss {loss:.3f}  {rate:8.0f} tokens/s  bubble {measured} (measured)", flush=True)
+            measured = f"  bubble {bubble:.1%} (measured)" if bubble == bubble else ""  # nan until a traced step
+            print(f"step {step:4d}  loss {loss:.3f}  {rate:8.0f} tokens/s{measured}", flush=True)
         done = step + 1
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
             writing = engine.save(args.out, optimizer, background=done < args.steps, step=done, **resumable)

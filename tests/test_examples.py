@@ -50,7 +50,8 @@ def test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupte
     said = [line.split(" ")[0] for line in lines if line.endswith("...")]  # never silent while it works
     assert said == ["reading", "building", "sampling"], lines
     steps = [line for line in lines if line.startswith("step")]
-    assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 9
+    assert len(steps) == 2 and "tokens/s" in steps[0] and "bubble" in steps[-1]  # steps 0 and 9 (the last: traced)
+    assert "bubble" not in steps[0] and any("bubble 0.0% simulated" in line for line in lines)  # 1 stage (tp=2)
     first, last = (float(line.split()[3]) for line in steps)
     assert first > 4.0 and last < first - 0.5, (first, last)  # about ln(96) = 4.56 at the start; it learns (-> 3.4)
     samples = [line for line in out.splitlines() if line.startswith("sample: 'def ")]
