@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeengine import consolidate
+from tests.pipeengine.processes import alive, descendants, parent
 
 ROOT = Path(__file__).parent.parent
 
@@ -88,36 +89,8 @@ def test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupte
         assert len(resumed_from) == (kill_after >= 5), why
     whole, resumed = consolidate(tmp_path / "whole"), consolidate(tmp_path / "killed")
     assert [name for name in whole if not torch.equal(whole[name], resumed[name])] == [], why
-    alive = [pid for pid in seen if running(pid)]
-    assert not alive, f"left behind: {alive}"
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (up := parent(int(entry.name))) is not None:
-            children.setdefault(up, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def parent(pid: int | None) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except OSError:
-        return False
+    left = [pid for pid in seen if alive(pid)]
+    assert not left, f"left behind: {left}"
 
 
 @pytest.mark.timeout(180)

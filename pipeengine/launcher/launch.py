@@ -110,12 +110,12 @@ def launch(
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     for attempt in range(max_restarts + 1):
         outcomes = _run_once(fn, nprocs, tuple(args), device, timeout, threads, reuse_memory, grace)
-        if attempt == max_restarts or describe(outcomes) == "":
+        found = cause(outcomes)
+        if found is None or attempt == max_restarts:
             raise_cause(outcomes, nprocs, restarts=attempt)
             return
-        found = cause(outcomes)
-        trace = f"\n{found[1].trace.rstrip()}" if found is not None and found[1].trace else ""
-        print(f"pipeengine.launcher.launch: {describe(outcomes)}; every rank stopped, starting all {nprocs} again "
+        trace = f"\n{found[1].trace.rstrip()}" if found[1].trace else ""
+        print(f"pipeengine.launcher.launch: {describe(*found)}; every rank stopped, starting all {nprocs} again "
               f"(restart {attempt + 1} of max_restarts={max_restarts}){trace}", file=sys.stderr, flush=True)
 
 

@@ -46,13 +46,9 @@ def cause(outcomes: dict[int, Outcome]) -> tuple[int, Outcome] | None:
     return min(failures.items(), key=blame)
 
 
-def describe(outcomes: dict[int, Outcome]) -> str:
-    """One line: which rank caused a failure and what it was ("" if none)."""
-    found = cause(outcomes)
-    if found is None:
-        return ""
-    root, outcome = found
-    return f"rank {root} {outcome.fate or ('raised ' + outcome.summary if not outcome.died else outcome.summary)}"
+def describe(root: int, outcome: Outcome) -> str:
+    """One line: the causing rank (``cause``'s) and what it did."""
+    return f"rank {root} {outcome.fate or (outcome.summary if outcome.died else 'raised ' + outcome.summary)}"
 
 
 def raise_cause(outcomes: dict[int, Outcome], nprocs: int, restarts: int = 0) -> None:

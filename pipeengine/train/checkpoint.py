@@ -92,8 +92,7 @@ class Checkpoints:
         if self.writer:
             rank = self.topology.pipeline.rank
             if not self.sharded:
-                part = (f"part-{rank}.pt", {"model": {k: v.detach().cpu() for k, v in state.items()},
-                                            "optimizer": named})  # fmt: skip
+                part = (f"part-{rank}.pt", {"model": {k: v.detach() for k, v in state.items()}, "optimizer": named})
             listed = self.topology.pipeline.all_gather_object(list(state), "the names each rank saves")
             if rank == 0:
                 form = "shards/pp-{}" if self.sharded else "part-{}.pt"

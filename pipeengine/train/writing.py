@@ -78,8 +78,9 @@ def write(snapshot: Snapshot, group: Any = None) -> str | None:
         target.mkdir(parents=True, exist_ok=True)
         if snapshot.shards is not None:
             fsdp_checkpoint.write(target, snapshot.shards, group)
-        if snapshot.part is not None:
+        if snapshot.part is not None:  # the model's tensors on the CPU (staged ones are there already)
             name, payload = snapshot.part
+            payload = {**payload, "model": {key: value.cpu() for key, value in payload["model"].items()}}
             write_atomically(target / name, lambda path: torch.save(payload, path))
         if snapshot.meta is not None:
             text = json.dumps(snapshot.meta, indent=1)

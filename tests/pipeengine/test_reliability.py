@@ -22,6 +22,7 @@ from pipeengine.comm.calls import CallMismatch
 from tests.pipeengine import ranks
 from tests.pipeengine.models import SEEDED, mlp, mse
 from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both
+from tests.pipeengine.processes import alive, descendants
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -137,32 +138,6 @@ from tests.pipeengine.test_reliability import write_pid_and_train_forever
 if __name__ == "__main__":
     launch(write_pid_and_train_forever, 2, args=(sys.argv[1],))
 """
-
-
-def alive(pid: int) -> bool:
-    """Running, and not a zombie (a container's init may not reap the ranks it inherits)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (children, theirs, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, IndexError, ProcessLookupError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, frontier = set(), [pid]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            found.add(child)
-            frontier.append(child)
-    return found
 
 
 @pytest.mark.timeout(180)
