@@ -1,6 +1,7 @@
 """Each example runs to completion in a reduced mode."""
 
 import ast
+import io
 import os
 import random
 import signal
@@ -113,6 +114,60 @@ def test_finetune_hf_trains_and_writes_what_from_pretrained_loads(tmp_path: Path
     assert text.startswith("def ") and len(text) == len("def ") + 12, text
 
 
+LOOP = ["--in-process", "--ranks", "2", "--log-every", "2", "--checkpoint-every", "2", "--samples", "64",
+        "--batch", "8", "--length", "8", "--vocab", "16", "--width", "16", "--layers", "2", "--microbatches", "2",
+        "--warmup", "1", "--lr", "3e-2"]  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_train_loop_logs_each_interval_and_resumes_to_the_uninterrupted_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = example("train_loop")
+
+    def run(*args: str) -> list[str]:
+        loop.main([*LOOP, *args])  # type: ignore[attr-defined]  # in-process ranks: threads of this test
+        return capsys.readouterr().out.splitlines()
+
+    whole = run("--steps", "6", "--out", str(tmp_path / "whole"))  # 2 stages, 1F1B
+    assert whole[0] == "1 replica(s) of a 2-rank pipeline, 1f1b, from step 0", whole
+    logged = [line.split() for line in whole if line.startswith("step")]
+    assert [int(words[1]) for words in logged] == [2, 4, 6], whole  # every --log-every steps
+    for words in logged:  # step N  loss L  S samples/s  T tokens/s  peak M MiB  bubble B%
+        assert [words[i] for i in (2, 5, 7, 8, 10, 11)] == ["loss", "samples/s", "tokens/s", "peak", "MiB", "bubble"]
+        loss, samples, tokens, peak = float(words[3]), float(words[4]), float(words[6]), float(words[9])
+        assert 0 < loss < 10 and samples > 0 and peak > 0, words  # (a nan loss fails 0 < loss)
+        assert tokens == pytest.approx(samples * 8, rel=1e-3, abs=1), words  # --length tokens a sample
+        assert words[12].endswith("%") and 0 <= float(words[12][:-1]) <= 100, words  # the traced step's bubble
+    losses = [float(words[3]) for words in logged]
+    assert losses[-1] < losses[0] - 0.3, losses  # about ln(16) = 2.77 at first; 2.73 -> 2.08 over the 6 steps
+    assert whole[-1].startswith("final loss ") and whole[-1].endswith(" at step 6"), whole
+
+    # stopped after step 4, then run again with --steps 6 and the same --out: the uninterrupted run, bit for bit
+    assert run("--steps", "4", "--out", str(tmp_path / "resumed"))[-1].endswith(" at step 4")
+    resumed = run("--steps", "6", "--out", str(tmp_path / "resumed"))
+    assert resumed[0].endswith("resumed at step 4") and resumed[-1] == whole[-1], (resumed, whole)  # the final loss
+    assert resumed[-2].split()[:4] == whole[-2].split()[:4], (resumed, whole)  # step 6's line: steps 5 and 6's loss
+    first, second = consolidate(tmp_path / "whole"), consolidate(tmp_path / "resumed")
+    assert list(first) == list(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+    # two replicas of a 1-rank pipeline read the same global batches between them: the same losses (to float sums)
+    replicas = run("--steps", "6", "--data-parallel", "2", "--out", str(tmp_path / "replicas"))
+    assert replicas[0].startswith("2 replica(s) of a 1-rank pipeline"), replicas
+    assert [float(line.split()[3]) for line in replicas if line.startswith("step")] == pytest.approx(losses, abs=2e-4)
+
+    # the progress bar: redrawn in place on a terminal (on stderr), nothing elsewhere (as under pytest, above)
+    assert "[#" not in capsys.readouterr().err
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    loop.progress(3, 10, "step 13")  # type: ignore[attr-defined]
+    assert sys.stderr.getvalue() == "\r\033[K[" + "#" * 9 + "." * 21 + "] step 13"  # type: ignore[attr-defined]
+
+
 def example(name: str) -> object:
     """An example's module, imported as a library would (its `if __name__ == "__main__":` part not run; the examples
     folder on the path, as a script's own folder is)."""
@@ -127,7 +182,7 @@ def example(name: str) -> object:
     return module
 
 
-@pytest.mark.parametrize("name", ["quickstart", "train_gpt", "finetune_hf"])
+@pytest.mark.parametrize("name", ["quickstart", "train_gpt", "finetune_hf", "train_loop"])
 def test_every_examples_help_shows_each_option_with_its_default(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     parser = example(name).parser()  # type: ignore[attr-defined]
     lines = parser.format_help().split("\noptions:\n", 1)[1].splitlines()
