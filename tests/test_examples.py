@@ -95,7 +95,9 @@ def test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupte
 
 
 @pytest.mark.timeout(180)
-def test_finetune_hf_trains_and_writes_what_from_pretrained_loads(tmp_path: Path) -> None:
+def test_finetune_hf_trains_and_writes_what_from_pretrained_loads_and_generate_hf_generates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("transformers")
     out = run(str(ROOT / "examples" / "finetune_hf.py"), "--packed", "--steps", "11", "--batch", "8", "--out",
               str(tmp_path / "ft"), "--generate", "12")  # fmt: skip
@@ -112,6 +114,17 @@ def test_finetune_hf_trains_and_writes_what_from_pretrained_loads(tmp_path: Path
     assert len(generated) == 1, out
     text = ast.literal_eval(generated[0].removeprefix("generated: "))  # the prompt and 12 characters after it
     assert text.startswith("def ") and len(text) == len("def ") + 12, text
+
+    # the generating recipe on what it wrote, in this process: greedy gives the example's own text; sampled, other
+    # characters, as many (the tokenizer's space and newline, which are its unknown and padding tokens, are kept)
+    capsys.readouterr()
+    generate_hf = example("generate_hf")
+    generate_hf.main(["--model", str(tmp_path / "ft"), "--max-new-tokens", "12"])  # type: ignore[attr-defined]
+    assert capsys.readouterr().out == text + "\n"
+    generate_hf.main(["--model", str(tmp_path / "ft"), "--prompt", "class", "--max-new-tokens", "9", "--sample",
+                      "--temperature", "2"])  # type: ignore[attr-defined]  # fmt: skip
+    sampled = capsys.readouterr().out
+    assert sampled.startswith("class") and len(sampled) == len("class") + 9 + 1, sampled
 
 
 LOOP = ["--in-process", "--ranks", "2", "--log-every", "2", "--checkpoint-every", "2", "--samples", "64",
@@ -182,7 +195,7 @@ def example(name: str) -> object:
     return module
 
 
-@pytest.mark.parametrize("name", ["quickstart", "train_gpt", "finetune_hf", "train_loop"])
+@pytest.mark.parametrize("name", ["quickstart", "train_gpt", "finetune_hf", "train_loop", "generate_hf"])
 def test_every_examples_help_shows_each_option_with_its_default(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     parser = example(name).parser()  # type: ignore[attr-defined]
     lines = parser.format_help().split("\noptions:\n", 1)[1].splitlines()
