@@ -1,6 +1,6 @@
 """What a checkpoint costs the training: the stall of engine.save(background=True) against a synchronous save.
 
-    python benchmarks/checkpoint.py                  # 2 CPU ranks, pp=2: 9 x Linear(1024) and AdamW, 113 MB of state
+    python benchmarks/checkpoint.py                  # 2 CPU ranks, pp=2: 9 x Linear(1024) and AdamW, 108 MiB of state
     python benchmarks/checkpoint.py --fsdp 1         # dp=2 with fsdp=True: the sharded format (DCP)
 
 Per round, alternating: a synchronous save (its time, barrier to the slowest rank, is the stall it causes); a
@@ -55,7 +55,8 @@ def worker(args: argparse.Namespace, directory: str, path: str) -> None:
         plain.append(timed(step))
     if torch.distributed.get_rank() == 0:
         save_row(path, {
-            "format": "sharded (fsdp, dp=2)" if args.fsdp else "whole tensors (pp=2)", "state_mb": total.item() / 1e6,
+            "format": "sharded (fsdp, dp=2)" if args.fsdp else "whole tensors (pp=2)",
+            "state_mib": total.item() / 2**20,
             "sync_save_ms": 1e3 * median(sync), "background_stall_ms": 1e3 * median(stall),
             "stall_fraction": median(stall) / median(sync), "step_ms": 1e3 * median(plain),
             "step_with_write_ms": 1e3 * median(overlapped), "write_left_after_step_ms": 1e3 * median(complete),
@@ -71,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         row = run_point(worker, 2, (args, directory), threads=1)
-    lines = [f"{row['format']}: {row['state_mb']:.0f} MB of state (weights and AdamW's moments), "  # type: ignore[index]
+    lines = [f"{row['format']}: {row['state_mib']:.0f} MiB of state (weights and AdamW's moments), "  # type: ignore[index]
              f"medians of {args.rounds} rounds",
              f"  synchronous save      {row['sync_save_ms']:8.1f} ms stall",  # type: ignore[index]
              f"  background=True       {row['background_stall_ms']:8.1f} ms stall "  # type: ignore[index]

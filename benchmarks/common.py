@@ -51,7 +51,7 @@ def median(values: list[float]) -> float:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory (Linux reports KiB)."""
+    """This process's peak resident memory, MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -51,8 +51,8 @@ def main() -> None:
             titles.append(f"{schedule}, {ranks} ranks, measured (the fastest traced step)")
             print(f"{ranks} ranks {schedule:12} step {row['step_ms']:7.1f} ms  {row['samples_per_s']:6.0f} samples/s  "
                   f"bubble {row['measured_bubble']:.1%} (simulated {row['predicted_bubble']:.1%})  "
-                  f"peak memory {row['peak_mb']:.1f} MB (predicted {row['predicted_peak_mb']:.1f}), "
-                  f"peak RSS {row['peak_rss_mb']:.0f} MB",
+                  f"peak memory {row['peak_mb']:.1f} MiB (predicted {row['predicted_peak_mb']:.1f}), "
+                  f"peak RSS {row['peak_rss_mb']:.0f} MiB",
                   flush=True)  # fmt: skip
         plot_timelines(timelines, str(OUT / f"schedules_p{ranks}.png"), titles=titles)
     print(f"wrote {write_json('schedules', rows)} and {OUT}/schedules_p*.png")

@@ -48,7 +48,7 @@ def plot(rows: list[dict[str, float | str]], path: str) -> None:
     figure = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
     speed, memory = figure.subplots(1, 2)
-    held = memory.twinx()  # the engine's bytes are MB where the process is 100s of MB: their own scale
+    held = memory.twinx()  # the engine's bytes are MiB where the process is 100s of MiB: their own scale
     for index, schedule in enumerate(dict.fromkeys(r["schedule"] for r in rows)):
         mine = [r for r in rows if r["schedule"] == schedule]
         ms = [r["microbatches"] for r in mine]
@@ -60,12 +60,12 @@ def plot(rows: list[dict[str, float | str]], path: str) -> None:
         held.plot(ms, [r["peak_mb"] for r in mine], "s:", color=colour, label=f"{schedule} peak held (measured)")
         held.plot(ms, [r["predicted_peak_mb"] for r in mine], "--", color=colour,
                   label=f"{schedule} peak held (predicted)")  # fmt: skip
-    for axis, label in ((speed, "throughput (samples/s)"), (memory, "process RSS growth, busiest rank (MB), solid")):
+    for axis, label in ((speed, "throughput (samples/s)"), (memory, "process RSS growth, busiest rank (MiB), solid")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("micro-batches per step (split size)")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
-    held.set_ylabel("most MB a rank holds (schedules.memory)")
+    held.set_ylabel("most MiB a rank holds (schedules.memory)")
     speed.legend(fontsize=8)
     memory.legend(fontsize=7, loc="upper left")
     figure.savefig(path, dpi=110)
@@ -91,8 +91,8 @@ def main() -> None:
             rows.append(r)
             print(f"{schedule:12} m={m:3d}  step {r['step_ms']:7.1f} ms (predicted {r['predicted_ms']:7.1f})  "
                   f"{r['samples_per_s']:6.0f} samples/s  bubble {r['measured_bubble']:.1%} "
-                  f"(predicted {r['predicted_bubble']:.1%})  RSS +{r['rss_growth_mb']:.0f} MB, activations "
-                  f"{r['peak_mb']:.1f} MB held ({r['predicted_peak_mb']:.1f} predicted)", flush=True)  # fmt: skip
+                  f"(predicted {r['predicted_bubble']:.1%})  RSS +{r['rss_growth_mb']:.0f} MiB, activations "
+                  f"{r['peak_mb']:.1f} MiB held ({r['predicted_peak_mb']:.1f} predicted)", flush=True)  # fmt: skip
     for schedule in args.schedules:
         mine = [r for r in rows if r["schedule"] == schedule]
         best = min(mine, key=lambda r: r["step_ms"])["microbatches"]

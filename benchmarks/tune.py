@@ -124,7 +124,7 @@ def plot(result: TuneResult, measured: list[dict[str, object]], name: str, path:
     if result.memory_limit is not None:
         axis.axvline(result.memory_limit / 2**20, color="#C44E52", linestyle="--", linewidth=1,
                      label="memory limit")  # fmt: skip
-    axis.set_xlabel("peak memory of the fullest rank (MB)")
+    axis.set_xlabel("peak memory of the fullest rank (MiB)")
     axis.set_ylabel("step time (ms)")
     axis.set_title(f"{name}, 2 ranks: predicted step time against peak memory", fontsize=10, loc="left")
     axis.legend(fontsize=8)
@@ -160,10 +160,10 @@ def main() -> None:
         fastest = min(table, key=lambda r: r["measured_ms"])
         slower = table[0]["measured_ms"] / fastest["measured_ms"] - 1
         lines = [f"{name}: {len(result.rows) + len(result.dropped)} candidates priced in {result.search_seconds:.2f} s "
-                 f"({result.measure_seconds:.1f} s measuring layers); memory limit {limit / 2**20:.1f} MB per rank "
+                 f"({result.measure_seconds:.1f} s measuring layers); memory limit {limit / 2**20:.1f} MiB per rank "
                  f"kept {len(result.rows)}",
                  f"{'pred#':>5}  {'schedule':11} {'m':>3} {'v':>2}  {'predicted ms':>12}  {'measured ms':>11}  "
-                 f"{'peak MB pred / meas':>20}  partition"]  # fmt: skip
+                 f"{'peak MiB pred / meas':>20}  partition"]  # fmt: skip
         for r in table:
             lines.append(f"{r['predicted_rank']:5d}  {r['schedule']:11} {r['num_microbatches']:3d} {r['chunks']:2d}  "
                          f"{r['predicted_ms']:12.1f}  {r['measured_ms']:11.1f}  "

@@ -177,7 +177,7 @@ def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     talk = dist.get_rank() == 0  # the first stage of the first replica
     say = print if talk else (lambda *_, **__: None)
-    say(f"reading the corpus (the standard library's source, {CORPUS_BYTES / 1e6:g} MB) on rank 0...", flush=True)
+    say(f"reading the corpus (the standard library's source, {CORPUS_BYTES / 2**20:.1f} MiB) on rank 0...", flush=True)
     data = corpus(device)
     rows = Rows(data, documents(data), args.context)
     torch.manual_seed(0)  # the same model on every rank; each keeps its stages

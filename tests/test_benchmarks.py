@@ -146,5 +146,5 @@ def test_checkpoint_reports_the_stall_of_a_background_save_against_a_synchronous
     (row,) = json.loads((tmp_path / "checkpoint.json").read_text())
     assert "of the synchronous save" in out and row["rounds"] == 1 and row["format"] == "whole tensors (pp=2)"
     # AdamW's two moments beside each weight: 3 x (2 x (64 x 64 + 64)) floats
-    assert row["state_mb"] == pytest.approx(3 * 2 * (64 * 64 + 64) * 4 / 1e6)
+    assert row["state_mib"] == pytest.approx(3 * 2 * (64 * 64 + 64) * 4 / 2**20)
     assert row["sync_save_ms"] > 0 and row["background_stall_ms"] > 0 and row["stall_fraction"] > 0

@@ -135,13 +135,13 @@ class Partition:
             f"partition by {self.method}: {len(self.bounds)} stages, imbalance {self.imbalance:.2f} "
             f"(max / mean of {balanced})"
         ]
-        lines.append("stage  rank  layers   params    time ms  memory MB")
+        lines.append("stage  rank  layers   params    time ms  memory MiB")
         for stage, (start, end) in enumerate(self.bounds):
             rank = str(self.placement[stage]) if self.placement else "-"
             ms = f"{1e3 * times[stage]:9.2f}" if times else "        -"
             lines.append(
                 f"{stage:5d}  {rank:>4}  {f'{start}-{end - 1}':7}  {int(params[stage]):7,d}  {ms}  "
-                f"{memory[stage] / 2**20:9.2f}"
+                f"{memory[stage] / 2**20:10.2f}"
             )
         return "\n".join(lines)
 

@@ -11,7 +11,7 @@ memory, by parameters and uniform) is priced by the simulator, time and bytes, w
 it: the step's makespan, its bubble, and each rank's peak memory. Candidates whose peak passes
 ``memory_limit`` on any rank are dropped; the result says how many and what the limit cost.
 
-    python -m pipeengine.tune examples.train_gpt:planning --world-size 4 --memory-limit 64MB
+    python -m pipeengine.tune examples.train_gpt:planning --world-size 4 --memory-limit 64MiB
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class TuneResult:
     def __str__(self) -> str:
         lines = [f"{len(self.rows)} candidates (priced in {self.search_seconds:.2f} s after "
                  f"{self.measure_seconds:.2f} s measuring the layers); {self.binding()}",
-                 f"{'#':>3}  {'schedule':11} {'m':>3} {'v':>2}  {'step ms':>8}  {'bubble':>6}  {'peak MB/rank':24}  "
+                 f"{'#':>3}  {'schedule':11} {'m':>3} {'v':>2}  {'step ms':>8}  {'bubble':>6}  {'peak MiB/rank':24}  "
                  "partition (methods)"]  # fmt: skip
         for index, c in enumerate(self.rows[:20]):
             peaks = " ".join(f"{b / 2**20:.1f}" for b in c.peak_memory)
@@ -325,18 +325,24 @@ def _mb(value: float | None) -> str:
     return f"{value:.0f} B"
 
 
-_SIZE = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
+SIZE_UNITS = ("KiB, MiB, GiB and TiB (or K, M, G and T) are powers of 1024, KB, MB, GB and TB powers of 1000, "
+              "B or none bytes")
+_SIZE = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*(?:([KMGT])(i?B)?|B)?\s*", re.IGNORECASE)
 
 
 def parse_bytes(text: str) -> float:
-    """'64MB', '64MiB', '2G', '512B', '1.5e9' -> bytes (K, M, G, T are powers of 1024); positive."""
+    """A size -> bytes, positive: '64MiB' and '64M' are 64 x 2**20, '64MB' 64 x 10**6 (as the unit says), '512B'
+    and '1.5e9' bytes (SIZE_UNITS)."""
     match = _SIZE.fullmatch(text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: write bytes with an optional unit, e.g. 512MB, 512MiB, 2GB or 1.5e9"
+            f"{text!r} is not a size: write bytes with an optional unit, e.g. 512MiB, 2GiB, 2GB or 1.5e9 "
+            f"({SIZE_UNITS})"
         )
-    number, unit = match.groups()
-    value = float(number) * float(1024 ** (" KMGT".index(unit.upper()) if unit else 0))
+    number, prefix, suffix = match.groups()
+    power = " KMGT".index(prefix.upper()) if prefix else 0
+    base = 1000 if suffix is not None and suffix.upper() == "B" else 1024  # KB, MB: SI; KiB, MiB and bare K, M: binary
+    value = float(number) * float(base**power)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"a memory limit must be positive, got {text!r}")
     return value
@@ -348,12 +354,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--data-parallel", type=int, default=1)
     parser.add_argument("--fsdp", action="store_true", help="shard each stage's state over the replicas (FSDP2)")
-    parser.add_argument("--memory-limit", type=parse_bytes, help="bytes per rank, e.g. 512MB")
+    parser.add_argument("--memory-limit", type=parse_bytes,
+                        help=f"bytes per rank, with an optional unit, e.g. 512MiB ({SIZE_UNITS})")
     parser.add_argument("--schedules", nargs="+")
     parser.add_argument("--microbatches", type=int, nargs="+")
     parser.add_argument("--backend", default="gloo", choices=sorted(BACKENDS))
     args = parser.parse_args(_glued(list(sys.argv[1:] if argv is None else argv), ("--memory-limit",)))
     model, loss_fn, sample = _problem(parser, args.problem)
+    if args.memory_limit is not None:
+        print(f"memory limit {args.memory_limit:,.0f} bytes ({args.memory_limit / 2**20:.2f} MiB) per rank", flush=True)
     try:
         result = tune(model, loss_fn, sample, args.world_size, memory_limit=args.memory_limit,
                       data_parallel=args.data_parallel, fsdp=args.fsdp, schedules=args.schedules,

@@ -117,7 +117,7 @@ def _draw_memory(axis: Axes, timeline: Timeline, scale: float) -> set[Kind | str
         ys = [rank + 0.48 - 0.36 * b / top for _, b, _ in samples]  # the row's lower part, growing upwards
         axis.step(xs, ys, where="post", color=COLOURS["memory"], linewidth=1.0)
         peak = timeline.peak_memory[rank]
-        label = f"{peak / 2**20:.1f} MB" if timeline.unit == "s" else f"{peak:g}"
+        label = f"{peak / 2**20:.1f} MiB" if timeline.unit == "s" else f"{peak:g}"
         axis.text(xs[-1], rank + 0.46, f"peak {label}", ha="right", va="bottom", fontsize=6, color=COLOURS["memory"])
     return {"memory"}
 

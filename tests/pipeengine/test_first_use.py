@@ -302,7 +302,9 @@ def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixt
 
     problem = "tests.pipeengine.models:planning"
     assert main([problem, "--world-size", "2", "--schedules", "1f1b", "--memory-limit", "64MiB"]) == 0
-    assert "best: PipelineEngine(model, loss_fn, **{'schedule': '1f1b'" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "best: PipelineEngine(model, loss_fn, **{'schedule': '1f1b'" in out
+    assert out.startswith("memory limit 67,108,864 bytes (64.00 MiB) per rank\n") and "peak MiB/rank" in out
     for argv, said in [
         ([problem, "--world-size", "2", "--memory-limit", "-5MB"], "a memory limit must be positive, got '-5MB'"),
         ([problem, "--world-size", "2", "--memory-limit", "lots"], "'lots' is not a size"),
@@ -328,3 +330,22 @@ def test_small_sizes_print_in_units_that_show_them() -> None:
 
     assert [_mb(x) for x in (100, 3 * 2**10, 20.1 * 2**20, 3 * 2**30)] == ["100 B", "3.0 KiB", "20.1 MiB", "3.00 GiB"]
 
+
+
+def test_sizes_are_read_as_their_units_say_binary_or_si(capsys: pytest.CaptureFixture[str]) -> None:
+    from argparse import ArgumentTypeError
+
+    from pipeengine.planner.tune import SIZE_UNITS, main, parse_bytes
+
+    sizes = {"64MiB": 64 * 2**20, "64mib": 64 * 2**20, "64M": 64 * 2**20, "64 MB": 64e6, "1.5KiB": 1536, "3KB": 3000,
+             "2GiB": 2 * 2**30, "2GB": 2e9, "1T": 2**40, "1TiB": 2**40, "1TB": 1e12, "512B": 512, "512": 512,
+             "1.5e9": 1.5e9}  # fmt: skip
+    assert {text: parse_bytes(text) for text in sizes} == sizes
+    rule = "KiB, MiB, GiB and TiB (or K, M, G and T) are powers of 1024, KB, MB, GB and TB powers of 1000"
+    for text in ("64MiBs", "64Mi", "64 iB", "lots"):
+        with pytest.raises(ArgumentTypeError, match=re.escape(f"{text!r} is not a size") + ".*" + re.escape(rule)):
+            parse_bytes(text)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"--memory-limit MEMORY_LIMIT bytes per rank, with an optional unit, e.g. 512MiB ({SIZE_UNITS})" in shown

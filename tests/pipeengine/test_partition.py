@@ -164,7 +164,7 @@ def test_the_report_lists_every_stage() -> None:
     partition = plan(ten_x_widths(), 3, "parameters", torch.randn(4, 64))
     text = str(partition)
     assert text.startswith("partition by parameters: 3 stages, imbalance ")
-    assert "stage  rank  layers   params    time ms  memory MB" in text
+    assert "stage  rank  layers   params    time ms  memory MiB" in text
     assert len(text.splitlines()) == 2 + 3
     assert partition.imbalance == pytest.approx(
         max(sum(partition.costs.params[a:b]) for a, b in partition.bounds) / (sum(partition.costs.params) / 3)

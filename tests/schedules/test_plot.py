@@ -1,5 +1,6 @@
 """Plots and Chrome traces of simulated timelines (no torch)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -63,3 +64,13 @@ def test_the_legend_says_which_shade_is_which_chunk(tmp_path: Path) -> None:
     figure = plot_timelines([simulate(build_schedule("1f1b", 2, 4))], str(tmp_path / "one.png"))
     labels = [text.get_text() for legend in figure.legends for text in legend.get_texts()]
     assert not any("chunk" in label for label in labels), labels  # one chunk per rank: no shades to explain
+
+
+def test_a_measured_memory_track_labels_its_peak_in_mib(tmp_path: Path) -> None:
+    from schedules import Costs, Memory
+
+    simulated = simulate(build_schedule("1f1b", 2, 2), Costs(memory=Memory(activation=3 * 2**20)))
+    in_seconds = dataclasses.replace(simulated, unit="s")  # as a measured step (or one simulated from it) is drawn
+    figure = plot_timelines([in_seconds], str(tmp_path / "memory.png"))
+    labels = {text.get_text() for axis in figure.axes for text in axis.texts if text.get_text().startswith("peak ")}
+    assert labels == {"peak 6.0 MiB", "peak 3.0 MiB"}, labels  # bytes / 2**20, as binary units are written
