@@ -3,8 +3,9 @@
 python -m schedules show 1f1b --ranks 4 --microbatches 8
 python -m schedules validate interleaved --ranks 4 --microbatches 8 --chunks 2
 python -m schedules simulate gpipe --ranks 4 --microbatches 8 --backward 3
-python -m schedules show 1f1b -p 2 -m 4 --text > mine.txt      # edit it, then:
-python -m schedules validate mine.txt                           # a schedule file (Schedule.to_text's form)
+python -m schedules plot zb-h1 -p 4 -m 8                        # writes out/zb-h1.png (-o FILE: elsewhere)
+python -m schedules show 1f1b -p 2 -m 4 --text -o out/mine.txt  # edit it, then:
+python -m schedules validate out/mine.txt                       # a schedule file (Schedule.to_text's form)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     show = verbs.add_parser("show", parents=[common], help="print the per-rank instruction grid")
     show.add_argument("--compute-only", action="store_true", help="the compiler's order, before lowering")
     show.add_argument("--text", action="store_true", help="the whole schedule as text (Schedule.from_text reads it)")
+    show.add_argument("-o", "--output", help="write it to this file (making its folders) instead of printing it")
     verbs.add_parser("validate", parents=[common], help="prove the schedule's invariants")
     sim = verbs.add_parser("simulate", parents=[common], help="simulate with a cost model")
     for flag, default, text in [
@@ -50,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--memory", action="store_true",
                      help="print each rank's peak memory (a micro-batch's activation on a stage counts 1)")  # fmt: skip
     plot = verbs.add_parser("plot", parents=[common], help="draw the simulated timeline (unit costs) as a PNG")
-    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
+    plot.add_argument("-o", "--output", help="PNG file to write, its folders made (default: out/<schedule>.png)")
     return parser
 
 
@@ -78,12 +80,24 @@ def _schedule(args: argparse.Namespace, lowered_form: bool = True) -> Schedule:
     return build(args.name, args.ranks, args.microbatches, args.chunks)
 
 
+def _writable(path: str) -> Path:
+    """The path, its missing folders made."""
+    where = Path(path)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    return where
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.verb == "show":
             schedule = _schedule(args, lowered_form=not args.compute_only)
-            print(schedule.to_text() if args.text else schedule, end="\n" if not args.text else "")
+            text = schedule.to_text() if args.text else f"{schedule}\n"
+            if args.output is None:
+                print(text, end="")
+            else:
+                _writable(args.output).write_text(text)
+                print(f"wrote {args.output}")
         elif args.verb == "validate":
             start = time.perf_counter()
             schedule = _schedule(args)
@@ -95,8 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         elif args.verb == "plot":
             schedule = _schedule(args)
-            simulate(schedule).plot(args.output, title=schedule.describe())
-            print(f"wrote {args.output}")
+            output = args.output or str(Path("out") / f"{Path(args.name).stem}.png")
+            simulate(schedule).plot(str(_writable(output)), title=schedule.describe())
+            print(f"wrote {output}")
         else:
             schedule = _schedule(args)
             costs = Costs(args.forward, args.backward, args.backward_input, args.backward_weight, args.latency,
@@ -109,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScheduleError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # OSError: a file it cannot write (or read)
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

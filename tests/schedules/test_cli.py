@@ -2,6 +2,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "schedules", *args], capture_output=True, text=True, timeout=60)
@@ -61,3 +63,29 @@ def test_sizes_given_beside_a_file_that_fixes_its_own_are_refused(tmp_path: Path
     assert result.returncode == 2
     assert "schedule file, which fixes its own sizes, but --ranks 4 (the file: 2), --microbatches 8" in result.stderr
     assert run("validate", str(path), "-p", "2").returncode == 0  # the same sizes: nothing to refuse
+
+
+def test_plot_and_show_write_under_out_making_the_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process: plot without -o writes out/<schedule>.png, not the current folder's top; -o makes missing folders;
+    both print the path they wrote. show --text prints, or writes to -o."""
+    from schedules.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot", "1f1b", "-p", "2", "-m", "2"]) == 0
+    assert capsys.readouterr().out == "wrote out/1f1b.png\n"
+    assert (tmp_path / "out" / "1f1b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", "gpipe", "-p", "2", "-m", "2", "-o", "figures/new/g.png"]) == 0
+    assert capsys.readouterr().out == "wrote figures/new/g.png\n" and (tmp_path / "figures/new/g.png").is_file()
+    assert main(["show", "1f1b", "-p", "2", "-m", "3", "--text"]) == 0
+    printed = capsys.readouterr().out
+    assert main(["show", "1f1b", "-p", "2", "-m", "3", "--text", "-o", "out/mine/1f1b.txt"]) == 0
+    assert capsys.readouterr().out == "wrote out/mine/1f1b.txt\n"
+    assert (tmp_path / "out/mine/1f1b.txt").read_text() == printed and printed.startswith("schedule 1f1b\n")
+    assert main(["plot", "out/mine/1f1b.txt"]) == 0  # a schedule file: named after it
+    assert capsys.readouterr().out == "wrote out/1f1b.png\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures", "out"]  # nothing else at the top
+    (tmp_path / "taken").write_text("a file")
+    assert main(["show", "1f1b", "-p", "2", "-m", "3", "-o", "taken/grid.txt"]) == 2
+    assert "error: " in capsys.readouterr().err
