@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from pipeengine.planner.tune import Candidate, TuneResult, choose, main, tune
+from pipeengine.planner.tune import Candidate, TuneResult, choose, main, progress_printer, tune
 
-__all__ = ["Candidate", "TuneResult", "choose", "main", "tune"]
+__all__ = ["Candidate", "TuneResult", "choose", "main", "progress_printer", "tune"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,12 @@
         ...                                    # CPU: torch.profiler's memory events, every allocation and free
     watch.peak, watch.end                      # bytes above the level at the block's start: the most, and at its end
 
+On CPU, a block that frees memory allocated before the watch began makes torch's allocator log
+"Memory block of unknown size was allocated before the profiling started" (C++, to fd 2, at the
+first such free of the process and every 1000th after); ``AllocatorWatch(device, quiet=True)``
+drops that line from what the block writes to fd 2 and passes the rest on when the block ends
+(the planner's watches: one layer's compute each).
+
 On CPU the profiler sees one process: in-process (loopback) ranks share one, so there it cannot
 tell ranks apart (``AllocatorWatch.available`` says where it works). ``live_bytes`` is what a set
 of tensors holds (each storage once): the level a watch's deltas sit on.
@@ -14,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 
@@ -39,6 +46,29 @@ def _quiet() -> Iterator[None]:
         os.close(saved)
 
 
+UNKNOWN_FREE = b"Memory block of unknown size was allocated before the profiling started"
+
+
+@contextlib.contextmanager
+def _dropping(noise: bytes) -> Iterator[None]:
+    """fd 2 into a temporary file for the block; then what was written there goes on to fd 2, less the lines that
+    hold ``noise``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = b"".join(line for line in caught.read().splitlines(keepends=True) if noise not in line)
+            while kept:
+                kept = kept[os.write(2, kept):]
+
+
 def live_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind these tensors (None and empty ones skipped)."""
     sizes: dict[int, int] = {}
@@ -52,12 +82,14 @@ def live_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 class AllocatorWatch:
     """The peak and the end level of what torch allocates in a block, above the level at its start (bytes)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, quiet: bool = False) -> None:
         self.device = device
+        self.quiet = quiet  # CPU: drop the allocator's line on a free it cannot size (the module docstring)
         self.peak = 0
         self.end = 0
         self._profile: torch.profiler.profile | None = None
         self._start = 0
+        self._filter = contextlib.ExitStack()
 
     @staticmethod
     def available(device: torch.device, shared_process: bool) -> bool:
@@ -72,8 +104,14 @@ class AllocatorWatch:
         else:
             self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True)  # fmt: skip
-            with _quiet():
-                self._profile.__enter__()
+            if self.quiet:
+                self._filter.enter_context(_dropping(UNKNOWN_FREE))
+            try:
+                with _quiet():
+                    self._profile.__enter__()
+            except BaseException:
+                self._filter.close()
+                raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
@@ -84,7 +122,7 @@ class AllocatorWatch:
             return
         if self._profile is None:
             raise RuntimeError("AllocatorWatch exited without being entered")
-        with _quiet():
+        with self._filter, _quiet():
             self._profile.__exit__(kind, value, trace)
         if kind is not None:
             return

@@ -258,6 +258,7 @@ def profile_layers(
     model: nn.Sequential, sample: torch.Tensor | Tensors, rows: int, *, repeats: int = 3, device: torch.device,
     threads: int | None = None, loss: Callable[..., torch.Tensor] | None = None, target: object = None,
     timed: bool = True, allocator: bool = False, compile: bool | Mapping[str, object] = False,
+    progress: Callable[[], None] | None = None,
 ) -> LayerProfile:  # fmt: skip
     """Measure every layer on the first ``rows`` rows of ``sample`` (each fed the real output of the one before),
     with ``threads`` torch threads (a rank's share of the cores; default: this process's). With ``loss`` and
@@ -266,7 +267,8 @@ def profile_layers(
     ``allocator``: watch each compute's allocations too (pipeengine.planner.transients; one thread of this process
     may profile at a time). A layer is measured compiled where the engine runs it so: the user compiled it, or
     ``compile`` (the engine's compile=: True or torch.compile's keywords); a compiled layer's I then makes its weight
-    gradients too, and its W is nothing (pipeengine.runtime.backward), as the engine runs it."""
+    gradients too, and its W is nothing (pipeengine.runtime.backward), as the engine runs it. ``progress()`` is called
+    after each layer."""
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -275,7 +277,7 @@ def profile_layers(
         if loss is not None and target is not None:  # the loss runs on the last stage: that layer's, for stages
             part = map_tensors(target, lambda t: t[:rows].to(device).clone())  # type: ignore[arg-type]
             layers[-1] = _WithLoss(layers[-1], loss, part)
-        profile = _profile(layers, sample, rows, repeats if timed else 0, device, allocator, compile)
+        profile = _profile(layers, sample, rows, repeats if timed else 0, device, allocator, compile, progress)
         return dataclasses.replace(profile, parameters=parameter_keys(model), timed=timed)
     finally:
         torch.set_num_threads(previous)
@@ -294,7 +296,7 @@ class _WithLoss(nn.Module):
 
 def _profile(
     model: Sequence[nn.Module], sample: torch.Tensor | Tensors, rows: int, repeats: int, device: torch.device,
-    allocator: bool, compile: bool | Mapping[str, object] = False,
+    allocator: bool, compile: bool | Mapping[str, object] = False, progress: Callable[[], None] | None = None,
 ) -> LayerProfile:  # fmt: skip
     value = map_tensors(sample, lambda t: t[:rows].to(device))
     columns: dict[str, list[float | int | bool]] = {
@@ -320,6 +322,8 @@ def _profile(
             with torch.no_grad():
                 value = probe(value)
             del probe
+            if progress is not None:
+                progress()
     profile = LayerProfile(rows, **{key: tuple(values) for key, values in columns.items()})  # type: ignore[arg-type]
     return dataclasses.replace(profile, allocations=tuple(allocations))
 

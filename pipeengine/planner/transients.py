@@ -2,7 +2,8 @@
 
 A compute holds more while it runs than between computes: its temporaries, the loss's, the gradient
 of a parameter before ``.grad`` takes it. Per layer, the allocator (pipeengine.observe.allocator)
-watches each compute on one micro-batch: its peak above the level it started at and its end level,
+watches each compute on one micro-batch (quietly: torch's line about freeing memory allocated before
+the watch began is not passed on): its peak above the level it started at and its end level,
 F, B, I and W as a stage runs them, a first B and W (no ``.grad`` yet to add to) and later ones, and
 the optimizer step over the layer's parameters (AdamW: its temporaries above its state). A stage runs
 its layers in order (F) or in reverse (B, I, W), so its peak is the largest of a layer's peak on top
@@ -58,22 +59,22 @@ def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, de
             out = unpack(layer(inputs if packed else inputs[0]))
         return inputs, tuple(o for o in out if o.requires_grad)
 
-    with AllocatorWatch(device) as f:
+    with AllocatorWatch(device, quiet=True) as f:
         inputs, outputs = forward()  # what it keeps stays referenced here: the watch's end counts it
     grads = tuple(torch.ones_like(o) for o in outputs)
     del inputs, outputs
     watches: dict[str, AllocatorWatch] = {}
     for steady in (False, True):  # the first finds .grad None (it makes the gradients), the second adds to them
         inputs, outputs = forward()
-        with AllocatorWatch(device) as watches["B" if steady else "first B"]:
+        with AllocatorWatch(device, quiet=True) as watches["B" if steady else "first B"]:
             if outputs:
                 torch.autograd.backward(outputs, grads)
     layer.zero_grad(set_to_none=True)
     for steady in (False, True):
         inputs, outputs = forward()
-        with AllocatorWatch(device) as watches["I"]:
+        with AllocatorWatch(device, quiet=True) as watches["I"]:
             weight_pass = backward_input(outputs, grads, inputs, params)[1] if outputs else None
-        with AllocatorWatch(device) as watches["W" if steady else "first W"]:
+        with AllocatorWatch(device, quiet=True) as watches["W" if steady else "first W"]:
             if weight_pass is not None:
                 weight_pass.run()
         del weight_pass
@@ -97,7 +98,7 @@ def optimizer_step(params: Sequence[nn.Parameter], device: torch.device) -> floa
         copy.grad = torch.zeros_like(copy)
     optimizer = torch.optim.AdamW(copies)
     optimizer.step()
-    with AllocatorWatch(device) as watch:
+    with AllocatorWatch(device, quiet=True) as watch:
         optimizer.step()
     return float(watch.peak)
 

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from pipeengine.planner.partition import method_costs, solve
 from pipeengine.planner.profiler import LayerCosts, LayerProfile, profile_layers
 from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, simulate
 
-__all__ = ["Candidate", "TuneResult", "choose", "tune"]
+__all__ = ["Candidate", "TuneResult", "choose", "progress_printer", "tune"]
 
 # host seconds per compute beyond its kernels, on CPU/gloo: its span 0.13 ms, a post 0.08 ms, 0.05 ms between
 # instructions (a traced 2-rank 1F1B of Linear(8) layers, m=32, on the 2-core machine of the benchmarks)
@@ -154,6 +154,7 @@ def tune(
     device: str | torch.device | None = None,
     reuse_memory: bool = True,
     allocator: bool = True,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> TuneResult:
     """Price every way to pipeline ``model`` on ``world_size`` ranks; see the module docstring.
 
@@ -172,7 +173,9 @@ def tune(
     the allocator sees (the computes' temporaries, the gradient-sync buffers, the optimizer step after the step;
     AdamW's), not only what the step keeps between computes: ``memory_limit`` guards that figure.
     ``latency``, ``per_byte`` and ``overhead`` are constants, measured once on the 2-core machine of the
-    benchmarks (see their comments), not on this one: pass your own.
+    benchmarks (see their comments), not on this one: pass your own. ``progress(done, layers, sizes)``: called as the
+    layers are measured, with done=0 first, then after each layer at each micro-batch size (of layers x sizes);
+    ``progress_printer()`` writes it to stderr, as ``python -m pipeengine.tune`` does.
     """
     _check_problem(model, sample, target)
     for label, value in (("world_size", world_size), ("data_parallel", data_parallel),
@@ -206,8 +209,19 @@ def tune(
     share = threads or max(1, (os.cpu_count() or 1) // world_size)
     if where.type == "cpu" and reuse_memory:
         keep_freed_memory()
+    done = 0
+    if progress is not None:
+        progress(0, layers, len(counts))
+
+    def layer_done() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, layers, len(counts))
+
     profiles = {m: profile_layers(model, sample, batch // m, repeats=repeats, device=where, threads=share,
-                                  loss=loss_fn, target=target, allocator=allocator, compile=compile)
+                                  loss=loss_fn, target=target, allocator=allocator, compile=compile,
+                                  progress=layer_done)
                 for m in counts}  # fmt: skip
     measured = time.perf_counter() - started
 
@@ -297,6 +311,27 @@ def _price(
                      timeline.bubble_fraction, tuple(timeline.required_memory), data_parallel, fsdp)  # fmt: skip
 
 
+def progress_printer(stream: TextIO | None = None) -> Callable[[int, int, int], None]:
+    """A ``tune(progress=)`` that says how far the measuring is, on ``stream`` (default: stderr at each call):
+    "measuring 8 layers at 3 micro-batch sizes: 5/24", rewritten in place on a terminal, else a line at the start,
+    at each tenth of the way and at the end."""
+    shown = -1  # the last tenth written (not on a terminal)
+
+    def report(done: int, layers: int, sizes: int) -> None:
+        nonlocal shown
+        out = stream if stream is not None else sys.stderr
+        total = layers * sizes
+        text = f"measuring {layers} layers at {sizes} micro-batch size{'s' if sizes != 1 else ''}: {done}/{total}"
+        if out.isatty():
+            out.write(f"\r{text}" + ("\n" if done == total else ""))
+        elif done * 10 // total > shown:
+            shown = done * 10 // total
+            out.write(f"{text}\n")
+        out.flush()
+
+    return report
+
+
 def _check_problem(model: object, sample: object, target: object) -> None:
     if not isinstance(model, nn.Sequential):
         raise TypeError(
@@ -366,7 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = tune(model, loss_fn, sample, args.world_size, memory_limit=args.memory_limit,
                       data_parallel=args.data_parallel, fsdp=args.fsdp, schedules=args.schedules,
-                      microbatches=args.microbatches, backend=args.backend)  # fmt: skip
+                      microbatches=args.microbatches, backend=args.backend,
+                      progress=progress_printer())  # fmt: skip
         print(result)
         print(f"best: PipelineEngine(model, loss_fn, **{result.best.engine_kwargs()})")
     except (ValueError, TypeError) as error:

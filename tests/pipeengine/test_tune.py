@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import subprocess
@@ -15,7 +16,7 @@ from torch import nn
 
 from pipeengine import PipelineEngine, launch
 from pipeengine.planner.profiler import profile_layers
-from pipeengine.tune import Candidate, tune
+from pipeengine.tune import Candidate, progress_printer, tune
 from schedules import SCHEDULES, Costs, registration, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.memory import activation_heavy, step_then_trace
@@ -196,6 +197,8 @@ def test_the_cli_plans_a_model_given_as_module_function() -> None:
                             timeout=100, env=env, cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr, result.stderr  # e.g. runpy's, were pipeengine to import the module first
+    assert "Memory block" not in result.stderr, result.stderr  # torch's allocator, under the planner's watches
+    assert "measuring 11 layers at 5 micro-batch sizes: 55/55\n" in result.stderr, result.stderr  # its progress
     assert "candidates (priced in" in result.stdout and "best: PipelineEngine(model, loss_fn, **{'schedule':" in (
         result.stdout
     )
@@ -236,3 +239,64 @@ def test_a_weight_pass_makes_one_layers_gradients_at_a_time() -> None:
         del weight_pass
     one_layer = 256 * 256 * 4
     assert one_layer <= watch.peak < 2 * one_layer, watch.peak
+
+
+class _LogsWhileProfiled(nn.Module):
+    """Writes torch's line on a free the allocator cannot size (``line``) to fd 2 while a profiler records, as torch
+    does (at the first such free of a process and every 1000th after), and a line of its own."""
+
+    line = b""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+            os.write(2, self.line + b"the layer's own line, watched\n")
+        return self.linear(x)
+
+
+def test_tune_says_how_far_the_measuring_is_and_no_profiler_line_reaches_the_user(
+    capfd: pytest.CaptureFixture[str], recwarn: pytest.WarningsRecorder
+) -> None:
+    from pipeengine.observe.allocator import UNKNOWN_FREE, AllocatorWatch
+
+    for _ in range(50):  # torch's own line: frees it cannot size in a watch (some addresses it still knows)
+        before = [torch.empty(1) for _ in range(1000)]
+        with AllocatorWatch(torch.device("cpu")):
+            before.clear()
+        said = capfd.readouterr().err
+        if said:
+            break
+    assert UNKNOWN_FREE.decode() in said, said
+    _LogsWhileProfiled.line = said.encode()
+    calls: list[tuple[int, int, int]] = []
+    model = nn.Sequential(_LogsWhileProfiled(), nn.ReLU(), nn.Linear(4, 2))
+    tune(model, mse, torch.randn(4, 4), 2, schedules=["1f1b"], microbatches=[1, 2], repeats=1,
+         progress=lambda *done: (calls.append(done), progress_printer()(*done)))  # fmt: skip
+    assert calls == [(done, 3, 2) for done in range(7)]  # 3 layers at 2 micro-batch sizes, a call after each
+    err = capfd.readouterr().err
+    assert UNKNOWN_FREE.decode() not in err, err
+    assert [line for line in err.splitlines() if line != "the layer's own line, watched"] == [
+        f"measuring 3 layers at 2 micro-batch sizes: {done}/6" for done in range(7)
+    ], err
+    assert err.count("the layer's own line, watched\n") == 2, err  # its forward watched at each size: passed on
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
+    lines = io.StringIO()  # not a terminal: a line at the start, at each tenth of the way, at the end
+    printer = progress_printer(lines)
+    for done in range(25):
+        printer(done, 8, 3)
+    shown = [0, 3, 5, 8, 10, 12, 15, 17, 20, 22, 24]
+    assert lines.getvalue().splitlines() == [f"measuring 8 layers at 3 micro-batch sizes: {d}/24" for d in shown]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()  # one line, rewritten in place
+    printer = progress_printer(terminal)
+    for done in range(3):
+        printer(done, 2, 1)
+    said = "measuring 2 layers at 1 micro-batch size"
+    assert terminal.getvalue() == f"\r{said}: 0/2\r{said}: 1/2\r{said}: 2/2\n"
