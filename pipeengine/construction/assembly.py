@@ -94,6 +94,11 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
         for s in schedule.stages_of(topology.pp_rank)
     }
     ties = tensor.agree_on_ties(ties, stages, topology)
+    partition = dataclasses.replace(partition, grid=grid, tp_rank=topology.tp_rank)
+    if grid.tp > 1:  # the report shows a tensor-parallel rank's shares (every rank of the pipeline gathers them)
+        names = [name for name, _ in model.named_children()]
+        shards = tensor.shard_costs(partition.costs, names, partition.bounds, stages, topology.pipeline)
+        partition = dataclasses.replace(partition, shards=shards)
     workers = {
         s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn,
                        checkpointed=config.checkpointed(s, num_stages), precision=config.dtype)

@@ -3,15 +3,17 @@
     local(t)    the tensor this rank holds (a DTensor's local shard, an async collective's result; a plain tensor)
     whole(t)    the full tensor (a DTensor gathered over its mesh: every rank of the mesh calls it)
     spread(t, like)   a full tensor cut as ``like`` is (its mesh and placements), with no communication
+    tensor_parallel_numel(t)   the elements of this rank's shard along the mesh's "tp" dim alone
 """
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 
-__all__ = ["is_dtensor", "local", "local_bytes", "spread", "whole"]
+__all__ = ["is_dtensor", "local", "local_bytes", "spread", "tensor_parallel_numel", "whole"]
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -51,3 +53,18 @@ def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds of a tensor."""
     mine = local(tensor)
     return mine.numel() * mine.element_size()
+
+
+def tensor_parallel_numel(tensor: torch.Tensor) -> int:
+    """Elements of this rank's shard of a tensor split over the mesh's "tp" dim, as DTensor splits it (torch.chunk's
+    sizes); a split over any other dim (FSDP's over "dp") is not counted: the tensor-parallel rank's share."""
+    if not is_dtensor(tensor):
+        return tensor.numel()
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    shape = list(tensor.shape)
+    for dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names or (), tensor.placements, strict=False)):  # type: ignore[attr-defined]
+        if name == "tp" and placement.is_shard():
+            size, index, n = mesh.size(dim), mesh.get_local_rank(dim), shape[placement.dim]
+            chunk = -(-n // size)
+            shape[placement.dim] = max(0, min(chunk, n - index * chunk))
+    return math.prod(shape)

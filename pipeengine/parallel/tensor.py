@@ -7,6 +7,7 @@ backward (their gradients need no reduction of ours: a replica's AR reduces each
     apply(module, mesh, plan)  a stage's modules parallelized
     retie / agree_on_ties      a weight tied across stages of one rank one tensor again after parallelizing, and a
                                tie whose holders were sharded differently refused on every rank
+    shard_costs                the layers' parameters as a tensor-parallel rank holds them, for the partition's report
 Its checkpoint form is the DTensor itself (pipeengine.core.dtensors: whole, spread); a stage whose output is a
 shard is refused where the stage runs (pipeengine.runtime.stage).
 """
@@ -15,17 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
-from pipeengine.core.dtensors import is_dtensor
+from pipeengine.core.dtensors import is_dtensor, tensor_parallel_numel
 from pipeengine.core.grid import DIMS, Grid
 from pipeengine.core.ties import Ties
 
-__all__ = ["agree_on_ties", "apply", "device_mesh", "plan_matches", "retie"]
+if TYPE_CHECKING:
+    from pipeengine.planner.profiler import LayerCosts
+
+__all__ = ["agree_on_ties", "apply", "device_mesh", "plan_matches", "retie", "shard_costs"]
 
 
 def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
@@ -128,3 +133,25 @@ def agree_on_ties(ties: Ties, stages: dict[int, nn.Module], topology: Topology) 
                 "both shard it on dim 0), or none"
             )
     return ties
+
+
+def shard_costs(costs: LayerCosts, names: Sequence[str], bounds: Sequence[tuple[int, int]],
+                stages: Mapping[int, nn.Module], pipeline: Transport) -> LayerCosts:  # fmt: skip
+    """``costs`` with each layer's parameters (count and bytes) as this rank's tensor-parallel index holds them: a
+    shard where the plan split them (pipeengine.core.dtensors.tensor_parallel_numel). Each rank counts the layers of
+    its stages (under the model's ``names``), the pipeline gathers them: every rank of the pipeline calls it. A layer
+    no stage module holds under its name (a parallelize= that rebuilt the stage) keeps its unsharded figures."""
+    mine: dict[int, tuple[int, int]] = {}
+    for stage, module in stages.items():
+        children = dict(module.named_children())
+        for index in range(*bounds[stage]):
+            layer = children.get(names[index])
+            if layer is not None:
+                held = [(tensor_parallel_numel(p), p.element_size()) for p in layer.parameters()]
+                mine[index] = (sum(n for n, _ in held), sum(n * size for n, size in held))
+    found: dict[int, tuple[int, int]] = {}
+    for theirs in pipeline.all_gather_object(mine, "the layers' tensor-parallel shard sizes"):
+        found.update(theirs)
+    params = tuple(found.get(i, (p, 0))[0] for i, p in enumerate(costs.params))
+    param_bytes = tuple(found[i][1] if i in found else b for i, b in enumerate(costs.param_bytes))
+    return dataclasses.replace(costs, params=params, param_bytes=param_bytes)

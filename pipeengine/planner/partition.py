@@ -12,6 +12,7 @@ from torch import nn
 
 from pipeengine.core.bounds import Bounds, bounds_from_counts, check_counts
 from pipeengine.core.config import METHODS
+from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors
 from pipeengine.planner.profiler import LayerCosts, measure
 
@@ -113,7 +114,11 @@ class Partition:
     method: str  # one of METHODS, or "explicit"
     bounds: Bounds
     costs: LayerCosts
-    placement: tuple[int, ...] | None = None  # stage -> rank, for the report
+    placement: tuple[int, ...] | None = None  # stage -> pipeline position, for the report
+    grid: Grid | None = None  # the engine's (dp, pp, tp) grid: the report names each stage's world ranks
+    # under tensor parallelism: the layers' parameters as tensor-parallel rank ``tp_rank`` holds them, for the report
+    shards: LayerCosts | None = None
+    tp_rank: int = 0
 
     def stage_sum(self, values: Sequence[float] | None) -> list[float] | None:
         return None if values is None else [sum(values[a:b]) for a, b in self.bounds]
@@ -126,23 +131,47 @@ class Partition:
         mean = sum(per_stage) / len(per_stage)
         return max(per_stage) / mean if mean > 0 else 1.0
 
+    def ranks(self, stage: int) -> str:
+        """The world ranks that run a stage in the first replica ("-" without a placement): its pipeline position
+        without tensor parallelism, else its tensor-parallel ranks, "2-3"."""
+        if self.placement is None:
+            return "-"
+        if self.grid is None or self.grid.tp == 1:
+            return str(self.grid.rank(0, self.placement[stage]) if self.grid else self.placement[stage])
+        ranks = self.grid.select(dp=[0], pp=[self.placement[stage]])
+        return f"{ranks[0]}-{ranks[-1]}"
+
     def __str__(self) -> str:
-        params = self.stage_sum(self.costs.params) or []
+        tp, dp = (self.grid.tp, self.grid.dp) if self.grid else (1, 1)
+        sizes = self.shards if tp > 1 and self.shards is not None else self.costs
+        params = self.stage_sum(sizes.params) or []
         times = self.stage_sum(self.costs.time)
-        memory = self.stage_sum(self.costs.memory) or []
+        memory = self.stage_sum(sizes.memory) or []
         balanced = {"uniform": "layers", "explicit": "layers"}.get(self.method, self.method)
         lines = [
             f"partition by {self.method}: {len(self.bounds)} stages, imbalance {self.imbalance:.2f} "
             f"(max / mean of {balanced})"
         ]
-        lines.append("stage  rank  layers   params    time ms  memory MiB")
+        ranks = [self.ranks(stage) for stage in range(len(self.bounds))]
+        word = "ranks" if tp > 1 else "rank"
+        width = max(len(word), *(len(r) for r in ranks))
+        lines.append(f"stage  {word:>{width}}  layers   params    time ms  memory MiB")
         for stage, (start, end) in enumerate(self.bounds):
-            rank = str(self.placement[stage]) if self.placement else "-"
             ms = f"{1e3 * times[stage]:9.2f}" if times else "        -"
             lines.append(
-                f"{stage:5d}  {rank:>4}  {f'{start}-{end - 1}':7}  {int(params[stage]):7,d}  {ms}  "
+                f"{stage:5d}  {ranks[stage]:>{width}}  {f'{start}-{end - 1}':7}  {int(params[stage]):7,d}  {ms}  "
                 f"{memory[stage] / 2**20:10.2f}"
             )
+        if self.grid is not None and dp > 1:
+            lines.append(f"{word} of replica 0; replica r's are these + r x {self.grid.pp * tp}")
+        if tp > 1 and self.shards is not None:
+            lines.append(
+                f"tensor_parallel={tp}: params and memory are one tensor-parallel rank's (tp rank {self.tp_rank}'s): "
+                "its shards of the parameters, with their gradients and AdamW's state, and the activations as "
+                "measured unsharded; time as measured unsharded"
+            )
+        elif tp > 1:
+            lines.append(f"tensor_parallel={tp}: params, time and memory as measured unsharded, not per rank")
         return "\n".join(lines)
 
 

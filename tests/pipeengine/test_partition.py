@@ -171,6 +171,37 @@ def test_the_report_lists_every_stage() -> None:
     )
 
 
+def test_the_report_names_each_stages_world_ranks_and_under_tensor_parallelism_a_ranks_shares() -> None:
+    from pipeengine.core.grid import Grid
+
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256), nn.Linear(256, 4))
+    costs = measure(model, None)  # parameters: 262,656, 0, 131,328, 1,028
+    partition = Partition("explicit", [(0, 2), (2, 4)], costs, placement=(0, 1))
+    table = ["partition by explicit: 2 stages, imbalance 1.00 (max / mean of layers)",
+             "stage  rank  layers   params    time ms  memory MiB",
+             "    0     0  0-1      262,656          -        4.01",  # weights, gradients, AdamW's two: 16 bytes each
+             "    1     1  2-3      132,356          -        2.02"]  # fmt: skip
+    assert str(partition).splitlines() == table
+    assert str(dataclasses.replace(partition, grid=Grid(1, 2))).splitlines() == table  # no TP, one replica: as it was
+    replicas = str(dataclasses.replace(partition, grid=Grid(2, 2))).splitlines()
+    assert replicas == [*table, "rank of replica 0; replica r's are these + r x 2"]
+    # tp=2: the first Linear split by columns (half its weight and bias), the second by rows (its bias whole)
+    shards = dataclasses.replace(costs, params=(131_328, 0, 65_792, 1_028),
+                                 param_bytes=(4 * 131_328, 0, 4 * 65_792, 4 * 1_028))  # fmt: skip
+    sharded = dataclasses.replace(partition, grid=Grid(2, 2, 2), shards=shards, tp_rank=1)
+    assert str(sharded).splitlines() == [
+        table[0],
+        "stage  ranks  layers   params    time ms  memory MiB",
+        "    0    0-1  0-1      131,328          -        2.00",
+        "    1    2-3  2-3       66,820          -        1.02",
+        "ranks of replica 0; replica r's are these + r x 4",
+        "tensor_parallel=2: params and memory are one tensor-parallel rank's (tp rank 1's): its shards of the "
+        "parameters, with their gradients and AdamW's state, and the activations as measured unsharded; time as "
+        "measured unsharded",
+    ]
+    assert sharded.imbalance == partition.imbalance  # what was balanced: the whole layers
+
+
 @pytest.mark.parametrize("bad", ["fastest", ["a"]])
 def test_plan_names_the_valid_methods(bad: object) -> None:
     with pytest.raises((ValueError, TypeError)):

@@ -148,6 +148,12 @@ def traced_row_then_column() -> None:
     styles = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
     engine = PipelineEngine(model, F.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=styles,
                             partition=[6, 2])  # fmt: skip
+    # the report: each stage's world ranks (tp innermost) and a tensor-parallel rank's parameters: stage 0's four
+    # Linears hold half their weights and column-split biases (72 each of 144 and 136), stage 1's are whole
+    text = str(engine.partition)
+    rows = [line.split()[:4] for line in text.splitlines()[1:4]]
+    assert rows == [["stage", "ranks", "layers", "params"], ["0", "0-1", "0-5", "288"], ["1", "2-3", "6-7", "81"]], text
+    assert f"tensor_parallel=2: params and memory are one tensor-parallel rank's (tp rank {engine.tp_rank}'s)" in text
     x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(4)), torch.zeros(4, 1)
     untraced = engine.train_step(x if engine.first else None, y if engine.last else None)
     grads = {name: whole(p.grad).clone() for name, p in engine.named_parameters()}  # type: ignore[arg-type]
