@@ -70,7 +70,7 @@ def launch(
     and what every other rank was doing; the others get ``grace`` seconds to stop by themselves.
     ``max_restarts``: after a failure (a rank raised, died or hung), report the cause on stderr,
     stop every rank and start them all again as fresh processes, at most this many times; ``fn``
-    resumes from its last checkpoint (README: Resuming and restarts). Under torchrun, its own
+    resumes from its last checkpoint (docs/guides/checkpoints.md). Under torchrun, its own
     --max-restarts does this. A checkpoint still being written in the background is finished
     before a rank ends (pipeengine.core.pending).
     A rank whose ``fn`` returned exits without tearing down its interpreter: close the files it

@@ -3,7 +3,7 @@
 torchrun --max-restarts starts every rank again after a failure; its agent's store keeps the keys of the last
 attempt's group (gloo's addresses, now dead), so an attempt after the first joins on keys of its own. On several
 machines a node restarted by another node's failure does not count the restart (TORCHELASTIC_RESTART_COUNT):
-there the attempts cannot be told apart (README: Resuming and restarts).
+there the attempts cannot be told apart (docs/guides/checkpoints.md: Restarts).
 """
 
 from __future__ import annotations

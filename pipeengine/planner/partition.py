@@ -22,7 +22,7 @@ __all__ = ["METHODS", "Partition", "plan", "solve"]
 def solve(costs: Sequence[float], num_stages: int) -> Bounds:
     """Split layers into ``num_stages`` contiguous non-empty stages minimising the largest stage cost, exactly.
 
-    best[k][i] = min over j of max(best[k-1][j], S[i] - S[j]), S the prefix sums: the first
+    ``best[k][i] = min over j of max(best[k-1][j], S[i] - S[j])``, S the prefix sums: the first
     term never falls and the second never rises as j grows (costs >= 0), so the optimal j
     form one interval around their crossing, found by binary search: O(stages x layers x log).
     Among optimal j the last stage gets the count of layers closest to an even share.

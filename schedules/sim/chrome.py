@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schedules.ir.instructions import Post
@@ -39,5 +40,6 @@ def chrome_trace_events(timeline: Timeline) -> list[dict[str, object]]:
 
 
 def write_chrome_trace(timeline: Timeline, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # its missing folders made (out/step.json)
     with open(path, "w") as out:
         json.dump({"traceEvents": chrome_trace_events(timeline), "displayTimeUnit": "ms"}, out)

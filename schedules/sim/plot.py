@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schedules.ir.instructions import Instruction, Kind
@@ -67,6 +69,8 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[st
         handles += [Patch(color=COLOURS[Kind.FORWARD]), Patch(color=COLOURS[Kind.FORWARD], alpha=LATER_CHUNKS)]
         labels += [CHUNK_LABELS["chunk-first"], CHUNK_LABELS["chunk-later"]]
     figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=9, frameon=False)
+    if isinstance(path, (str, os.PathLike)):  # a file name: its missing folders made (out/step.png)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return figure
 
