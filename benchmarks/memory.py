@@ -16,7 +16,7 @@ Fresh gloo ranks per point train one step with AdamW (its two moments exist), ze
 
 Two models: "activations" (the issue's blocks, 8 of Linear(256, 1024), GELU, Linear(1024, 256), batch
 4096), where activations dominate, and "state" (8 blocks of Linear(1024, 1024), Tanh, batch 512), where
-the weights, gradients and AdamW's moments do. Writes out/bench/memory.{json,txt,png,md} (md: the README's
+the weights, gradients and AdamW's moments do. Writes out/bench/memory.{json,txt,png,md} (md: docs/benchmarks.md's
 tables; `--tables out/bench/memory.json` prints them again without a run). With --data-parallel 2 and
 --sharding none fsdp fsdp-reshard, the first replica's pipeline reports (out/bench/memory_dp.{json,txt}), with
 each rank's state (weights, gradients, AdamW's moments: sharded with fsdp):
@@ -116,7 +116,7 @@ def plot(rows: list[dict[str, object]], path: str) -> None:
 
 
 def tables(rows: list[dict[str, object]], ranks: int = 4) -> str:
-    """The README's tables: per model, schedule and checkpointing, each rank's allocator / predicted MiB."""
+    """docs/benchmarks.md's tables: per model, schedule and checkpointing, each rank's allocator / predicted MiB."""
     out = []
     for kind in MODELS:
         mine = [r for r in rows if r["model"] == kind and r["ranks"] == ranks]
@@ -147,7 +147,8 @@ def main() -> None:
     parser.add_argument("--data-parallel", type=int, default=1, help="replicas: --ranks counts them all")
     parser.add_argument("--sharding", nargs="+", default=["none"], choices=list(SHARDING),
                         help="with --data-parallel 2 or more: fsdp=True, and with reshard_after_forward")
-    parser.add_argument("--tables", metavar="JSON", help="print the README's tables from a run's memory.json; no run")
+    parser.add_argument("--tables", metavar="JSON",
+                        help="print docs/benchmarks.md's tables from a run's memory.json; no run")
     args = parser.parse_args()
     if args.tables:
         print(tables(json.loads(Path(args.tables).read_text())))

@@ -2,6 +2,7 @@
 
 python examples/quickstart.py
 python examples/quickstart.py --ranks 4 --schedule interleaved --steps 20
+python examples/quickstart.py --in-process      # the ranks as threads of one process: one debugger for all
 """
 
 from __future__ import annotations
@@ -58,9 +59,15 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--microbatches", type=int, default=MICROBATCHES, help="micro-batches a step")
     made.add_argument("--steps", type=int, default=STEPS, help="optimizer steps")
     made.add_argument("--timeline", help="write the last step's measured timeline to PATH.png and PATH.json")
+    made.add_argument("--in-process", action="store_true", help="run the ranks as threads of this process (debugging)")
     return made
 
 
+def cli(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    launch(main, args.ranks, args=(args.schedule, args.microbatches, args.steps, args.timeline),
+           in_process=args.in_process)
+
+
 if __name__ == "__main__":
-    args = parser().parse_args()
-    launch(main, args.ranks, args=(args.schedule, args.microbatches, args.steps, args.timeline))
+    cli()

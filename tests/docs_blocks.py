@@ -143,13 +143,3 @@ def finetuned(folder: Path) -> dict[str, object]:
 
 CONTEXTS = {"ranks": ranks, "engine": engine, "gpt": gpt, "gloo": gloo, "hf": hf}
 
-
-def run_fragments(codes: list[str], context: str, folder: str) -> None:
-    """On each rank: every fragment in turn, each in a fresh CONTEXT, in ``folder`` (what they write lands there)."""
-    import os
-
-    os.makedirs(folder, exist_ok=True)
-    os.chdir(folder)  # a launched rank starts where the fork server did: what a fragment writes goes here
-    for number, code in enumerate(codes):
-        names = CONTEXTS[context]()
-        exec(compile(code, f"<{context} fragment {number}>", "exec"), names)

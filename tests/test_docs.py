@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import io
 import re
 import runpy
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeengine import launch
-from tests.docs_blocks import CONTEXTS, ROOT, Block, every_block, finetuned, pages, run_fragments
+from tests.docs_blocks import CONTEXTS, ROOT, Block, every_block, finetuned, pages
 
 BLOCKS = [block for block in every_block() if block.language in ("python", "bash")]
 SKIPS = {  # each block not run, by page: the reason is in the page
@@ -85,8 +86,19 @@ def test_a_program_runs_on_in_process_ranks(block: Block, tmp_path: Path, monkey
     import pipeengine
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(pipeengine, "launch", lambda *a, **k: launch(*a, **k, in_process=True, timeout=60))
+    monkeypatch.setattr(pipeengine, "launch", functools.partial(launch, in_process=True, timeout=60))
     exec(compile(block.code, block.name, "exec"), {"__name__": "__main__"})
+
+
+def run_fragments(codes: list[str], context: str, folder: str) -> None:
+    """On each rank: every fragment in turn, each in a fresh CONTEXT, in ``folder`` (what they write lands there)."""
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    os.chdir(folder)  # a launched rank starts where the fork server did: what a fragment writes goes here
+    for number, code in enumerate(codes):
+        names = CONTEXTS[context]()
+        exec(compile(code, f"<{context} fragment {number}>", "exec"), names)
 
 
 FRAGMENTS = [block for block in of("in") if block.directive != "in gloo" and block.directive != "in finetuned"]

@@ -40,7 +40,7 @@ FACTORS: dict[str, tuple[object, ...]] = {
 COMPILE = {"mlp": 1.0, "gpt": 3.0, "llama": 8.0}  # seconds a rank spends compiling each model's blocks, about
 SEED = 3  # of seeds 0-5, one whose matrix costs least: 46 configurations, 3 of them on 8 ranks (measured)
 PRICE = 0.2  # pairs a configuration must cover for each second it costs (tests/composition: cost)
-REFUSALS = {  # (factor, level) pairs the README documents as refused -> what the refusal says
+REFUSALS = {  # (factor, level) pairs the docs (guides) document as refused -> what the refusal says
     frozenset({("data", "fsdp"), ("tie", "v-rank")}): r"FSDP2 shards each stage on its own",
     frozenset({("data", "fsdp-reshard"), ("tie", "v-rank")}): r"FSDP2 shards each stage on its own",
 }
