@@ -33,7 +33,7 @@ __all__ = ["PipelineEngine", "DEFAULT_TIMEOUT"]
 
 
 class PipelineEngine:
-    """Train an ``nn.Sequential`` with pipeline parallelism, one pipeline position per rank (docs/ says more).
+    """Train an ``nn.Sequential`` with pipeline parallelism, one pipeline position per rank (docs/: the guides).
 
     Every rank builds the same model (checked: pipeengine.comm.consensus) and keeps only its stages::
 
