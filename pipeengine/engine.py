@@ -195,5 +195,5 @@ class PipelineEngine:
             yield self
 
     def timeline(self) -> Timeline | None:
-        """The last traced step on every rank, aligned on one clock (seconds): on rank 0, None elsewhere."""
+        """The last traced step of this pipeline's ranks on one clock (seconds): on its pp_rank 0, else None."""
         return self._tracing.timeline

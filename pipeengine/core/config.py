@@ -24,7 +24,31 @@ PRECISIONS: dict[str | None, torch.dtype | None] = {
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """The options of PipelineEngine (see its docstring), by keyword; a bad value is refused with the valid ones."""
+    """The options of PipelineEngine, by keyword; a bad value is refused with the valid ones.
+
+    Attributes:
+        num_microbatches: micro-batches a step; the batch must split into them equally (None: schedule="auto").
+        schedule: "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v", a
+            `schedules.Schedule`, or "auto" (the planner chooses schedule, micro-batches, chunks and partition).
+        chunks: stages per rank, for interleaved and the V schedules (default: the schedule's own).
+        partition: "time", "parameters", "memory", "uniform", or the layers of each stage (default: "time" with
+            PipelineEngine's `sample=`, else "parameters").
+        device: where this rank computes (default: its CUDA device under NCCL, else the CPU).
+        timeout: seconds any wait on another rank may take before every rank stops.
+        trace: record every step (or trace chosen steps with `engine.tracing()`).
+        data_parallel: replicas of the pipeline; each reads its share of the batch.
+        checkpoint: "never", "always" or "except_last": recompute activations in the backward.
+        precision: None or "fp32", "bf16", "fp16" (autocast; fp16 with a loss scaler, `engine.scaler`).
+        loss_count: `fn(target)`, the units (tokens) in a micro-batch's target: `loss_fn` returns their sum and
+            the engine divides by the step's total (a token-mean loss over padded batches).
+        memory_limit: bytes per rank that schedule="auto" keeps each rank under.
+        parallelize: `fn(stage_module, mesh)`, run on each stage after `tp_plan`; returns the module to run.
+        tensor_parallel: ranks per stage (innermost on the grid), with `tp_plan`.
+        tp_plan: fnmatch patterns over the model's module names, each to a torch `ParallelStyle`.
+        fsdp: shard weights, gradients and optimizer state over the replicas (FSDP2; data_parallel > 1).
+        reshard_after_forward: with fsdp, free the gathered weights after each forward and gather them again.
+        compile: torch.compile each layer of every stage (True, or torch.compile's keywords).
+    """
 
     num_microbatches: int | None = None  # None: chosen by schedule="auto"
     schedule: str | Schedule = "1f1b"

@@ -77,7 +77,7 @@ def launch(
     writes (see _exit).
 
     ``in_process=True`` runs the ranks as threads of this process, over an in-memory transport
-    (CPU only; no torch.distributed): for tests and debugging, see pipeengine.loopback. They share
+    (CPU only; no torch.distributed): for tests and debugging, see pipeengine.comm.loopback. They share
     torch's thread pool, of ``threads`` threads while they run.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
