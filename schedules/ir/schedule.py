@@ -35,7 +35,7 @@ class Schedule:
     """Plain data: which rank runs each stage, and what each rank runs, in order.
 
     ``instructions[r]`` is rank ``r``'s stream. A compiler emits compute only;
-    :func:`schedules.lower` adds the sends and receives. ``no_gradient`` lists the stage
+    ``schedules.lower`` adds the sends and receives. ``no_gradient`` lists the stage
     boundaries (boundary b lies between stage b and b+1) that carry no gradient, e.g.
     behind frozen stages: lowering sends no gradient across them (see schedules.ir.dataflow).
     """
@@ -155,7 +155,7 @@ class Schedule:
         return f"{self.describe()}; stage->rank: {stages}\n{self.grid()}"
 
     def to_text(self) -> str:
-        """The whole schedule as text that :meth:`from_text` reads back: a file a user can write or edit::
+        """The whole schedule as text that ``from_text`` reads back: a file a user can write or edit::
 
             schedule 1f1b
             ranks 2
@@ -178,7 +178,7 @@ class Schedule:
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
-        """Read :meth:`to_text`'s form. Raises ScheduleError naming the line that is wrong."""
+        """Read the form ``to_text`` writes. Raises ScheduleError naming the line that is wrong."""
         fields: dict[str, tuple[int, str]] = {}  # field -> (line number, its text)
         tied: list[tuple[int, ...]] = []
         streams: dict[int, tuple[int, tuple[Action, ...]]] = {}  # rank -> (line number, stream)
