@@ -30,6 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from generate_hf import generate
 from train_gpt import VOCAB, corpus, documents
 
 from pipeengine import PipelineEngine, hf, launch
@@ -84,17 +85,6 @@ def packed_rows(rows: int, context: int, docs: list[tuple[int, int]], encode: ob
             positions[row, filled : filled + len(tokens)] = torch.arange(len(tokens))
             filled += len(tokens)
     return (ids, positions), ids.masked_fill(positions == 0, hf.IGNORE)
-
-
-def generate(directory: str, prompt: str, tokens: int) -> str:
-    """What the written model generates from ``prompt`` with the tokenizer beside it (greedy)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    inputs = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0])  # type: ignore[no-any-return]
 
 
 def main(args: argparse.Namespace) -> None:

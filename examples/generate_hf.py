@@ -18,23 +18,29 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def main(argv: list[str] | None = None) -> None:
+def generate(directory: str, prompt: str, tokens: int, *, sample: bool = False, temperature: float = 0.8,
+             seed: int = 0, device: str = "cpu") -> str:  # fmt: skip
+    """The prompt and what the model in ``directory`` generates after it, with the tokenizer beside it (greedy,
+    unless ``sample``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    args = parser().parse_args(argv)
-    model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    inputs = tokenizer(args.prompt, return_tensors="pt").to(args.device)
-    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 0} if args.sample else {
-        "do_sample": False}  # fmt: skip
-    torch.manual_seed(args.seed)  # what --sample draws
+    model = AutoModelForCausalLM.from_pretrained(directory).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if sample else {"do_sample": False}
+    torch.manual_seed(seed)  # what sample draws
     with torch.no_grad():
-        ids = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             **sampling)  # fmt: skip
+        ids = model.generate(**inputs, max_new_tokens=tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
     # the text without the begin and end tokens; not skip_special_tokens=True: the characters' tokenizer has the
     # space as its unknown token and the newline as its padding, which would go too
     ends = {tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
-    print(tokenizer.decode([i for i in ids[0].tolist() if i not in ends]), flush=True)
+    return tokenizer.decode([i for i in ids[0].tolist() if i not in ends])  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    print(generate(args.model, args.prompt, args.max_new_tokens, sample=args.sample, temperature=args.temperature,
+                   seed=args.seed, device=args.device), flush=True)  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

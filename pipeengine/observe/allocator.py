@@ -32,18 +32,25 @@ __all__ = ["AllocatorWatch", "live_bytes", "optimizer_step_peak", "training_byte
 
 
 @contextlib.contextmanager
+def _stderr_to(sink: int) -> Iterator[None]:
+    """The process's fd 2 (what C++ writes too) goes to file descriptor ``sink`` for the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(sink, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Starting and stopping the profiler, kineto writes a line to the process's stderr (fd 2) each time, which no
     setting silences: send fd 2 to /dev/null for those two calls only."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    with open(os.devnull, "w") as null, _stderr_to(null.fileno()):
+        yield
 
 
 UNKNOWN_FREE = b"Memory block of unknown size was allocated before the profiling started"
@@ -53,16 +60,11 @@ UNKNOWN_FREE = b"Memory block of unknown size was allocated before the profiling
 def _dropping(noise: bytes) -> Iterator[None]:
     """fd 2 into a temporary file for the block; then what was written there goes on to fd 2, less the lines that
     hold ``noise``."""
-    sys.stderr.flush()
-    saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
         try:
-            yield
+            with _stderr_to(caught.fileno()):
+                yield
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
             caught.seek(0)
             kept = b"".join(line for line in caught.read().splitlines(keepends=True) if noise not in line)
             while kept:

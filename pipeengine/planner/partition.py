@@ -136,10 +136,10 @@ class Partition:
         without tensor parallelism, else its tensor-parallel ranks, "2-3"."""
         if self.placement is None:
             return "-"
-        if self.grid is None or self.grid.tp == 1:
-            return str(self.grid.rank(0, self.placement[stage]) if self.grid else self.placement[stage])
+        if self.grid is None:
+            return str(self.placement[stage])
         ranks = self.grid.select(dp=[0], pp=[self.placement[stage]])
-        return f"{ranks[0]}-{ranks[-1]}"
+        return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
     def __str__(self) -> str:
         tp, dp = (self.grid.tp, self.grid.dp) if self.grid else (1, 1)
