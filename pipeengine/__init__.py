@@ -19,8 +19,9 @@ from pipeengine.core.config import DEFAULT_TIMEOUT, EngineConfig
 from pipeengine.engine import PipelineEngine
 from pipeengine.errors import LaunchError, PeerError, PipelineError
 from pipeengine.launcher.launch import launch
+from pipeengine.planner.costmodel import LayerCosts
+from pipeengine.planner.measure import measure
 from pipeengine.planner.partition import METHODS, Partition, plan, solve
-from pipeengine.planner.profiler import LayerCosts, measure
 from pipeengine.train.checkpoint import consolidate
 from pipeengine.train.data import ReplicaLoader
 from pipeengine.train.files import latest_checkpoint

@@ -82,7 +82,7 @@ class PipelineEngine:
         )  # fmt: skip
         world = connect(group, self.config.device, self.config.timeout)
         agree_on_model(model, world)  # first: in-process ranks build their models one at a time until here
-        # schedule="auto": the pipeengine.planner.tune candidate every rank built (self.tuned), else None
+        # schedule="auto": the pipeengine.planner.search candidate every rank built (self.tuned), else None
         self.config, self.tuned = resolve_auto(self.config, model, loss_fn, sample, world)
         parts: Assembly = assemble(model, loss_fn, self.config, sample, world)
         self._expose(parts)

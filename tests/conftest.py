@@ -3,11 +3,19 @@ default (load) leaves them queued: the suite's long tests ended on one worker wh
 
 A rank that launch starts as a process imports the test module its function is defined in, and with it pytest: about
 80 ms of CPU a rank, where the rest of a test module costs a few. Where the tests run, the fork server the ranks start
-from imports pytest once, beside what launch preloads (torch, pipeengine)."""
+from imports pytest once, beside what launch preloads (torch, pipeengine).
 
+The planner's prices (pipeengine.planner.calibration) come from tests/calibration.json, not this machine's file:
+schedule="auto" on gloo ranks would otherwise measure them (seconds) where none are kept, and keep them in the user's
+home. A test of calibration itself points PIPEENGINE_CALIBRATION elsewhere."""
+
+import os
 import sys
+from pathlib import Path
 
 import pytest
+
+os.environ["PIPEENGINE_CALIBRATION"] = str(Path(__file__).parent / "calibration.json")  # ranks inherit it
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,5 +1,5 @@
 """What each transport runs, without torch: the program it makes of a lowered schedule and the semantics it is
-proved under. The transports (gloo, nccl, loopback) and the planner (pipeengine.planner.tune) both read these.
+proved under. The transports (gloo, nccl, loopback) and the planner (pipeengine.planner.search) both read these.
 
     backend    program                      semantics    a compute waits            posting
     gloo       receives_first(lowered)      buffered     host, work.wait(timeout)   downward messages on a 2nd group

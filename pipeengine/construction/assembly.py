@@ -31,8 +31,9 @@ from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.core.ties import Ties, find_ties
 from pipeengine.parallel import fsdp, gradient_syncs, tensor
+from pipeengine.planner.costmodel import LayerCosts
+from pipeengine.planner.measure import measure
 from pipeengine.planner.partition import Partition, method_costs, solve
-from pipeengine.planner.profiler import LayerCosts, measure
 from pipeengine.runtime.backward import keep_compiled_graphs
 from pipeengine.runtime.executor import Executor
 from pipeengine.runtime.programs import Programs
@@ -61,11 +62,11 @@ class Assembly:
 
 def resolve_auto(config: EngineConfig, model: nn.Sequential, loss_fn: LossFn, sample: object, world: Transport
                  ) -> tuple[EngineConfig, object | None]:  # fmt: skip
-    """schedule="auto": the planner's choice (pipeengine.planner.tune), the same on every rank, and the candidate it
+    """schedule="auto": the planner's choice (pipeengine.planner.search), the same on every rank, and the candidate it
     built; any other schedule as it is, and None."""
     if config.schedule != AUTO:
         return config, None
-    from pipeengine.planner.tune import choose  # here: `python -m pipeengine.tune` must find it not yet imported
+    from pipeengine.planner.search import choose  # here: `python -m pipeengine.tune` must find it not yet imported
 
     return choose(config, model, loss_fn, sample, world)
 

@@ -156,11 +156,6 @@ class EngineConfig:
                 f"tensor_parallel={self.tensor_parallel} with neither tp_plan= nor parallelize=: no layer would be "
                 "parallelized, every rank of a stage would compute the same; pass tp_plan={pattern: ParallelStyle}"
             )
-        if self.tensor_parallel > 1 and self.schedule == AUTO:
-            raise ValueError(
-                "schedule='auto' does not price tensor parallelism (per-layer compute divided by the plan, its "
-                "collectives): name a schedule with tensor_parallel > 1, or tune on tensor_parallel=1"
-            )
 
     def _check_fsdp(self) -> None:
         for name in ("fsdp", "reshard_after_forward"):

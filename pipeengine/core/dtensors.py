@@ -34,6 +34,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def settled(tensor: torch.Tensor) -> torch.Tensor:
+    """An AsyncCollectiveTensor (RowwiseParallel's output) waited on, as a plain tensor still in the autograd graph
+    (``local`` leaves the graph); any other tensor as it is. A profile's outputs: each collective waited on."""
+    module = sys.modules.get("torch.distributed._functional_collectives")
+    if module is not None and isinstance(tensor, module.AsyncCollectiveTensor):
+        return tensor * 1  # type: ignore[no-any-return]
+    return tensor
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 

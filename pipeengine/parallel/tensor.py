@@ -28,7 +28,7 @@ from pipeengine.core.grid import DIMS, Grid
 from pipeengine.core.ties import Ties
 
 if TYPE_CHECKING:
-    from pipeengine.planner.profiler import LayerCosts
+    from pipeengine.planner.costmodel import LayerCosts
 
 __all__ = ["agree_on_ties", "apply", "device_mesh", "plan_matches", "retie", "shard_costs"]
 

@@ -14,7 +14,8 @@ from pipeengine.core.bounds import Bounds, bounds_from_counts, check_counts
 from pipeengine.core.config import METHODS
 from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors
-from pipeengine.planner.profiler import LayerCosts, measure
+from pipeengine.planner.costmodel import LayerCosts
+from pipeengine.planner.measure import measure
 
 __all__ = ["METHODS", "Partition", "plan", "solve"]
 

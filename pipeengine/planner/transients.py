@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeengine.core.dtensors import settled
 from pipeengine.core.specs import Tensors, unpack
 from pipeengine.observe.allocator import AllocatorWatch
 from pipeengine.runtime.backward import backward_input
@@ -57,7 +58,7 @@ def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, de
         inputs = leaves()
         with torch.enable_grad():
             out = unpack(layer(inputs if packed else inputs[0]))
-        return inputs, tuple(o for o in out if o.requires_grad)
+        return inputs, tuple(settled(o) for o in out if o.requires_grad)
 
     with AllocatorWatch(device, quiet=True) as f:
         inputs, outputs = forward()  # what it keeps stays referenced here: the watch's end counts it

@@ -26,6 +26,9 @@ class Costs:
     where ``message_bytes[s]`` is the size of stage s's output (and of its gradient).
     ``memory``: the bytes each stage holds (schedules.sim.memory_model); with them the simulated
     timeline carries each rank's memory over time and its peak.
+    ``all_reduce``: seconds of stage s's gradient sync (AR): asynchronous from its post, one at a time on a
+    rank (in program order), and the step ends when the last is done. ``gather``: seconds before stage s's first
+    forward of the step can start on its rank (FSDP's all-gather of its parameters).
     """
 
     forward: PerStage = 1.0
@@ -36,6 +39,8 @@ class Costs:
     per_byte: float = 0.0
     message_bytes: PerStage = 0.0
     memory: Memory | None = None
+    all_reduce: PerStage = 0.0
+    gather: PerStage = 0.0
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Costs:
@@ -164,8 +169,9 @@ def run(
     sent: list[float | None] = [None] * flow.num_keys  # message -> when its send was posted
     received: list[float | None] = [None] * flow.num_keys  # message -> when its recv was posted
     has_recv = [False] * flow.num_keys  # lowered schedules wait for their recvs, compute-only ones do not
+    reduce, gather = expand("Costs.all_reduce", costs.all_reduce, S), expand("Costs.gather", costs.gather, S)
     programs = [
-        _compile(stream, table, flow, has_recv, None if durations is None else iter(durations[rank]))
+        _compile(stream, table, flow, has_recv, None if durations is None else iter(durations[rank]), reduce, gather)
         for rank, stream in enumerate(schedule.instructions)
     ]
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
@@ -221,8 +227,13 @@ def run(
             raise schedule.error("every rank can make progress", f"the simulation is stuck: {waits}", stuck)
 
     for program, out in zip(programs, times, strict=True):
+        channel = 0.0  # a rank's collectives run one at a time, in program order
         for index, entry in enumerate(program):
-            if entry[0] is None:
+            if entry[0] is None and entry[2] > 0:  # a collective with a price
+                start = max(out[index][0], channel)
+                channel = start + entry[2]
+                out[index] = (out[index][0], channel)
+            elif entry[0] is None:
                 end = posted_at = out[index][0]
                 for key, _ in entry[6]:
                     posted, wanted = sent[key], received[key]
@@ -234,7 +245,8 @@ def run(
 
 _F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
 # per action, for the hot loop: a compute (kind, stage*M + mb, cost, message it needs or -1, whether that
-# crosses ranks, message it makes or -1, ()), or communication (None, 0, 0.0, -1, False, -1, ((key, is_send), ...))
+# crosses ranks, message it makes or -1, ()), communication (None, 0, 0.0, -1, False, -1, ((key, is_send), ...)),
+# or a collective (None, stage, its price, -1, False, -1, ())
 Entry = tuple[Kind | None, int, float, int, bool, int, tuple[tuple[int, bool], ...]]
 
 
@@ -244,13 +256,18 @@ def _compile(
     flow: Dataflow,
     has_recv: list[bool],
     durations: Iterator[float] | None,
+    reduce: Sequence[float] = (),
+    gather: Sequence[float] = (),
 ) -> list[Entry]:
-    """Flatten a rank's stream into tuples for the hot loop, marking the messages it receives."""
+    """Flatten a rank's stream into tuples for the hot loop, marking the messages it receives. A gradient sync (AR)
+    carries its price (a TR is free); a stage's first forward on the rank carries its gather."""
     program: list[Entry] = []
     M = flow.num_microbatches
+    gathered: set[int] = set()
     for action in stream:
-        if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous, free here
-            program.append((None, 0, 0.0, -1, False, -1, ()))
+        if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous: posted, not waited on
+            cost = reduce[action.stage] if reduce and action.kind is Kind.ALL_REDUCE else 0.0
+            program.append((None, action.stage, cost, -1, False, -1, ()))
         elif isinstance(action, Post) or not action.kind.is_compute:
             keys = tuple((flow.carried_key(op), op.kind.is_send) for op in ops_of(action))
             for key, is_send in keys:
@@ -259,6 +276,9 @@ def _compile(
             program.append((None, 0, 0.0, -1, False, -1, keys))
         else:
             cost = table[action.kind][action.stage] if durations is None else next(durations)
+            if action.kind is Kind.FORWARD and gather and action.stage not in gathered:
+                gathered.add(action.stage)
+                cost += gather[action.stage]
             needs = flow.consumed_key(action)
             program.append((action.kind, action.stage * M + action.microbatch, cost, needs,
                             needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), ()))  # fmt: skip

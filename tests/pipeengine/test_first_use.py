@@ -239,10 +239,11 @@ def test_the_planner_names_why_there_is_no_candidate() -> None:
     from pipeengine.tune import tune
 
     x = torch.randn(8, 16)
-    with pytest.raises(ValueError, match=r"no candidate: a pipeline of 16 ranks .* the model has 11; use at most 11"):
-        tune(mlp(), mse, x, 16)
-    with pytest.raises(ValueError, match=r"a pipeline of 2 ranks .* needs at least 2 layers.* the model has 1"):
-        tune(nn.Sequential(nn.Linear(16, 4)), mse, x, 2)
+    with pytest.raises(ValueError, match=r"no layout of 16 ranks .* dp1 x pp16 x tp1: 16 pipeline stages need at least "
+                                         r"16 layers, one per stage; the model has 11: use at most 11 pipeline ranks"):
+        tune(mlp(), mse, x, 16, data_parallel=1)
+    with pytest.raises(ValueError, match=r"dp1 x pp2 x tp1: 2 pipeline stages need at least 2 layers.* model has 1"):
+        tune(nn.Sequential(nn.Linear(16, 4)), mse, x, 2, data_parallel=1)
     for bad in ({"world_size": -2}, {"world_size": 0}, {"data_parallel": 0}, {"microbatches": [0]}):
         arguments = {"world_size": 2, **bad}
         with pytest.raises(ValueError, match=r"must be a positive int, got"):
@@ -280,7 +281,7 @@ def tied_embedding() -> nn.Sequential:
 
 
 def test_a_weight_tied_across_stages_of_one_rank_counts_once_in_the_planner() -> None:
-    from pipeengine.planner.profiler import profile_layers
+    from pipeengine.planner.measure import profile_layers
 
     tokens = torch.randint(0, 2000, (8, 4))
     profile = profile_layers(tied_embedding(), tokens, 2, repeats=1, device=torch.device("cpu"))
@@ -310,7 +311,7 @@ def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixt
         ([problem, "--world-size", "2", "--memory-limit", "lots"], "'lots' is not a size"),
         (["tests.pipeengine.nowhere:planning", "--world-size", "2"], "cannot import module"),
         (["tests.pipeengine.models:nothing", "--world-size", "2"], "has no function 'nothing'"),
-        (["tests.pipeengine.models:mlp", "--world-size", "2"], "must return (model, loss_fn, sample), three values"),
+        (["tests.pipeengine.models:mlp", "--world-size", "2"], "must return (model, loss_fn, sample) or"),
     ]:
         with pytest.raises(SystemExit):
             main(argv)
@@ -321,12 +322,12 @@ def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixt
     assert "'data_parallel': 2}" in capsys.readouterr().out  # the printed engine rebuilds what was priced
     assert main([problem, "--world-size", "4", "--data-parallel", "2", "--fsdp", "--schedules", "1f1b"]) == 0
     assert "'data_parallel': 2, 'fsdp': True}" in capsys.readouterr().out
-    assert main([problem, "--world-size", "4", "--fsdp"]) == 2
+    assert main([problem, "--world-size", "4", "--data-parallel", "1", "--fsdp"]) == 2
     assert "fsdp=True shards the state over the data-parallel replicas, but data_parallel=1" in capsys.readouterr().err
 
 
 def test_small_sizes_print_in_units_that_show_them() -> None:
-    from pipeengine.planner.tune import _mb
+    from pipeengine.planner.result import _mb
 
     assert [_mb(x) for x in (100, 3 * 2**10, 20.1 * 2**20, 3 * 2**30)] == ["100 B", "3.0 KiB", "20.1 MiB", "3.00 GiB"]
 
@@ -335,7 +336,7 @@ def test_small_sizes_print_in_units_that_show_them() -> None:
 def test_sizes_are_read_as_their_units_say_binary_or_si(capsys: pytest.CaptureFixture[str]) -> None:
     from argparse import ArgumentTypeError
 
-    from pipeengine.planner.tune import SIZE_UNITS, main, parse_bytes
+    from pipeengine.planner.cli import SIZE_UNITS, main, parse_bytes
 
     sizes = {"64MiB": 64 * 2**20, "64mib": 64 * 2**20, "64M": 64 * 2**20, "64 MB": 64e6, "1.5KiB": 1536, "3KB": 3000,
              "2GiB": 2 * 2**30, "2GB": 2e9, "1T": 2**40, "1TiB": 2**40, "1TB": 1e12, "512B": 512, "512": 512,

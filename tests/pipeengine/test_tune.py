@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.planner.profiler import profile_layers
+from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import Candidate, progress_printer, tune
 from schedules import SCHEDULES, Costs, registration, simulate
 from tests.pipeengine import ranks
@@ -28,7 +28,7 @@ ROOT = Path(__file__).parent.parent.parent
 
 @pytest.fixture(scope="module")
 def result():  # type: ignore[no-untyped-def]
-    return tune(mlp(), mse, batch("mlp", 16, seed=0)[0], 2, repeats=1)
+    return tune(mlp(), mse, batch("mlp", 16, seed=0)[0], 2, data_parallel=1, checkpoint=["never"], repeats=1)
 
 
 def test_every_candidate_is_a_valid_way_to_pipeline_the_model_ranked_fastest_first(result) -> None:  # type: ignore[no-untyped-def]
@@ -61,7 +61,7 @@ def test_a_memory_limit_drops_what_passes_it_and_says_what_it_cost(result) -> No
 def test_an_unknown_schedule_or_a_micro_batch_count_that_fits_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'; valid names"):
         tune(mlp(), mse, torch.randn(16, 16), 2, schedules=["zigzag"])
-    with pytest.raises(ValueError, match=r"no micro-batch count in \[3, 5\] divides the batch of 16"):
+    with pytest.raises(ValueError, match=r"no micro-batch count in \[3, 5\] divides a replica's batch \(\[8, 16\] "):
         tune(mlp(), mse, torch.randn(16, 16), 2, microbatches=[3, 5])
 
 
@@ -137,7 +137,7 @@ def test_the_layers_are_timed_as_launchs_ranks_run_keeping_freed_memory(
     reuse: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[bool] = []
-    monkeypatch.setattr("pipeengine.planner.tune.keep_freed_memory", lambda: calls.append(True) or True)
+    monkeypatch.setattr("pipeengine.planner.search.keep_freed_memory", lambda: calls.append(True) or True)
     x = torch.randn(8, 16)
     tune(mlp(), None, x, 2, schedules=["1f1b"], microbatches=[2], repeats=1, reuse_memory=reuse)
     assert calls == ([True] if reuse else [])
@@ -273,7 +273,7 @@ def test_tune_says_how_far_the_measuring_is_and_no_profiler_line_reaches_the_use
     _LogsWhileProfiled.line = said.encode()
     calls: list[tuple[int, int, int]] = []
     model = nn.Sequential(_LogsWhileProfiled(), nn.ReLU(), nn.Linear(4, 2))
-    tune(model, mse, torch.randn(4, 4), 2, schedules=["1f1b"], microbatches=[1, 2], repeats=1,
+    tune(model, mse, torch.randn(4, 4), 2, data_parallel=1, schedules=["1f1b"], microbatches=[1, 2], repeats=1,
          progress=lambda *done: (calls.append(done), progress_printer()(*done)))  # fmt: skip
     assert calls == [(done, 3, 2) for done in range(7)]  # 3 layers at 2 micro-batch sizes, a call after each
     err = capfd.readouterr().err

@@ -1,0 +1,269 @@
+"""The machine's prices: host time per instruction, a point-to-point message, each collective over each group size.
+
+    python -m pipeengine.tune --calibrate --world-size 4     # measure on 4 ranks of this machine; keep the file
+
+``calibrate()`` measures them on the live ranks of the default process group (every rank calls it), in seconds:
+a message between two ranks and each collective FSDP and data parallelism run (all-reduce, all-gather,
+reduce-scatter) at a few sizes on every group size that divides the world, each fitted to latency + bytes x per_byte;
+and the host cost of one pipeline instruction, fitted so that the simulator's step of a pipeline of tiny layers takes
+what the engine's took. ``save`` keeps them in a file per machine (``default_path()``: the host's name, with the date);
+``load`` reads it, or gives the built-in constants, measured once on the 2-core machine of the benchmarks, and says so
+(``Prices.source``). The planner (pipeengine.planner.search) prices every layout with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["COLLECTIVES", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # priced on the whole tensor's bytes
+# host seconds per compute beyond its kernels, on CPU/gloo: its span 0.13 ms, a post 0.08 ms, 0.05 ms between
+# instructions (a traced 2-rank 1F1B of Linear(8) layers, m=32, on the 2-core machine of the benchmarks)
+OVERHEAD = 3e-4
+LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (benchmarks/vs_torch.py probes)
+BUILT_IN = "built-in constants (measured on the benchmarks' 2-core machine, not this one: run python -m " \
+           "pipeengine.tune --calibrate)"  # fmt: skip
+SIZES = (2**12, 2**16, 2**20)  # bytes each collective and message is timed at
+
+
+@dataclass(frozen=True)
+class Link:
+    """A fitted price: seconds = latency + per_byte x bytes."""
+
+    latency: float
+    per_byte: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + self.per_byte * nbytes
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float]]) -> Link:
+        """Least squares over (bytes, seconds), neither coefficient below zero."""
+        xs, ys = [float(x) for x, _ in samples], [float(y) for _, y in samples]
+        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+        slope = max(slope, 0.0)
+        return cls(max(mean_y - slope * mean_x, 0.0), slope)
+
+
+def _steps(op: str, group: int) -> tuple[float, float]:
+    """A ring's (messages, share of the whole tensor each rank sends) for ``op`` over ``group`` ranks."""
+    rounds = 2 * (group - 1) if op == "all_reduce" else group - 1
+    return float(rounds), rounds / group
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What the planner charges: ``overhead`` seconds of host time per compute; ``p2p`` a message between stages;
+    ``collectives[op][group]`` an op over a group of that many ranks, on the whole tensor's bytes (an all-gather's
+    output, a reduce-scatter's input). A group size not measured is scaled from the nearest measured one as a ring
+    scales; an op never measured is a ring of ``p2p`` messages. ``source`` says where they come from."""
+
+    overhead: float = OVERHEAD
+    p2p: Link = field(default_factory=lambda: Link(LATENCY, PER_BYTE))
+    collectives: Mapping[str, Mapping[int, Link]] = field(default_factory=dict)
+    source: str = BUILT_IN
+    calibrated: bool = False
+
+    def collective(self, op: str, group: int, nbytes: float) -> float:
+        if op not in COLLECTIVES:
+            raise ValueError(f"no price for collective {op!r}: the planner prices {', '.join(COLLECTIVES)}")
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        fitted = self.collectives.get(op, {})
+        if group in fitted:
+            return fitted[group].time(nbytes)
+        rounds, share = _steps(op, group)
+        if not fitted:
+            return rounds * self.p2p.latency + share * self.p2p.per_byte * nbytes
+        near = min(fitted, key=lambda g: (abs(g - group), g))
+        near_rounds, near_share = _steps(op, near)
+        link = fitted[near]
+        return link.latency * rounds / near_rounds + link.per_byte * nbytes * share / near_share
+
+    def to_json(self) -> dict[str, object]:
+        return {"overhead": self.overhead, "p2p": [self.p2p.latency, self.p2p.per_byte],
+                "collectives": {op: {str(g): [link.latency, link.per_byte] for g, link in groups.items()}
+                                for op, groups in self.collectives.items()}}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str) -> Prices:
+        p2p = data["p2p"]
+        collectives = data.get("collectives", {})
+        return cls(float(data["overhead"]), Link(*map(float, p2p)),
+                   {op: {int(g): Link(*map(float, v)) for g, v in groups.items()}
+                    for op, groups in collectives.items()},
+                   source, True)  # fmt: skip
+
+
+def default_path() -> Path:
+    """$PIPEENGINE_CALIBRATION, else ~/.cache/pipeengine/calibration-HOST.json (one file per machine)."""
+    chosen = os.environ.get("PIPEENGINE_CALIBRATION")
+    if chosen:
+        return Path(chosen)
+    return Path.home() / ".cache" / "pipeengine" / f"calibration-{socket.gethostname()}.json"
+
+
+def save(prices: Prices, path: str | os.PathLike[str] | None = None, **about: object) -> Path:
+    """Write the prices with the host, the date and ``about`` (the backend, the world size); returns the path."""
+    target = Path(path) if path is not None else default_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    record = {"host": socket.gethostname(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              **about, **prices.to_json()}  # fmt: skip
+    target.write_text(json.dumps(record, indent=1) + "\n")
+    return target
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Prices:
+    """The prices kept at ``path`` (default_path()), or the built-in constants where there is no file. A file
+    that cannot be read is refused, naming it."""
+    source = Path(path) if path is not None else default_path()
+    if not source.exists():
+        if path is not None:
+            raise FileNotFoundError(f"no calibration file at {source}: run python -m pipeengine.tune --calibrate")
+        return Prices()
+    try:
+        data = json.loads(source.read_text())
+        return Prices.from_json(data, f"calibrated on {data['host']} at {data['date']} ({source})")
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"calibration file {source} cannot be read ({type(error).__name__}: {error}); delete it and run "
+            "python -m pipeengine.tune --calibrate again"
+        ) from error
+
+
+def calibrate(repeats: int = 5, sizes: Sequence[int] = SIZES) -> Prices:
+    """Measure this machine's prices on every rank of the default process group (each calls it; at least 2 ranks);
+    every rank returns them."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        raise ValueError("calibration measures messages and collectives between ranks: launch at least 2")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    samples: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in COLLECTIVES}
+    p2p: list[tuple[float, float]] = []
+    for size in sizes:
+        p2p.append((size, _ping(size // 4, repeats, device)))
+    for group_size in [g for g in range(2, world + 1) if world % g == 0]:
+        group = dist.new_subgroups(group_size)[0] if group_size < world else dist.group.WORLD
+        for op in COLLECTIVES:
+            for size in sizes:
+                samples[op].setdefault(group_size, []).append(
+                    (size, _collective(op, size // 4, group, group_size, repeats, device)))  # fmt: skip
+    overhead = _overhead(p2p, repeats)
+    found = Prices(overhead, Link.fit(p2p),
+                   {op: {g: Link.fit(s) for g, s in groups.items()} for op, groups in samples.items()},
+                   f"measured just now on {socket.gethostname()}", True)  # fmt: skip
+    shared: list[object] = [found if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]  # type: ignore[return-value]
+
+
+def measure_machine(world_size: int, backend: str = "gloo", path: str | os.PathLike[str] | None = None
+                    ) -> tuple[Path, Prices]:  # fmt: skip
+    """Launch ``world_size`` ranks on this machine (pipeengine.launch), calibrate on them and keep the prices at
+    ``path`` (default_path()); returns the path and the prices read back."""
+    from pipeengine.launcher.launch import launch
+
+    target = Path(path) if path is not None else default_path()
+    launch(_calibrate_and_save, world_size, (str(target), backend), device="cuda" if backend == "nccl" else None)
+    return target, load(target)
+
+
+def _calibrate_and_save(path: str, backend: str) -> None:
+    prices = calibrate()
+    if dist.get_rank() == 0:
+        save(prices, path, backend=backend, world_size=dist.get_world_size())
+
+
+def _synced(seconds: float) -> float:
+    """The slowest rank's time (a collective is done when its last rank is)."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _ping(elements: int, repeats: int, device: torch.device) -> float:
+    """Half a round trip of ``elements`` floats between ranks 0 and 1 (the median); the others wait."""
+    rank, buffer, times = dist.get_rank(), torch.zeros(elements, device=device), []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times[1:]) if rank == 0 else 0.0
+
+
+def _collective(op: str, elements: int, group: Any, size: int, repeats: int, device: torch.device) -> float:
+    """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group`` (the median of the slowest)."""
+    whole = torch.ones(elements - elements % size, device=device)
+    shard = torch.empty(whole.numel() // size, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if op == "all_reduce":
+            dist.all_reduce(whole, group=group)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(whole, shard, group=group)
+        else:
+            dist.reduce_scatter_tensor(shard, whole, group=group)
+        if whole.is_cuda:
+            torch.cuda.synchronize()
+        times.append(_synced(time.perf_counter() - start))
+    return statistics.median(times[1:])
+
+
+def _overhead(p2p: list[tuple[float, float]], repeats: int) -> float:
+    """Host seconds per compute: the engine's step of a pipeline of tiny layers over every rank (1F1B), against the
+    simulator's step of it at the measured message price, solved for the one unknown (bisection: the simulated step
+    grows with it)."""
+    from torch import nn
+
+    from pipeengine.engine import PipelineEngine
+    from schedules import Costs, simulate
+
+    torch.manual_seed(0)
+    world = dist.get_world_size()
+    micro = 2 * world
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=micro, schedule="1f1b")
+    batch, target = torch.randn(micro, 4), torch.randn(micro, 4)
+    times = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        engine.train_step(batch, target)
+        times.append(_synced(time.perf_counter() - start))
+    measured = statistics.median(times[2:])
+    link = Link.fit(p2p)
+    program = engine.schedule
+
+    def step(overhead: float) -> float:
+        costs = Costs(forward=overhead, backward=overhead, latency=link.latency, per_byte=link.per_byte,
+                      message_bytes=4 * 4 * 4)  # fmt: skip
+        return simulate(program, costs).makespan
+
+    low, high = 0.0, measured
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) < measured else (low, middle)
+    return (low + high) / 2

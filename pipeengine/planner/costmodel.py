@@ -1,0 +1,269 @@
+"""The cost model: a stage's times and bytes (the simulator's Costs) from its layers' measurements.
+
+A LayerProfile (pipeengine.planner.measure) holds, per layer, times (F, B, I, W) and bytes on a micro-batch.
+A stage's time is the sum of its layers', plus the machine's host cost per compute and, under tensor
+parallelism, the price of each collective its layers ran (pipeengine.planner.calibration). Its bytes are
+counted as the engine's memory ledger counts a step (pipeengine.observe.ledger): what one micro-batch holds
+from F to B is the stage's input (not the first stage's: the user's batch), its output, what each layer saves
+beyond its input and output, and a layer's output inside the stage only if that layer or the next one saves it::
+
+    activation(a..b) = input(a) + sum saved_other(l) + sum out(l) [l or l+1 saves it] + out(b-1)
+
+A split backward's I keeps, until W, everything saved and the gradient arriving at each node with
+weights beneath it (measured per layer through pipeengine.runtime.backward), and lets the stage's output go
+unless W needs it (something beneath W's restart points saved it), and what each layer saved for
+nodes above them (measured per layer: such tensors are the layer's own); on the first stage, whose
+input needs no gradient, W is the whole backward and keeps the received gradient instead. A step's
+state (weights, gradients, the optimizer's copies) is schedules.state_bytes of the parameters.
+
+Collectives, as the runtime runs them: tensor parallelism's inside each compute (its time adds to F, and to B
+and I, the backward's); the replicas' all-reduce of a stage's gradients (AR; with FSDP its reduce-scatter)
+asynchronous after the stage's last backward, one at a time on a rank; FSDP's all-gather of a stage's
+parameters before its first forward of the step. A checkpointed stage keeps its input and output between F and
+B and runs its forward again in the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from pipeengine.parallel.fsdp import priced
+from pipeengine.planner import transients
+from pipeengine.planner.calibration import Link, Prices
+from schedules import Costs, Memory, state_bytes
+
+__all__ = ["FREE", "LayerCosts", "LayerProfile"]
+
+FREE = Prices(0.0, Link(0.0, 0.0), {}, "free: no host cost, no message or collective time")
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Per layer, on micro-batches of ``rows`` rows: seconds and bytes."""
+
+    rows: int
+    forward: tuple[float, ...]  # seconds, median (zeros where not timed)
+    backward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    parameter_bytes: tuple[int, ...]
+    parameter_count: tuple[int, ...]  # elements: bytes / count is the dtype's size, whatever it is
+    output: tuple[int, ...]  # bytes of the layer's output (the boundary after it)
+    gradient: tuple[int, ...]  # bytes of its output's gradient (the floating part)
+    saved_other: tuple[int, ...]  # saved for backward beyond the layer's input and output
+    saves_input: tuple[bool, ...]
+    saves_output: tuple[bool, ...]
+    kept: tuple[int, ...]  # what a split backward's I keeps for W (the gradient at each node with weights)
+    output_kept: tuple[bool, ...]  # whether the output is still held after I (something W needs saved it)
+    other_freed: tuple[int, ...]  # of saved_other, what I lets go (saved by nodes W does not need)
+    saved: tuple[int, ...]  # everything the layer saves for its backward (its input and output too), parameters not
+    timed: bool = True
+    # per layer, (index among the model's parameters, bytes) of each parameter it holds: a weight tied across layers
+    # (an embedding and its head) has one index, and a rank that holds it twice holds it once
+    parameters: tuple[tuple[tuple[int, int], ...], ...] = ()
+    allocations: tuple[transients.Allocation, ...] = ()  # as the allocator saw each layer (where it was watched)
+    tensor_parallel: int = 1  # measured as one of this many tensor-parallel ranks runs each layer (its shard)
+    # per layer, the collectives its computes ran over the tensor-parallel group: (compute "F" or "B", op, bytes of
+    # the whole tensor), as pipeengine.planner.calibration prices them
+    collectives: tuple[tuple[tuple[str, str, int], ...], ...] = ()
+
+    def stage_costs(
+        self, bounds: Sequence[tuple[int, int]], *, prices: Prices = FREE, optimizer_copies: int = 2,
+        buffered_sends: bool = True, placement: Sequence[int] | None = None, data_parallel: int = 1,
+        fsdp: bool = False, checkpoint: str = "never",
+    ) -> Costs:  # fmt: skip
+        """The simulator's Costs (time and memory) for stages of these layers (``bounds``: [start, end) each).
+
+        ``prices``: the host cost per compute, a message across a boundary, each collective (default: all free).
+        ``placement`` (stage -> rank): a parameter that several stages of a rank hold (a tied embedding and head,
+        both on rank 0 of a V) is that rank's state once, with the first.
+        With the allocator's measurements: each compute's transient peak, the gradients made by a stage's first
+        B or W (an optimizer's zero_grad sets them to None), the all-reduce's flat buffers (``data_parallel``
+        > 1) and the optimizer step over each rank's parameters (AdamW), as the simulator's memory model has them.
+        ``fsdp``: the state sharded over the ``data_parallel`` replicas, the parameters gathered whole from a
+        stage's first F to its AR and its whole gradients from its first B or W to the AR. ``checkpoint``: the
+        engine's option ("never", "always", "except_last").
+        """
+        def total(values: Sequence[float], a: int, b: int) -> float:
+            return float(sum(values[a:b]))
+
+        activation, after_input, state, boundary, gradient, keeps_out, keeps_in = [], [], [], [], [], [], []
+        for index, (a, b) in enumerate(bounds):
+            held = (self.output[a - 1] if a > 0 else 0) + total(self.saved_other, a, b) + self.output[b - 1]
+            held += sum(self.output[k] for k in range(a, b - 1) if self.saves_output[k] or self.saves_input[k + 1])
+            last = index == len(bounds) - 1
+            if a > 0:  # I keeps the gradient arriving at each node with weights, for W; the output goes, unless saved
+                kept = total(self.kept, a, b) - total(self.other_freed, a, b)
+                kept -= 0 if self.output_kept[b - 1] else self.output[b - 1]  # on the last stage: the loss
+            else:  # the first stage's W is its whole backward: it keeps the received gradient instead
+                kept = 0 if last else self.gradient[b - 1]
+            activation.append(held)
+            after_input.append(held + kept)
+            keeps_out.append(1.0 if a == 0 or self.output_kept[b - 1] else 0.0)  # the first stage keeps all for W
+            keeps_in.append(1.0 if a == 0 or self.saves_input[a] else 0.0)
+            state.append(state_bytes(self._state_of(index, bounds, placement), optimizer_copies))
+            boundary.append(0.0 if last else float(self.output[b - 1]))
+            gradient.append(0.0 if last else float(self.gradient[b - 1]))
+        memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
+                        gradient=gradient, buffered_sends=buffered_sends, output_after_input=keeps_out,
+                        input_after_input=keeps_in)  # fmt: skip
+        if self.allocations:
+            memory = self._allocated(memory, bounds, placement, state, optimizer_copies, data_parallel)
+        if fsdp:  # each stage's state over the replicas, gathered whole during the step
+            memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations))
+        forward = [total(self.forward, a, b) + self._collectives("F", a, b, prices) for a, b in bounds]
+        backward = [total(self.backward, a, b) + self._collectives("B", a, b, prices) for a, b in bounds]
+        grad_input = [total(self.backward_input, a, b) + self._collectives("B", a, b, prices) for a, b in bounds]
+        weight = [total(self.backward_weight, a, b) for a, b in bounds]
+        checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
+                        for s in range(len(bounds))]  # fmt: skip
+        if any(checkpointed):
+            memory = _checkpointed(memory, checkpointed, bounds, self.output)
+        # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
+        again = [f if c else 0.0 for f, c in zip(forward, checkpointed, strict=True)]
+        whole = [state[s] / (2 + optimizer_copies) for s in range(len(bounds))]  # each stage's parameters
+        if fsdp:  # the gradients reduce-scattered over the replicas, the parameters all-gathered once a step
+            reduce = [prices.collective("reduce_scatter", data_parallel, w) for w in whole]
+            gather = [prices.collective("all_gather", data_parallel, w) for w in whole]
+        else:
+            reduce, gather = [prices.collective("all_reduce", data_parallel, w) for w in whole], [0.0] * len(bounds)
+        return Costs(
+            forward=[f + prices.overhead for f in forward],
+            backward=[b + a + prices.overhead for b, a in zip(backward, again, strict=True)],
+            backward_input=[i + a + prices.overhead for i, a in zip(grad_input, again, strict=True)],
+            backward_weight=[w + prices.overhead for w in weight],
+            latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
+            all_reduce=reduce, gather=gather,
+        )  # fmt: skip
+
+    def _collectives(self, compute: str, a: int, b: int, prices: Prices) -> float:
+        """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B")."""
+        if not self.collectives:
+            return 0.0
+        return sum(prices.collective(op, self.tensor_parallel, size)
+                   for layer in self.collectives[a:b] for when, op, size in layer if when == compute)  # fmt: skip
+
+
+    def _allocated(
+        self, memory: Memory, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None,
+        state: list[float], optimizer_copies: int, data_parallel: int,
+    ) -> Memory:  # fmt: skip
+        """The memory model with what the allocator saw: transients, late gradients, sync buffers, the optimizer."""
+        columns: dict[str, list[float]] = {}
+        for a, b in bounds:
+            for name, value in transients.stage(self.allocations, a, b).items():
+                columns.setdefault(name, []).append(value)
+        grads = [s / (2 + optimizer_copies) for s in state]  # the stage's parameters (once per rank), as gradients
+        ranks = list(placement) if placement is not None else list(range(len(bounds)))
+        optimizer = [0.0] * len(bounds)
+        for rank in set(ranks):
+            mine = [s for s, r in enumerate(ranks) if r == rank]
+            layers = [self.allocations[k] for s in mine for k in range(*bounds[s])]
+            optimizer[mine[0]] = transients.optimizer(layers)
+        return dataclasses.replace(memory, **columns, grads_late=grads, optimizer=optimizer,  # type: ignore[arg-type]
+                                   sync=grads if data_parallel > 1 else 0.0)  # fmt: skip
+
+    def _state_of(self, stage: int, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None) -> float:
+        """Bytes of a stage's parameters not held by an earlier stage of its rank (each layer's, without ties)."""
+        a, b = bounds[stage]
+        if not self.parameters:
+            return float(sum(self.parameter_bytes[a:b]))
+        mine = {key: size for layer in range(a, b) for key, size in self.parameters[layer]}
+        if placement is not None:
+            for earlier, (c, d) in enumerate(bounds[:stage]):
+                if placement[earlier] == placement[stage]:
+                    for layer in range(c, d):
+                        for key, _ in self.parameters[layer]:
+                            mine.pop(key, None)
+        return float(sum(mine.values()))
+
+
+
+def _checkpointed(memory: Memory, checkpointed: Sequence[bool], bounds: Sequence[tuple[int, int]],
+                  output: Sequence[int]) -> Memory:  # fmt: skip
+    """A checkpointed stage holds its input and output from F to B (its I keeps them for W); its backward holds
+    again, while it recomputes, what the forward saved: the difference rides on B's and I's transients."""
+    n = len(bounds)
+    table = memory.per_stage(n)
+    columns: dict[str, list[float]] = {name: list(table[name]) for name in
+                                       ("activation", "after_input", "backward_transient", "input_transient")}
+    for s, (a, b) in enumerate(bounds):
+        if not checkpointed[s]:
+            continue
+        kept = float((output[a - 1] if a > 0 else 0) + output[b - 1])
+        saved = max(columns["activation"][s] - kept, 0.0)
+        columns["activation"][s] = kept
+        columns["after_input"][s] = kept + max(table["after_input"][s] - table["activation"][s], 0.0)
+        columns["backward_transient"][s] += saved
+        columns["input_transient"][s] += saved
+    return dataclasses.replace(memory, **columns)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What the partitioner balances, one entry per layer; None where it was not measured (no sample, or no
+    timing asked). A view of a LayerProfile (``LayerCosts.of``); broadcast as rows by the engine."""
+
+    params: tuple[int, ...]  # parameter count
+    param_bytes: tuple[int, ...]
+    activation_bytes: tuple[int, ...] | None  # saved for backward, per micro-batch
+    forward: tuple[float, ...] | None  # seconds, median
+    backward: tuple[float, ...] | None  # seconds, median
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @property
+    def time(self) -> tuple[float, ...] | None:
+        if self.forward is None or self.backward is None:
+            return None
+        return tuple(f + b for f, b in zip(self.forward, self.backward, strict=True))
+
+    @property
+    def memory(self) -> tuple[int, ...]:
+        """Bytes a layer needs in training: its parameters with gradient and AdamW's two copies (state_bytes, as
+        the planner counts them), plus what it saves for backward."""
+        acts = self.activation_bytes or (0,) * len(self)
+        return tuple(int(state_bytes(p)) + a for p, a in zip(self.param_bytes, acts, strict=True))
+
+    @classmethod
+    def of(cls, profile: LayerProfile | None, model: Iterable[nn.Module]) -> LayerCosts:
+        """The partitioner's view of a profile (None: parameters only, nothing run)."""
+        params = tuple(sum(p.numel() for p in layer.parameters()) for layer in model)
+        param_bytes = tuple(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model)
+        if profile is None:
+            return cls(params, param_bytes, None, None, None)
+        timed = profile.timed
+        return cls(params, param_bytes, profile.saved, profile.forward if timed else None,
+                   profile.backward if timed else None)  # fmt: skip
+
+    def to_rows(self) -> list[list[float]]:
+        """As rows of floats (for a broadcast): params, bytes, activations, forward, backward; -1 is missing."""
+        n = len(self)
+        missing = [-1.0] * n
+        return [
+            [float(x) for x in self.params],
+            [float(x) for x in self.param_bytes],
+            [float(x) for x in self.activation_bytes] if self.activation_bytes is not None else missing,
+            list(self.forward) if self.forward is not None else missing,
+            list(self.backward) if self.backward is not None else missing,
+        ]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[float]]) -> LayerCosts:
+        def optional(row: Sequence[float]) -> tuple[float, ...] | None:
+            return None if row and row[0] < 0 else tuple(row)
+
+        acts = optional(rows[2])
+        return cls(
+            tuple(int(x) for x in rows[0]),
+            tuple(int(x) for x in rows[1]),
+            tuple(int(x) for x in acts) if acts is not None else None,
+            optional(rows[3]),
+            optional(rows[4]),
+        )
+
+
