@@ -1,0 +1,175 @@
+"""The planner chooses the layout: every row it returns for 4 ranks (dp x pp x tp, FSDP on and off) builds and trains
+like one process on real gloo ranks; the collectives are priced as the injected prices say, where the runtime runs
+them; calibration keeps its file and the planner reads it; a layout it cannot build is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from pipeengine import PipelineEngine, launch
+from pipeengine.planner import calibration
+from pipeengine.planner.calibration import Link, Prices
+from pipeengine.planner.measure import profile_layers
+from pipeengine.tune import tune
+from schedules import Costs, Instruction, Kind, build_schedule, simulate, with_gradient_sync
+from tests.pipeengine import ranks
+from tests.pipeengine.models import SEEDED, mse
+from tests.pipeengine.parity import OneProcess, step_both, train_like_one_process
+
+WIDTH, BATCH = 8, 16
+PLAN = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}  # each block's MLP, Megatron's pair: one all-reduce each way
+LAYOUTS = {(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
+
+
+def blocks(count: int = 4, width: int = WIDTH) -> nn.Sequential:
+    with SEEDED:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                               for _ in range(count)])  # fmt: skip
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH, generator=generator)
+
+
+@pytest.fixture(scope="module")
+def planned():  # type: ignore[no-untyped-def]
+    x, y = data()
+    return tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, schedules=["1f1b", "gpipe"], microbatches=[2],
+                methods=("uniform",), checkpoint=["never", "always"], repeats=1, allocator=False)  # fmt: skip
+
+
+def test_every_factorisation_of_4_ranks_is_priced_with_fsdp_both_ways(planned) -> None:  # type: ignore[no-untyped-def]
+    seen = {(c.data_parallel, len(c.partition) // c.chunks, c.tensor_parallel, c.fsdp) for c in planned.rows}
+    assert {(dp, pp, tp) for dp, pp, tp, _ in seen} == LAYOUTS, seen
+    assert {(dp, pp, tp) for dp, pp, tp, fsdp in seen if fsdp} == {x for x in LAYOUTS if x[0] > 1}
+    assert {c.checkpoint for c in planned.rows} == {"never", "always"}
+    assert planned.prices.startswith("calibrated on the tests' fixed prices")  # tests/conftest.py's file
+    kwargs = next(c for c in planned.rows if c.tensor_parallel == 2 and c.checkpoint == "always").engine_kwargs()
+    assert kwargs["tensor_parallel"] == 2 and kwargs["tp_plan"] is PLAN and kwargs["checkpoint"] == "always"
+    assert str(planned).count("dp") > 6 and "prices: calibrated on" in str(planned)
+
+
+def test_every_layout_row_builds_and_trains_like_one_process_on_4_gloo_ranks(planned, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    chosen: dict[tuple[int, int, int, bool], dict[str, object]] = {}
+    for c in planned.rows:  # the fastest row of each layout, FSDP on and off; one checkpointed row
+        key = (c.data_parallel, len(c.partition) // c.chunks, c.tensor_parallel, c.fsdp)
+        chosen.setdefault(key, c.engine_kwargs())
+    chosen[(0, 0, 0, False)] = next(c for c in planned.rows if c.checkpoint == "always").engine_kwargs()
+    assert len(chosen) == 10
+    # and schedule="auto" with tensor parallelism, on a machine with no prices kept: every rank measures them first
+    chosen[(-1, 0, 0, False)] = {"schedule": "auto", "tensor_parallel": 2, "tp_plan": PLAN, "data_parallel": 1}
+    kept = tmp_path / "prices.json"
+    launch(train_each, 4, args=(list(chosen.values()), str(kept)), timeout=240)
+    assert json.loads(kept.read_text())["world_size"] == 4
+
+
+def train_each(rows: list[dict[str, object]], prices: str) -> None:
+    x, y = data()
+    os.environ["PIPEENGINE_CALIBRATION"] = prices  # none there yet: schedule="auto" calibrates
+    for kwargs in rows:
+        if kwargs["schedule"] == "auto":
+            kwargs = {**kwargs, "sample": x if ranks.rank() == 0 else None}
+        dp = int(kwargs["data_parallel"])  # type: ignore[call-overload]
+        model = blocks()
+        one = OneProcess(model, mse)
+        engine = PipelineEngine(model, mse, **kwargs)  # type: ignore[arg-type]
+        optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
+        share = BATCH // dp
+        parts = [(x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]) for r in range(dp)]
+        train_like_one_process(engine, one, optimizers, 2, f"layout {kwargs}", lambda step: parts)
+        step_both(*optimizers)
+
+
+PRICES = Prices(0.0, Link(0.0, 0.0), {"all_reduce": {2: Link(1.0, 1e-3)}, "all_gather": {2: Link(0.5, 0.0)},
+                                      "reduce_scatter": {2: Link(0.25, 0.0)}}, "injected")  # fmt: skip
+
+
+def test_the_replicas_collectives_sit_on_the_timeline_where_the_runtime_runs_them() -> None:
+    """dp=2, pp=2, 1F1B, m=2, every compute 1 s: each stage's AR starts after its last B, they run one at a time on a
+    rank, and the step ends when the last is done; FSDP's gather holds a stage's first F, its reduce-scatter is the
+    AR. The prices are the injected ones: all_reduce over 2 = 1 s + 1 ms a byte."""
+    program = with_gradient_sync(build_schedule("1f1b", 2, 2))
+    free = simulate(program, Costs(forward=1.0, backward=1.0))
+    assert free.makespan == 6.0  # rank 0: F0 F1, B0 at 3-4 (after rank 1's F0 B0), B1 at 5-6
+    sizes = [100.0, 300.0]  # each stage's gradient bytes
+    synced = simulate(program, Costs(forward=1.0, backward=1.0,
+                                     all_reduce=[PRICES.collective("all_reduce", 2, s) for s in sizes]))  # fmt: skip
+    # rank 0's AR (stage 0) starts after its last B at 6 and takes 1 + 0.1; rank 1's (stage 1) after its last B at 5
+    assert synced.makespan == pytest.approx(7.1)
+    spans = [s for s in synced.spans if isinstance(s.action, Instruction) and s.action.kind is Kind.ALL_REDUCE]
+    assert sorted((s.rank, s.start, round(s.end, 6)) for s in spans) == [(0, 6.0, 7.1), (1, 5.0, 6.3)]
+    gathered = simulate(program, Costs(forward=1.0, backward=1.0, gather=[0.5, 0.5], all_reduce=[0.25, 0.25]))
+    # each rank's first F takes 0.5 s more (its stage's parameters gathered): rank 0's F0 ends at 1.5, rank 1's at
+    # 3, rank 1's B0 at 4, F1 at 5, B1 at 6, so rank 0's B1 at 7; its AR ends 0.25 later
+    assert gathered.makespan == pytest.approx(7.25)
+
+
+def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_the_computes() -> None:
+    """A TP rank's profile of each block: its shard's parameters, and one all-reduce of the block's output in the
+    forward and one of its input's gradient in the backward (Megatron's pair), each the size of a (rows, width)
+    float tensor; the stage's F, B and I each carry their price, W none."""
+    model, (x, _) = blocks(2, 16), data()
+    x = torch.randn(BATCH, 16)
+    profile = profile_layers(model, x, 4, repeats=1, device=torch.device("cpu"), tensor_parallel=2, tp_plan=PLAN)
+    whole = profile_layers(model, x, 4, repeats=1, device=torch.device("cpu"))
+    size = 4 * 16 * 4  # the (4 rows, 16) float activation
+    # the first block's input needs no gradient (the user's batch): no backward all-reduce there
+    assert profile.collectives == ((("F", "all_reduce", size),), (("F", "all_reduce", size), ("B", "all_reduce", size)))
+    assert [2 * s for s in profile.parameter_bytes] == [w + 16 * 4 for w in whole.parameter_bytes]  # bias 2: whole
+    costs = profile.stage_costs([(0, 2)], prices=PRICES)
+    each = PRICES.collective("all_reduce", 2, size)
+    assert each == pytest.approx(1.0 + size * 1e-3)
+    assert costs.forward[0] == pytest.approx(sum(profile.forward) + 2 * each)  # type: ignore[index]
+    assert costs.backward_input[0] == pytest.approx(sum(profile.backward_input) + each)  # type: ignore[index]
+    assert costs.backward[0] == pytest.approx(sum(profile.backward) + each)  # type: ignore[index]
+    assert costs.backward_weight[0] == pytest.approx(sum(profile.backward_weight))  # type: ignore[index]
+    # an unmeasured group size scales as a ring from the nearest measured one; an unmeasured op is a ring of p2p
+    assert PRICES.collective("all_reduce", 4, 1000.0) == pytest.approx(1.0 * 6 / 2 + 1e-3 * 1000 * 0.75 / 0.5)
+    assert Prices().collective("all_gather", 4, 1e6) == pytest.approx(3 * 1e-4 + 0.75 * 1e-9 * 1e6)
+
+
+def test_a_refused_layout_says_why() -> None:
+    x, y = data()
+    narrow = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}
+    result = tune(blocks(2, 5), mse, x[:, :5].contiguous(), 4, target=y[:, :5].contiguous(), tp_plan=narrow,
+                  schedules=["1f1b"], microbatches=[2], methods=("uniform",), checkpoint=["never"], repeats=1,
+                  allocator=False)  # fmt: skip
+    assert "cannot share equally" in result.refused["dp1 x pp1 x tp4"], result.refused  # 10 features over 4 ranks
+    assert "the model has 2: use at most 2 pipeline ranks" in result.refused["dp1 x pp4 x tp1"]
+    assert "refused dp1 x pp4 x tp1: 4 pipeline stages" in str(result)
+    assert {c.tensor_parallel for c in result.rows} == {1, 2}
+    with pytest.raises(ValueError, match=r"tensor parallelism runs DTensor collectives, which in-process ranks"):
+        tune(blocks(), mse, x, 2, target=y, tp_plan=PLAN, data_parallel=1, tensor_parallel=2, backend="loopback")
+    odd = tune(blocks(), mse, x[:6], 4, target=y[:6], data_parallel=None, tp_plan=None, schedules=["1f1b"],
+               microbatches=[1], checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip
+    assert odd.refused["dp4 x pp1 x tp1"] == "the batch of 6 rows does not split equally into 4 replicas"
+
+
+def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kept = tmp_path / "machine.json"
+    path, prices = calibration.measure_machine(2, "gloo", kept)
+    record = json.loads(path.read_text())
+    assert path == kept and record["world_size"] == 2 and record["backend"] == "gloo" and record["date"][:2] == "20"
+    assert prices.calibrated and prices.source.startswith(f"calibrated on {record['host']} at {record['date']}")
+    assert prices.overhead > 0 and prices.p2p.latency > 0 and set(prices.collectives) == set(calibration.COLLECTIVES)
+    assert all(set(groups) == {2} for groups in prices.collectives.values())
+    x, y = data()
+    result = tune(blocks(2), mse, x, 2, target=y, prices=kept, schedules=["1f1b"], microbatches=[2],
+                  checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip
+    assert result.prices == prices.source and str(kept) in str(result)
+    monkeypatch.setenv("PIPEENGINE_CALIBRATION", str(tmp_path / "none.json"))  # none kept: the built-in constants
+    assert not calibration.load().calibrated and calibration.load().source.startswith("built-in constants")
+    with pytest.raises(FileNotFoundError, match="run python -m pipeengine.tune --calibrate"):
+        calibration.load(tmp_path / "none.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="broken.json cannot be read"):
+        calibration.load(tmp_path / "broken.json")
