@@ -21,10 +21,10 @@ from pipeengine.tune import tune
 from schedules import Costs, Instruction, Kind, build_schedule, simulate, with_gradient_sync
 from tests.pipeengine import ranks
 from tests.pipeengine.models import SEEDED, mse
-from tests.pipeengine.parity import OneProcess, step_both, train_like_one_process
+from tests.pipeengine.parity import OneProcess, train_like_one_process
 
 WIDTH, BATCH = 8, 16
-PLAN = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}  # each block's MLP, Megatron's pair: one all-reduce each way
+PLAN = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}  # each block's MLP, Megatron's pair: an all-reduce each way
 LAYOUTS = {(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
 
 
@@ -85,8 +85,7 @@ def train_each(rows: list[dict[str, object]], prices: str) -> None:
         optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
         share = BATCH // dp
         parts = [(x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]) for r in range(dp)]
-        train_like_one_process(engine, one, optimizers, 2, f"layout {kwargs}", lambda step: parts)
-        step_both(*optimizers)
+        train_like_one_process(engine, one, optimizers, 2, f"layout {kwargs}", lambda step, parts=parts: parts)  # type: ignore[misc]
 
 
 PRICES = Prices(0.0, Link(0.0, 0.0), {"all_reduce": {2: Link(1.0, 1e-3)}, "all_gather": {2: Link(0.5, 0.0)},
