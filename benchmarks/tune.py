@@ -141,10 +141,11 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.models:
         model, loss, x, y, _ = problem(name, args.width)
-        probe = tune(model, loss, x, RANKS, target=y, threads=THREADS, microbatches=args.microbatches)  # type: ignore[arg-type]
+        probe = tune(model, loss, x, RANKS, target=y, threads=THREADS, microbatches=args.microbatches,
+                     data_parallel=1, checkpoint=["never"])  # type: ignore[arg-type]
         limit = statistics.median(max(c.peak_memory) for c in probe.rows)
-        result = tune(model, loss, x, RANKS, target=y, threads=THREADS, memory_limit=limit,  # type: ignore[arg-type]
-                      microbatches=args.microbatches)  # fmt: skip
+        result = tune(model, loss, x, RANKS, target=y, threads=THREADS, memory_limit=limit, data_parallel=1,  # type: ignore[arg-type]
+                      microbatches=args.microbatches, checkpoint=["never"])  # fmt: skip
         print(result, flush=True)
         candidates = chosen(result, args.measured)
         rows = run_point(worker, RANKS, (name, args.width, candidates, args.rounds), THREADS)

@@ -38,7 +38,8 @@ def main() -> None:
     tokens = torch.randint(0, len(train_gpt.VOCAB), (train_gpt.BATCH, train_gpt.CONTEXT))
     rows, lines = [], []
     for world in args.world_sizes:
-        results = [tune(model, train_gpt.summed_loss, tokens, world) for _ in range(args.repeats)]
+        results = [tune(model, train_gpt.summed_loss, tokens, world, data_parallel=1, checkpoint=["never"])
+                   for _ in range(args.repeats)]
         search = statistics.median(r.search_seconds for r in results)
         measure = statistics.median(r.measure_seconds for r in results)
         count = len(results[0].rows)
