@@ -258,8 +258,9 @@ def _overhead(p2p: list[tuple[float, float]], repeats: int) -> float:
     program = engine.schedule
 
     def step(overhead: float) -> float:
+        # a message is a micro-batch's output: Linear(4, 4) keeps its input's size
         costs = Costs(forward=overhead, backward=overhead, latency=link.latency, per_byte=link.per_byte,
-                      message_bytes=4 * 4 * 4)  # fmt: skip
+                      message_bytes=batch[: len(batch) // micro].nbytes)  # fmt: skip
         return simulate(program, costs).makespan
 
     low, high = 0.0, measured

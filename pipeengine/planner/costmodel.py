@@ -90,7 +90,7 @@ class LayerProfile:
         def total(values: Sequence[float], a: int, b: int) -> float:
             return float(sum(values[a:b]))
 
-        activation, after_input, state, boundary, gradient, keeps_out, keeps_in = [], [], [], [], [], [], []
+        activation, after_input, params, boundary, gradient, keeps_out, keeps_in = [], [], [], [], [], [], []
         for index, (a, b) in enumerate(bounds):
             held = (self.output[a - 1] if a > 0 else 0) + total(self.saved_other, a, b) + self.output[b - 1]
             held += sum(self.output[k] for k in range(a, b - 1) if self.saves_output[k] or self.saves_input[k + 1])
@@ -104,14 +104,15 @@ class LayerProfile:
             after_input.append(held + kept)
             keeps_out.append(1.0 if a == 0 or self.output_kept[b - 1] else 0.0)  # the first stage keeps all for W
             keeps_in.append(1.0 if a == 0 or self.saves_input[a] else 0.0)
-            state.append(state_bytes(self._state_of(index, bounds, placement), optimizer_copies))
+            params.append(self._state_of(index, bounds, placement))  # each stage's parameter bytes, once per rank
             boundary.append(0.0 if last else float(self.output[b - 1]))
             gradient.append(0.0 if last else float(self.gradient[b - 1]))
+        state = [state_bytes(p, optimizer_copies) for p in params]
         memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
                         gradient=gradient, buffered_sends=buffered_sends, output_after_input=keeps_out,
                         input_after_input=keeps_in)  # fmt: skip
         if self.allocations:
-            memory = self._allocated(memory, bounds, placement, state, optimizer_copies, data_parallel)
+            memory = self._allocated(memory, bounds, placement, params, data_parallel)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
             memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations))
         forward = [total(self.forward, a, b) + self._collectives("F", a, b, prices) for a, b in bounds]
@@ -124,12 +125,11 @@ class LayerProfile:
             memory = _checkpointed(memory, checkpointed, bounds, self.output)
         # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
         again = [f if c else 0.0 for f, c in zip(forward, checkpointed, strict=True)]
-        whole = [state[s] / (2 + optimizer_copies) for s in range(len(bounds))]  # each stage's parameters
         if fsdp:  # the gradients reduce-scattered over the replicas, the parameters all-gathered once a step
-            reduce = [prices.collective("reduce_scatter", data_parallel, w) for w in whole]
-            gather = [prices.collective("all_gather", data_parallel, w) for w in whole]
+            reduce = [prices.collective("reduce_scatter", data_parallel, p) for p in params]
+            gather = [prices.collective("all_gather", data_parallel, p) for p in params]
         else:
-            reduce, gather = [prices.collective("all_reduce", data_parallel, w) for w in whole], [0.0] * len(bounds)
+            reduce, gather = [prices.collective("all_reduce", data_parallel, p) for p in params], [0.0] * len(bounds)
         return Costs(
             forward=[f + prices.overhead for f in forward],
             backward=[b + a + prices.overhead for b, a in zip(backward, again, strict=True)],
@@ -146,17 +146,16 @@ class LayerProfile:
         return sum(prices.collective(op, self.tensor_parallel, size)
                    for layer in self.collectives[a:b] for when, op, size in layer if when == compute)  # fmt: skip
 
-
     def _allocated(
         self, memory: Memory, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None,
-        state: list[float], optimizer_copies: int, data_parallel: int,
+        params: list[float], data_parallel: int,
     ) -> Memory:  # fmt: skip
         """The memory model with what the allocator saw: transients, late gradients, sync buffers, the optimizer."""
         columns: dict[str, list[float]] = {}
         for a, b in bounds:
             for name, value in transients.stage(self.allocations, a, b).items():
                 columns.setdefault(name, []).append(value)
-        grads = [s / (2 + optimizer_copies) for s in state]  # the stage's parameters (once per rank), as gradients
+        grads = params  # the stage's parameters (once per rank), as gradients
         ranks = list(placement) if placement is not None else list(range(len(bounds)))
         optimizer = [0.0] * len(bounds)
         for rank in set(ranks):

@@ -153,12 +153,12 @@ def _profile(
     collectives, probes = [], list[list[int]]()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index, layer in enumerate(model):
-            if shard is not None:
-                copied = _sharded(copy.deepcopy(layer).to(device), index, *shard)
-                probes.append([_nbytes(p) for p in dict.fromkeys(copied.parameters())])
-                collectives.append(_collectives(copied, value, index == 0))
-                del copied
-            probe = _probe(layer, device, compile, lambda p, i=index: _sharded(p, i, *shard) if shard else p)  # type: ignore[misc]
+            probe = copy.deepcopy(layer).to(device)
+            if shard is not None:  # the shard's parameters and collectives, recorded before any compile
+                probe = _sharded(probe, index, *shard)
+                probes.append([_nbytes(p) for p in dict.fromkeys(probe.parameters())])
+                collectives.append(_collectives(probe, value, index == 0))
+            probe = _compiled(probe, layer, compile)
             first = index == 0  # the user's batch: no gradient wanted for it
             timings = [_time(probe, value, first, device) for _ in range(repeats + 1)][1:] if repeats else []
             for index_, key in enumerate(("forward", "backward", "backward_input", "backward_weight")):
@@ -180,12 +180,10 @@ def _profile(
                                parameters=keys)  # fmt: skip
 
 
-def _probe(layer: nn.Module, device: torch.device, compile: bool | Mapping[str, object],
-           sharded: Callable[[nn.Module], nn.Module] = lambda probe: probe) -> nn.Module:  # fmt: skip
-    """A copy of the layer to measure, ``sharded`` (a copy does not keep nn.Module.compile's compiled call: compiled
-    again, as the user or compile= compiled the layer, with the user's own options unknown: torch.compile's
-    defaults)."""
-    probe = sharded(copy.deepcopy(layer).to(device))
+def _compiled(probe: nn.Module, layer: nn.Module, compile: bool | Mapping[str, object]) -> nn.Module:
+    """The copy of ``layer`` to measure, compiled where the engine runs it so (a copy does not keep
+    nn.Module.compile's compiled call: compiled again, as the user or compile= compiled the layer, with the user's own
+    options unknown: torch.compile's defaults)."""
     if compile or getattr(layer, "_compiled_call_impl", None) is not None:
         probe.compile(**({} if isinstance(compile, bool) else dict(compile)))
     return probe

@@ -164,12 +164,13 @@ def tune(
 
     started = time.perf_counter()
     candidates: list[Candidate] = []
+    programs: dict[tuple[str, int, int, int, bool], Schedule | str] = {}  # shared by the layouts of one pipeline size
     for layout in found:
         dp, pp, tp = layout
         for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
             candidates += _layout_candidates(
                 model, layout, sharded, names, counts[dp], per_replica[dp], profiles, methods, checkpoint,
-                transport, buffered, optimizer_copies, rates, tp_plan, refused)  # fmt: skip
+                transport, buffered, optimizer_copies, rates, tp_plan, refused, programs)  # fmt: skip
     if not candidates:
         why = "; ".join(f"{layout}: {reason}" for layout, reason in refused.items())
         raise ValueError(
@@ -225,8 +226,11 @@ def _layout_candidates(
     model: nn.Sequential, layout: Layout, sharded: bool, names: Sequence[str], counts: Sequence[int], rows: int,
     profiles: Mapping[tuple[int, int], LayerProfile], methods: Sequence[str], checkpoint: Sequence[str],
     transport: object, buffered: bool, optimizer_copies: int, prices: Prices, tp_plan: object, refused: dict[str, str],
+    programs: dict[tuple[str, int, int, int, bool], Schedule | str],
 ) -> list[Candidate]:  # fmt: skip
-    """Every candidate of one layout: schedule, chunks, micro-batches, partition and checkpointing, priced."""
+    """Every candidate of one layout: schedule, chunks, micro-batches, partition and checkpointing, priced.
+    ``programs``: each program as the transport runs it (with the replicas' ARs), or why it cannot be built, kept
+    across layouts and FSDP on and off."""
     dp, ranks, tp = layout
     layers = len(model)
     if sharded:
@@ -247,13 +251,13 @@ def _layout_candidates(
             if stages > layers:
                 continue
             for m in counts:
-                try:
-                    schedule = build_schedule(name, ranks, m, chunks)
-                except ValueError as error:  # m does not suit this schedule (interleaved: a multiple of p)
-                    why[name] = str(error)
+                program = programs.get((name, ranks, m, chunks, dp > 1))
+                if program is None:
+                    program = programs[name, ranks, m, chunks, dp > 1] = _program(transport, name, ranks, m, chunks,
+                                                                                   dp > 1)  # fmt: skip
+                if isinstance(program, str):  # m does not suit this schedule (interleaved: a multiple of p)
+                    why[name] = program
                     continue
-                program = transport.program(schedule)  # type: ignore[attr-defined]
-                program = with_gradient_sync(program) if dp > 1 else program
                 profile = profiles.get((rows // m, tp))
                 if profile is None:
                     continue
@@ -276,6 +280,17 @@ def _layout_candidates(
             f"no schedule of {list(names)} runs {ranks} pipeline ranks with m in {list(counts)} on {layers} layers"
             + "".join(f"; {name}: {reason}" for name, reason in why.items()))  # fmt: skip
     return found
+
+
+def _program(transport: object, name: str, ranks: int, m: int, chunks: int, synced: bool) -> Schedule | str:
+    """The schedule as the transport runs it, with each stage's AR where there are replicas; or why it cannot be
+    built."""
+    try:
+        schedule = build_schedule(name, ranks, m, chunks)
+    except ValueError as error:
+        return str(error)
+    program = transport.program(schedule)  # type: ignore[attr-defined]
+    return with_gradient_sync(program) if synced else program
 
 
 def _price(
