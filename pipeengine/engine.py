@@ -83,7 +83,7 @@ class PipelineEngine:
         world = connect(group, self.config.device, self.config.timeout)
         agree_on_model(model, world)  # first: in-process ranks build their models one at a time until here
         # schedule="auto": the pipeengine.planner.search candidate every rank built (self.tuned), else None
-        self.config, self.tuned = resolve_auto(self.config, model, loss_fn, sample, world)
+        self.config, self.tuned = resolve_auto(self.config, model, loss_fn, sample, world, type(self))
         parts: Assembly = assemble(model, loss_fn, self.config, sample, world)
         self._expose(parts)
         self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, self.pipeline)

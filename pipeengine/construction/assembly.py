@@ -16,7 +16,7 @@ Nothing here runs at step time: the step (pipeengine.train.stepping) is handed t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,15 +60,16 @@ class Assembly:
     mesh: object | None = None  # torch's DeviceMesh over the grid, where a stage transform needed one
 
 
-def resolve_auto(config: EngineConfig, model: nn.Sequential, loss_fn: LossFn, sample: object, world: Transport
-                 ) -> tuple[EngineConfig, object | None]:  # fmt: skip
+def resolve_auto(config: EngineConfig, model: nn.Sequential, loss_fn: LossFn, sample: object, world: Transport,
+                 engine: Callable[..., object]) -> tuple[EngineConfig, object | None]:  # fmt: skip
     """schedule="auto": the planner's choice (pipeengine.planner.search), the same on every rank, and the candidate it
-    built; any other schedule as it is, and None."""
+    built; any other schedule as it is, and None. ``engine``: the engine's class (the planner's calibration runs
+    it where this machine's prices are not kept)."""
     if config.schedule != AUTO:
         return config, None
     from pipeengine.planner.search import choose  # here: `python -m pipeengine.tune` must find it not yet imported
 
-    return choose(config, model, loss_fn, sample, world)
+    return choose(config, model, loss_fn, sample, world, engine)
 
 
 def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:

@@ -8,15 +8,17 @@ backward (their gradients need no reduction of ours: a replica's AR reduces each
     retie / agree_on_ties      a weight tied across stages of one rank one tensor again after parallelizing, and a
                                tie whose holders were sharded differently refused on every rank
     shard_costs                the layers' parameters as a tensor-parallel rank holds them, for the partition's report
+    fake_mesh / shard_layer    the planner's probe: one layer sharded as one rank holds it, on torch's fake backend
 Its checkpoint form is the DTensor itself (pipeengine.core.dtensors: whole, spread); a stage whose output is a
 shard is refused where the stage runs (pipeengine.runtime.stage).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -30,7 +32,7 @@ from pipeengine.core.ties import Ties
 if TYPE_CHECKING:
     from pipeengine.planner.costmodel import LayerCosts
 
-__all__ = ["agree_on_ties", "apply", "device_mesh", "plan_matches", "retie", "shard_costs"]
+__all__ = ["agree_on_ties", "apply", "device_mesh", "fake_mesh", "plan_matches", "retie", "shard_costs", "shard_layer"]
 
 
 def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
@@ -82,6 +84,29 @@ def apply(module: nn.Module, mesh: object, plan: Mapping[str, object]) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, mesh["tp"], mine)  # type: ignore[index, arg-type]
+
+
+def shard_layer(module: nn.Module, mesh: object, plan: Mapping[str, object]) -> nn.Module:
+    """One layer parallelized by its part of a plan (names within it; "" the layer itself) on the mesh's "tp" dim:
+    the planner's probe of what one tensor-parallel rank runs."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(module, mesh["tp"], plan[""] if "" in plan else dict(plan))  # type: ignore[index, arg-type]
+
+
+@contextlib.contextmanager
+def fake_mesh(size: int) -> Iterator[object]:
+    """A one-dim DeviceMesh named "tp" of ``size`` ranks on torch's fake backend (collectives do nothing), this
+    process its rank 0 while the block runs: the planner measures a rank's shards on it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
 
 
 def _has(module: nn.Module, name: str) -> bool:

@@ -18,7 +18,7 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -146,9 +146,10 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
         ) from error
 
 
-def calibrate(repeats: int = 5, sizes: Sequence[int] = SIZES) -> Prices:
+def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int] = SIZES) -> Prices:
     """Measure this machine's prices on every rank of the default process group (each calls it; at least 2 ranks);
-    every rank returns them."""
+    every rank returns them. ``engine``: PipelineEngine, whose step the host cost is fitted to (given by the caller:
+    the planner sits below the engine)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
         raise ValueError("calibration measures messages and collectives between ranks: launch at least 2")
@@ -163,7 +164,7 @@ def calibrate(repeats: int = 5, sizes: Sequence[int] = SIZES) -> Prices:
             for size in sizes:
                 samples[op].setdefault(group_size, []).append(
                     (size, _collective(op, size // 4, group, group_size, repeats, device)))  # fmt: skip
-    overhead = _overhead(p2p, repeats)
+    overhead = _overhead(engine, p2p, repeats)
     found = Prices(overhead, Link.fit(p2p),
                    {op: {g: Link.fit(s) for g, s in groups.items()} for op, groups in samples.items()},
                    f"measured just now on {socket.gethostname()}", True)  # fmt: skip
@@ -172,19 +173,20 @@ def calibrate(repeats: int = 5, sizes: Sequence[int] = SIZES) -> Prices:
     return shared[0]  # type: ignore[return-value]
 
 
-def measure_machine(world_size: int, backend: str = "gloo", path: str | os.PathLike[str] | None = None
-                    ) -> tuple[Path, Prices]:  # fmt: skip
+def measure_machine(world_size: int, engine: Callable[..., Any], backend: str = "gloo",
+                    path: str | os.PathLike[str] | None = None) -> tuple[Path, Prices]:  # fmt: skip
     """Launch ``world_size`` ranks on this machine (pipeengine.launch), calibrate on them and keep the prices at
     ``path`` (default_path()); returns the path and the prices read back."""
     from pipeengine.launcher.launch import launch
 
     target = Path(path) if path is not None else default_path()
-    launch(_calibrate_and_save, world_size, (str(target), backend), device="cuda" if backend == "nccl" else None)
+    device = "cuda" if backend == "nccl" else None
+    launch(_calibrate_and_save, world_size, (str(target), backend, engine), device=device)
     return target, load(target)
 
 
-def _calibrate_and_save(path: str, backend: str) -> None:
-    prices = calibrate()
+def _calibrate_and_save(path: str, backend: str, engine: Callable[..., Any]) -> None:
+    prices = calibrate(engine)
     if dist.get_rank() == 0:
         save(prices, path, backend=backend, world_size=dist.get_world_size())
 
@@ -232,20 +234,19 @@ def _collective(op: str, elements: int, group: Any, size: int, repeats: int, dev
     return statistics.median(times[1:])
 
 
-def _overhead(p2p: list[tuple[float, float]], repeats: int) -> float:
+def _overhead(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats: int) -> float:
     """Host seconds per compute: the engine's step of a pipeline of tiny layers over every rank (1F1B), against the
     simulator's step of it at the measured message price, solved for the one unknown (bisection: the simulated step
     grows with it)."""
     from torch import nn
 
-    from pipeengine.engine import PipelineEngine
     from schedules import Costs, simulate
 
     torch.manual_seed(0)
     world = dist.get_world_size()
     micro = 2 * world
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
-    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=micro, schedule="1f1b")
+    engine = build(model, nn.functional.mse_loss, num_microbatches=micro, schedule="1f1b")
     batch, target = torch.randn(micro, 4), torch.randn(micro, 4)
     times = []
     for _ in range(repeats + 2):

@@ -67,7 +67,8 @@ def parse_bytes(text: str) -> float:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = None) -> int:
+    """The command line; ``engine``: PipelineEngine, for --calibrate (pipeengine.tune.main gives it)."""
     from pipeengine.planner.search import tune
 
     parser = argparse.ArgumentParser(prog="python -m pipeengine.tune", description=__doc__.split("\n")[0])
@@ -94,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pipeengine.planner.calibration import measure_machine
 
         print(f"calibrating on {args.world_size} {args.backend} ranks ...", flush=True)
-        path, prices = measure_machine(args.world_size, args.backend)
+        if engine is None:
+            parser.error("--calibrate runs the engine: use python -m pipeengine.tune")
+        path, prices = measure_machine(args.world_size, engine, args.backend)
         print(f"wrote {path}: host {prices.overhead * 1e3:.3f} ms per compute, a message "
               f"{prices.p2p.latency * 1e3:.3f} ms + {prices.p2p.per_byte * 2**30:.3f} s/GiB")  # fmt: skip
         return 0

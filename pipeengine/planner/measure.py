@@ -13,12 +13,11 @@ already belongs to a process group (schedule="auto" on a rank), that is done in 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -26,6 +25,7 @@ from torch import nn
 from pipeengine.core.dtensors import local, settled, tensor_parallel_numel
 from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.observe.ledger import Ledger
+from pipeengine.parallel import tensor
 from pipeengine.planner import transients
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
 from pipeengine.runtime.backward import backward_input
@@ -98,7 +98,7 @@ def profile_layers(
                          allocator=allocator, compile=compile, tensor_parallel=tensor_parallel, tp_plan=tp_plan)
         if dist.is_initialized():  # one default group to a process: the fake one is made in a fresh process
             return _elsewhere(model, sample, rows, arguments)
-        with _fake_group(tensor_parallel) as mesh:
+        with tensor.fake_mesh(tensor_parallel) as mesh:
             shards = _layer_plans(model, tp_plan, tensor_parallel)
             return _measured(model, sample, rows, **arguments, progress=progress, shard=(mesh, shards))  # type: ignore[arg-type]
     return _measured(model, sample, rows, repeats=repeats, device=device, threads=threads, loss=loss, target=target,
@@ -278,26 +278,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor_parallel_numel(tensor) * tensor.element_size()
 
 
-@contextlib.contextmanager
-def _fake_group(size: int) -> Iterator[object]:
-    """A one-dim DeviceMesh named "tp" of ``size`` ranks on torch's fake backend (collectives do nothing): this
-    process is its rank 0 while the block runs."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    try:
-        yield init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
-
-
 def _layer_plans(model: nn.Sequential, plan: Mapping[str, object], degree: int) -> list[dict[str, object]]:
     """Per layer, the plan's styles by module name within the layer ("" for the layer itself)."""
-    from pipeengine.parallel.tensor import plan_matches
-
-    resolved = plan_matches(model, plan, degree)
+    resolved = tensor.plan_matches(model, plan, degree)
     names = [name for name, _ in model.named_children()]
     layers: list[dict[str, object]] = [{} for _ in names]
     for name, style in resolved.items():
@@ -308,13 +291,11 @@ def _layer_plans(model: nn.Sequential, plan: Mapping[str, object], degree: int) 
 
 def _sharded(probe: nn.Module, index: int, mesh: object, plans: list[dict[str, object]]) -> nn.Module:
     """The probe parallelized by its layer's part of the plan; refused where a split leaves unequal shards."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     plan = plans[index]
     if not plan:
         return probe
     inner = probe.layer if isinstance(probe, _WithLoss) else probe  # the plan names the model's layer
-    inner = parallelize_module(inner, mesh, plan[""]) if "" in plan else parallelize_module(inner, mesh, plan)  # type: ignore[arg-type]
+    inner = tensor.shard_layer(inner, mesh, plan)
     if isinstance(probe, _WithLoss):
         probe.layer = inner
     else:

@@ -333,13 +333,13 @@ def _check_problem(model: object, sample: object, target: object) -> None:
 
 def choose(
     config: EngineConfig, model: nn.Sequential, loss_fn: Callable[..., torch.Tensor], sample: object,
-    world: Transport,
+    world: Transport, engine: Callable[..., object],
 ) -> tuple[EngineConfig, Candidate]:  # fmt: skip
     """schedule="auto": world rank 0 (the first stage's rank) tunes on its sample, for the layout the config fixes
     (dp, tp, fsdp), at this machine's prices: where none were kept and the ranks are processes of one default
     process group, every rank measures them first (calibration.calibrate) and rank 0 keeps them. Every rank gets
-    rank 0's choice."""
-    prices = _live_prices(world)
+    rank 0's choice. ``engine``: the engine class being built, which calibration times."""
+    prices = _live_prices(world, engine)
     choice: Candidate | None = None
     failure = ""
     if world.rank == 0:
@@ -364,7 +364,7 @@ def choose(
     return chosen, choice
 
 
-def _live_prices(world: Transport) -> Prices | None:
+def _live_prices(world: Transport, engine: Callable[..., object]) -> Prices | None:
     """The kept prices, or (none kept, every rank a process of the default group) measured now by every rank and
     kept by rank 0; None: the built-in constants (in-process ranks, or a group of the user's)."""
     import torch.distributed as dist
@@ -372,7 +372,7 @@ def _live_prices(world: Transport) -> Prices | None:
     kept = calibration.default_path().exists()
     processes = world.name != "loopback" and dist.is_initialized() and world.size == dist.get_world_size() > 1
     if not all(world.all_gather_object(kept or not processes, "whether this machine's prices are kept")):
-        prices = calibration.calibrate()
+        prices = calibration.calibrate(engine)
         if world.rank == 0:
             calibration.save(prices, backend=world.name, world_size=world.size)
         return prices

@@ -155,7 +155,7 @@ def test_a_refused_layout_says_why() -> None:
 
 def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kept = tmp_path / "machine.json"
-    path, prices = calibration.measure_machine(2, "gloo", kept)
+    path, prices = calibration.measure_machine(2, PipelineEngine, "gloo", kept)
     record = json.loads(path.read_text())
     assert path == kept and record["world_size"] == 2 and record["backend"] == "gloo" and record["date"][:2] == "20"
     assert prices.calibrated and prices.source.startswith(f"calibrated on {record['host']} at {record['date']}")
