@@ -1,6 +1,7 @@
 """Each example runs to completion in a reduced mode."""
 
 import ast
+import contextlib
 import io
 import os
 import random
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeengine import consolidate
+from pipeengine import consolidate, launch
 from tests.pipeengine.processes import alive, descendants, parent
 
 ROOT = Path(__file__).parent.parent
@@ -48,10 +49,23 @@ GPT = [str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--tensor-parall
        "2", "--batch", "8", "--microbatches", "2", "--checkpoint-every", "5"]  # fmt: skip
 
 
+def uninterrupted(argv: list[str], printed: str) -> None:
+    """A rank of train_gpt run as its command runs it (its main, on the parsed arguments), what it prints written
+    into ``printed``.RANK: the ranks of this test's launch, whose fork server has imported torch already."""
+    import torch.distributed as dist
+
+    gpt = example("train_gpt")
+    with open(f"{printed}.{dist.get_rank()}", "w") as out, contextlib.redirect_stdout(out):
+        gpt.main(gpt.parser().parse_args(argv))  # type: ignore[attr-defined]
+
+
 @pytest.mark.timeout(240)
 def test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupted_weights(tmp_path: Path) -> None:
-    # the README's tensor-parallel command, smaller: 2 ranks, one stage over both (pipelining: test_gpt, test_parity)
-    out = run(*GPT, "--sample-chars", "5", "--log-every", "9", "--out", str(tmp_path / "whole"))
+    # the README's tensor-parallel command, smaller: 2 ranks, one stage over both (pipelining: test_gpt, test_parity);
+    # launched from here (no second interpreter to import torch); the killed run below runs the command itself
+    argv = [*GPT[1:], "--sample-chars", "5", "--log-every", "9", "--out", str(tmp_path / "whole")]
+    launch(uninterrupted, 2, args=(argv, str(tmp_path / "printed")), timeout=170)
+    out = (tmp_path / "printed.0").read_text()
     lines = out.splitlines()
     said = [line.split(" ")[0] for line in lines if line.endswith("...")]  # never silent while it works
     assert said == ["reading", "building", "sampling"], lines

@@ -4,6 +4,7 @@ size and kind of rank (threads where nothing needs torch.distributed)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 
@@ -18,10 +19,12 @@ pytest.importorskip("transformers")
 importlib.import_module("transformers.models.llama.modeling_llama")
 
 
+@functools.cache
 def worlds() -> dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]]]]:
     """The configurations by world (kind of rank, size), those that run and those refused: one launch each, so that
     the ranks start once and a region compiled by one configuration serves the next that compiles it (dynamo's
-    cache is per process)."""
+    cache is per process). Found at collection (pytest_generate_tests), not at import: each rank imports this
+    module, and the matrix costs most of a second of CPU."""
     named: dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]]]] = {}
 
     def world(config: Config) -> tuple[bool, int, list[Config], list[tuple[Config, str]]]:
@@ -36,7 +39,9 @@ def worlds() -> dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]
     return named
 
 
-WORLDS = worlds()
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.function is test_every_configuration_trains_like_one_process_or_is_refused_with_its_message:
+        metafunc.parametrize("name", sorted(worlds()))
 
 
 def every(configs: list[Config], refusals: list[tuple[Config, str]], directory: str) -> None:
@@ -53,10 +58,9 @@ def every(configs: list[Config], refusals: list[tuple[Config, str]], directory: 
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", sorted(WORLDS))
 def test_every_configuration_trains_like_one_process_or_is_refused_with_its_message(name: str, tmp_path: Path
                                                                                     ) -> None:  # fmt: skip
-    processes, world, configs, refusals = WORLDS[name]
+    processes, world, configs, refusals = worlds()[name]
     launch(every, world, args=(configs, refusals, str(tmp_path)), timeout=360, in_process=not processes)
 
 
@@ -65,7 +69,7 @@ def test_the_matrix_covers_every_pair_that_can_go_together_as_the_design_page_sa
     assert found.covered == found.possible > 500 and len(found.running) < 80
     readme = (Path(__file__).parents[2] / "docs" / "design.md").read_text()
     assert f"pairs covered: {found.covered} of {found.possible}\n{len(found.running)} configurations run" in readme
-    assert sum(len(refusals) for *_, refusals in WORLDS.values()) == len(found.refused) > 0
+    assert sum(len(refusals) for *_, refusals in worlds().values()) == len(found.refused) > 0
 
 
 ROUND_4 = {  # the reliability round 4 issue's defects, each the levels that together made it
