@@ -148,3 +148,21 @@ def test_checkpoint_reports_the_stall_of_a_background_save_against_a_synchronous
     # AdamW's two moments beside each weight: 3 x (2 x (64 x 64 + 64)) floats
     assert row["state_mib"] == pytest.approx(3 * 2 * (64 * 64 + 64) * 4 / 2**20)
     assert row["sync_save_ms"] > 0 and row["background_stall_ms"] > 0 and row["stall_fraction"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_tune_layout_times_layouts_over_the_ranking_at_calibrated_prices(tmp_path: Path) -> None:
+    out = bench("tune_layout.py", "--quick", out=tmp_path)
+    report = json.loads((tmp_path / "tune_layout.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == 2 and rows[0]["predicted_rank"] == 0  # the predicted best, and the best of another layout
+    assert len({(r["data_parallel"], r["pipeline"], r["tensor_parallel"], r["fsdp"]) for r in rows}) == 2
+    assert all(r["data_parallel"] * r["pipeline"] * r["tensor_parallel"] == 4 for r in rows)
+    assert all(r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in rows)
+    assert all(r["predicted_peak_mib"] > 0 and len(r["measured_peaks_mib"]) == 4 for r in rows)
+    assert all(r["error"] == pytest.approx(r["measured_ms"] / r["predicted_ms"] - 1) for r in rows)
+    # the prices are the calibration file's, measured by the run, not the built-in constants
+    assert report["prices_calibrated"] and report["calibration"] in report["prices"]
+    assert Path(report["calibration"]).exists() and report["search_seconds"]["4"] > 0
+    assert 0 < report["kept"] <= report["candidates"] and "median" in out
+    assert (tmp_path / "tune_layout.png").stat().st_size > 10_000
