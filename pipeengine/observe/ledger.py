@@ -47,7 +47,8 @@ class Ledger:
         self.saved: dict[int, list[int]] = {}  # storage -> [bytes, holders alive]
         self.lock = threading.Lock()
 
-    def _pack(self, tensor: torch.Tensor) -> object:
+    @torch.compiler.disable  # a hook autograd calls inside a compiled region: not dynamo's to trace (it would
+    def _pack(self, tensor: torch.Tensor) -> object:  # recompile it for every shape, to its limit)
         if not tensor.numel() or tensor.device.type == "meta":
             return tensor
         key, size = storage(tensor)
@@ -69,6 +70,7 @@ class Ledger:
                 del self.saved[key]
 
     @staticmethod
+    @torch.compiler.disable
     def _unpack(held: object) -> torch.Tensor:
         return held.tensor if isinstance(held, _Held) else held  # type: ignore[return-value]
 

@@ -196,3 +196,25 @@ def test_shapes_are_inferred_from_the_uncompiled_layers_never_compiling_meta_ten
     assert seen == []  # the compiler was never called
     wrapped(torch.randn(2, 6, 16))  # and the layers themselves still run compiled
     assert seen and "meta" not in seen
+
+
+def test_the_ledgers_hooks_are_never_compiled_inside_a_compiled_layer() -> None:
+    """Tracing counts what autograd saves by saved-tensor hooks, which autograd calls while a compiled layer runs:
+    dynamo must not take them for the user's code (it compiled and recompiled them per shape to its limit, seconds a
+    traced step). The same layer compiles the same frames watched by a ledger as not watched."""
+    from torch._dynamo.utils import counters
+
+    from pipeengine.observe.ledger import Ledger
+
+    def frames(watched: bool) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))  # dynamo runs torch's modules, and
+        module.compile(backend="aot_eager")  # what they call, as they are: it is the hooks it would compile
+        with Ledger().watching() if watched else contextlib.nullcontext():
+            for rows in (2, 3, 2):
+                module(torch.randn(rows, 8, requires_grad=True)).sum().backward()
+        return int(counters["frames"]["total"])
+
+    assert frames(watched=True) == frames(watched=False)
