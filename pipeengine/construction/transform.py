@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from pipeengine.core.compiling import compile_in_place
 from pipeengine.core.config import EngineConfig
 from pipeengine.parallel import fsdp, tensor
 
@@ -54,4 +55,4 @@ def compile_layers(module: nn.Module, options: dict[str, object]) -> None:
     as torchtitan compiles each block: after tensor parallelism, before FSDP. A layer compiled already is left."""
     for layer in module.children():
         if getattr(layer, "_compiled_call_impl", None) is None and type(layer).__name__ != "OptimizedModule":
-            layer.compile(**options)
+            compile_in_place(layer, options)

@@ -47,7 +47,7 @@ class Ledger:
         self.saved: dict[int, list[int]] = {}  # storage -> [bytes, holders alive]
         self.lock = threading.Lock()
 
-    @torch.compiler.disable  # a hook autograd calls inside a compiled region: not dynamo's to trace (it would
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # a hook autograd calls inside a compiled region: not dynamo's to trace (it would
     def _pack(self, tensor: torch.Tensor) -> object:  # recompile it for every shape, to its limit)
         if not tensor.numel() or tensor.device.type == "meta":
             return tensor
@@ -70,7 +70,7 @@ class Ledger:
                 del self.saved[key]
 
     @staticmethod
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _unpack(held: object) -> torch.Tensor:
         return held.tensor if isinstance(held, _Held) else held  # type: ignore[return-value]
 

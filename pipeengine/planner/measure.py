@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from pipeengine.core.compiling import compile_in_place
 from pipeengine.core.dtensors import local, settled, tensor_parallel_numel
 from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.observe.ledger import Ledger
@@ -185,7 +186,7 @@ def _compiled(probe: nn.Module, layer: nn.Module, compile: bool | Mapping[str, o
     nn.Module.compile's compiled call: compiled again, as the user or compile= compiled the layer, with the user's own
     options unknown: torch.compile's defaults)."""
     if compile or getattr(layer, "_compiled_call_impl", None) is not None:
-        probe.compile(**({} if isinstance(compile, bool) else dict(compile)))
+        compile_in_place(probe, {} if isinstance(compile, bool) else compile)
     return probe
 
 

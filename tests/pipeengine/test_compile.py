@@ -210,11 +210,28 @@ def test_the_ledgers_hooks_are_never_compiled_inside_a_compiled_layer() -> None:
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))  # dynamo runs torch's modules, and
-        module.compile(backend="aot_eager")  # what they call, as they are: it is the hooks it would compile
-        with Ledger().watching() if watched else contextlib.nullcontext():
+        one = OneProcess(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), nn.functional.mse_loss)
+        one.model.compile(backend="aot_eager")  # dynamo runs torch's modules, and what they call, as they are: it is
+        with Ledger().watching() if watched else contextlib.nullcontext():  # the hooks it would compile
             for rows in (2, 3, 2):
-                module(torch.randn(rows, 8, requires_grad=True)).sum().backward()
+                one.step([(torch.randn(rows, 8, requires_grad=True), torch.randn(rows, 8))])
         return int(counters["frames"]["total"])
 
     assert frames(watched=True) == frames(watched=False)
+
+
+def test_compile_true_compiles_torchs_own_layers_in_place() -> None:
+    """compile=True compiles each layer in place, an nn.Linear or an nn.Sequential of torch's layers too (torch
+    2.13's nn.Module.compile runs those eagerly: pytorch/pytorch#150915); the names and the state stay the model's.
+    (The user's blocks: test_compiled_stages_under_every_schedule_and_every_feature_equal_one_process.)"""
+    from pipeengine.construction.transform import compile_layers
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.GELU(), nn.Linear(16, 16)))
+    eager = {name: value.clone() for name, value in stage.state_dict().items()}
+    compile_layers(stage, {"backend": "aot_eager"})
+    assert list(stage.state_dict()) == list(eager)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    for layer in stage:
+        x = layer(x)
+        assert type(x.grad_fn).__name__ == "CompiledFunctionBackward", f"{type(layer).__name__} ran eagerly"
