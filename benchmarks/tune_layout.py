@@ -154,7 +154,7 @@ def main() -> None:
         vars(args).update(QUICK)
     model, x, y = problem(args.width, args.blocks, args.batch)
     started = time.perf_counter()
-    path, prices = measure_machine(RANKS, "gloo", OUT / "tune_layout_calibration.json")
+    path, prices = measure_machine(RANKS, PipelineEngine, "gloo", OUT / "tune_layout_calibration.json")
     calibrating = time.perf_counter() - started
     print(f"calibrated {RANKS} gloo ranks in {calibrating:.1f} s: {path}", flush=True)
     plan = tp_plan()
