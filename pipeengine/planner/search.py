@@ -165,12 +165,13 @@ def tune(
     started = time.perf_counter()
     candidates: list[Candidate] = []
     programs: dict[tuple[str, int, int, int, bool], Schedule | str] = {}  # shared by the layouts of one pipeline size
+    cuts: dict[tuple[int, int, str, int], list[tuple[int, int]]] = {}  # (rows, tp, method, stages) -> bounds
     for layout in found:
         dp, pp, tp = layout
         for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
             candidates += _layout_candidates(
                 model, layout, sharded, names, counts[dp], per_replica[dp], profiles, methods, checkpoint,
-                transport, buffered, optimizer_copies, rates, tp_plan, refused, programs)  # fmt: skip
+                transport, buffered, optimizer_copies, rates, tp_plan, refused, programs, cuts)  # fmt: skip
     if not candidates:
         why = "; ".join(f"{layout}: {reason}" for layout, reason in refused.items())
         raise ValueError(
@@ -227,10 +228,11 @@ def _layout_candidates(
     profiles: Mapping[tuple[int, int], LayerProfile], methods: Sequence[str], checkpoint: Sequence[str],
     transport: object, buffered: bool, optimizer_copies: int, prices: Prices, tp_plan: object, refused: dict[str, str],
     programs: dict[tuple[str, int, int, int, bool], Schedule | str],
+    cuts: dict[tuple[int, int, str, int], list[tuple[int, int]]],
 ) -> list[Candidate]:  # fmt: skip
     """Every candidate of one layout: schedule, chunks, micro-batches, partition and checkpointing, priced.
-    ``programs``: each program as the transport runs it (with the replicas' ARs), or why it cannot be built, kept
-    across layouts and FSDP on and off."""
+    ``programs``: each program as the transport runs it (with the replicas' ARs), or why it cannot be built;
+    ``cuts``: each partition by (rows, tp, method, stages); both kept across layouts and FSDP on and off."""
     dp, ranks, tp = layout
     layers = len(model)
     if sharded:
@@ -262,7 +264,10 @@ def _layout_candidates(
                 if profile is None:
                     continue
                 for method in methods:
-                    bounds = solve(method_costs(method, LayerCosts.of(profile, model)), stages)
+                    bounds = cuts.get((rows // m, tp, method, stages))
+                    if bounds is None:
+                        bounds = cuts[rows // m, tp, method, stages] = solve(
+                            method_costs(method, LayerCosts.of(profile, model)), stages)  # fmt: skip
                     partition = tuple(b - a for a, b in bounds)
                     for option in checkpoint:
                         if option == "except_last" and stages == 1:

@@ -43,6 +43,7 @@ p - i on rank i, ZB-H1 p at most, ZB-V about 1F1B's peak on every rank.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 from schedules.ir.dataflow import Dataflow, Message
@@ -109,6 +110,7 @@ class Memory:
         return peaks
 
 
+_WHEN = operator.itemgetter(0, 1)  # events by (time, order)
 _TRANSIENT = {Kind.FORWARD: "transient", Kind.BACKWARD: "backward_transient", Kind.BACKWARD_INPUT: "input_transient",
               Kind.BACKWARD_WEIGHT: "weight_transient"}  # fmt: skip
 Sample = tuple[float, float, Action | None]  # (time, bytes held after it, the action that made the change)
@@ -117,53 +119,54 @@ Sample = tuple[float, float, Action | None]  # (time, bytes held after it, the a
 def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memory) -> list[list[Sample]]:
     """Each rank's bytes over a simulated step: one sample per change, in time order (at equal times, in
     program order). ``times`` are run()'s (start, end) of every action."""
-    S, M = schedule.num_stages, schedule.num_microbatches  # type: ignore[attr-defined]
+    S = schedule.num_stages  # type: ignore[attr-defined]
     table = memory.per_stage(S)
-    flow = Dataflow.of(schedule)
     placement = schedule.placement  # type: ignore[attr-defined]
     streams: tuple[tuple[Action, ...], ...] = schedule.instructions  # type: ignore[attr-defined]
+    plans, computes = _plan(schedule)
     local = [s > 0 and placement[s - 1] == placement[s] for s in range(S)]  # input handed over on its rank
     sent_at: dict[int, float] = {}  # message key -> when its send completed and its tensors went
-    for rank, stream in enumerate(streams):
-        for index, (action, (_, end)) in enumerate(zip(stream, times[rank], strict=True)):
+    for rank, plan in enumerate(plans):
+        spans = times[rank]
+        for index, step in enumerate(plan):
             # buffered: done when posted, let go as the rank goes on to its next action; else when matched
-            after = times[rank][index + 1][0] if index + 1 < len(stream) else end
-            for op in ops_of(action):
-                if op.kind.is_send:
-                    sent_at[Message.of(op).key(M)] = after if memory.buffered_sends else end
+            if step[1]:
+                after = spans[index + 1][0] if index + 1 < len(spans) else spans[index][1]
+                for key in step[1]:
+                    sent_at[key] = after if memory.buffered_sends else spans[index][1]
+    boundary, gradient, activation = table["boundary"], table["gradient"], table["activation"]
+    after_input, gathered, gathered_grads = table["after_input"], table["gathered"], table["gathered_grads"]
     tracks = []
-    for rank, stream in enumerate(streams):
-        extra = _shared_boundaries(stream, times[rank], table, local)  # order -> bytes to add at that action's end
+    for rank, (stream, plan) in enumerate(zip(streams, plans, strict=True)):
+        # order -> bytes to add at that action's end
+        extra = _shared_boundaries(computes[rank], times[rank], table, local)
         events: list[tuple[float, int, float, Action | None]] = []  # (time, order, delta, action)
-        state = sum(table["state"][s] - table["grads_late"][s] for s in range(S) if placement[s] == rank)
-        events.append((0.0, -1, state, None))
-        late = {s: table["grads_late"][s] for s in range(S) if placement[s] == rank and table["grads_late"][s]}
-        unmade = {s for s in range(S) if placement[s] == rank}  # stages whose first B or W is still to come
-        ungathered = {s for s in range(S) if placement[s] == rank and table["gathered"][s]}  # FSDP: no F yet
-        sharded = {s for s in range(S) if placement[s] == rank and table["gathered_grads"][s]}
+        mine = [s for s in range(S) if placement[s] == rank]
+        events.append((0.0, -1, sum(table["state"][s] - table["grads_late"][s] for s in mine), None))
+        late = {s: table["grads_late"][s] for s in mine if table["grads_late"][s]}
+        unmade = set(mine)  # stages whose first B or W is still to come
+        ungathered = {s for s in mine if gathered[s]}  # FSDP: no F yet
+        sharded = {s for s in mine if gathered_grads[s]}
         grads_made: set[int] = set()
         held: dict[tuple[int, int], float] = {}  # (stage, mb) -> its activation held now on this rank
-        for order, (action, (start, end)) in enumerate(zip(stream, times[rank], strict=True)):
-            for op in ops_of(action):
-                if op.kind.is_recv:  # a buffer from its post
-                    message = Message.of(op)
-                    size = table["gradient" if message.gradient else "boundary"][message.boundary]
-                    events.append((start, order, size, action))
-            if isinstance(action, Instruction) and action.kind.is_collective:  # its flat buffers, to the step's end
-                flat = table["sync"][action.stage] if action.kind is Kind.ALL_REDUCE else (
-                    memory.tie_sync[action.tie_group] if action.tie_group < len(memory.tie_sync) else 0.0)  # fmt: skip
+        for order, ((start, end), (recvs, _, collective, compute)) in enumerate(zip(times[rank], plan, strict=True)):
+            action = stream[order]
+            for is_gradient, at in recvs:  # a buffer from its post
+                events.append((start, order, gradient[at] if is_gradient else boundary[at], action))
+            if collective is not None:  # its flat buffers, to the step's end
+                is_reduce, s, group = collective
+                flat = table["sync"][s] if is_reduce else (memory.tie_sync[group] if group < len(memory.tie_sync)
+                                                           else 0.0)  # fmt: skip
                 if flat:
                     events.append((start, order, flat, action))
-                if action.kind is Kind.ALL_REDUCE and action.stage in sharded:  # FSDP: reduce-scattered, resharded
-                    s = action.stage
-                    freed = table["gathered"][s] + table["gathered_grads"][s]
-                    events.append((end, order, late.pop(s, 0.0) - freed, action))
-            if not (isinstance(action, Instruction) and action.kind.is_compute):
+                if is_reduce and s in sharded:  # FSDP: reduce-scattered, resharded
+                    events.append((end, order, late.pop(s, 0.0) - gathered[s] - gathered_grads[s], action))
+            if compute is None:
                 continue
-            s, mb, kind = action.stage, action.microbatch, action.kind
+            s, mb, kind, needed, made = compute
             if s in ungathered:  # FSDP: the first compute gathers the stage's parameters
                 ungathered.discard(s)
-                events.append((start, order, table["gathered"][s], action))
+                events.append((start, order, gathered[s], action))
             transient = table[_TRANSIENT[kind]][s]
             if kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT) and s in unmade:
                 unmade.discard(s)
@@ -172,35 +175,35 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
             if transient:
                 events += [(start, order, transient, action), (end, order, -transient, action)]
             delta = 0.0
-            needed = flow.consumes(action)
             if needed is not None:  # the input buffer (received, or handed over) is taken
-                if not needed.gradient:
-                    delta -= table["boundary"][needed.boundary] if flow.crosses(needed) else 0.0
+                is_gradient, at, crosses = needed
+                if not is_gradient:
+                    delta -= boundary[at] if crosses else 0.0
                 else:
-                    delta -= table["gradient"][needed.boundary]
+                    delta -= gradient[at]
             if kind is Kind.FORWARD:
-                now = table["activation"][s] - (table["boundary"][s - 1] if local[s] else 0.0)
+                now = activation[s] - (boundary[s - 1] if local[s] else 0.0)
                 held[(s, mb)] = now
                 delta += now
             elif kind is Kind.BACKWARD_INPUT:
-                now = table["after_input"][s] - (table["boundary"][s - 1] if local[s] else 0.0)
+                now = after_input[s] - (boundary[s - 1] if local[s] else 0.0)
                 delta += now - held.get((s, mb), 0.0)
                 held[(s, mb)] = now
             else:  # B or W: the micro-batch is done on this stage
                 delta -= held.pop((s, mb), 0.0)
                 if s in sharded:  # FSDP: whole gradients, until the AR reduce-scatters them into the shards
-                    delta += table["gathered_grads"][s] if s not in grads_made else 0.0
+                    delta += gathered_grads[s] if s not in grads_made else 0.0
                     grads_made.add(s)
                 else:
                     delta += late.pop(s, 0.0)  # the stage's first gradient compute makes its parameters' gradients
-            made = flow.produces(action)
-            if made is not None and made.gradient:  # for the stage before: held until sent, or until taken here
-                size = table["gradient"][made.boundary]
+            if made is not None:  # a gradient, for the stage before: held until sent, or until taken here
+                at, crosses, key, send = made
+                size = gradient[at]
                 delta += size  # one change at the compute's end, as a step is seen between instructions
-                if flow.crosses(made):
-                    events.append((max(end, sent_at.get(flow.key(made), end)), len(stream), -size, made.send()))
+                if crosses:
+                    events.append((max(end, sent_at.get(key, end)), len(stream), -size, send))
             events.append((end, order, delta + extra.get(order, 0.0), action))
-        events.sort(key=lambda e: (e[0], e[1]))
+        events.sort(key=_WHEN)
         samples: list[Sample] = []
         total = 0.0
         for time, _, delta, cause in events:
@@ -210,15 +213,58 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
     return tracks
 
 
+# per action, what track needs of it whatever the prices: ((gradient, boundary) of each recv it posts, the keys of
+# the sends it posts, (is an AR, stage, tie group) of a collective or None, (stage, mb, kind, (gradient, boundary,
+# crosses) of the message it takes or None, (boundary, crosses, key, its send) of the gradient it makes or None) of a
+# compute or None)
+_Compute = tuple[int, int, Kind, tuple[bool, int, bool] | None, tuple[int, bool, int, Instruction] | None]
+_Step = tuple[tuple[tuple[bool, int], ...], tuple[int, ...], tuple[bool, int, int] | None, _Compute | None]
+_PLANS: dict[int, tuple[object, list[list[_Step]], list[dict[tuple[Kind, int, int], int]]]] = {}
+
+
+def _plan(schedule: object) -> tuple[list[list[_Step]], list[dict[tuple[Kind, int, int], int]]]:
+    """Each rank's steps (_Step) and its computes' indices by (kind, stage, mb): made once per schedule, which a search
+    prices many times (kept for the last 512 schedules, by identity)."""
+    kept = _PLANS.get(id(schedule))
+    if kept is not None and kept[0] is schedule:
+        return kept[1], kept[2]
+    flow = Dataflow.of(schedule)
+    M = schedule.num_microbatches  # type: ignore[attr-defined]
+    plans, computes = [], []
+    for stream in schedule.instructions:  # type: ignore[attr-defined]
+        plan: list[_Step] = []
+        done: dict[tuple[Kind, int, int], int] = {}
+        for index, action in enumerate(stream):
+            ops = ops_of(action)
+            recvs = tuple((m.gradient, m.boundary) for m in (Message.of(op) for op in ops if op.kind.is_recv))
+            sends = tuple(Message.of(op).key(M) for op in ops if op.kind.is_send)
+            collective = compute = None
+            if isinstance(action, Instruction) and action.kind.is_collective:
+                is_reduce = action.kind is Kind.ALL_REDUCE
+                collective = (is_reduce, action.stage, 0 if is_reduce else action.tie_group)
+            elif isinstance(action, Instruction) and action.kind.is_compute:
+                done[(action.kind, action.stage, action.microbatch)] = index
+                needed, made = flow.consumes(action), flow.produces(action)
+                compute = (action.stage, action.microbatch, action.kind,
+                           None if needed is None else (needed.gradient, needed.boundary, flow.crosses(needed)),
+                           None if made is None or not made.gradient else
+                           (made.boundary, flow.crosses(made), flow.key(made), made.send()))  # fmt: skip
+            plan.append((recvs, sends, collective, compute))
+        plans.append(plan)
+        computes.append(done)
+    if len(_PLANS) >= 512:
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[id(schedule)] = (schedule, plans, computes)
+    return plans, computes
+
+
 def _shared_boundaries(
-    stream: tuple[Action, ...], times: list[tuple[float, float]], table: dict[str, list[float]], local: list[bool]
+    done: dict[tuple[Kind, int, int], int], times: list[tuple[float, float]], table: dict[str, list[float]],
+    local: list[bool],
 ) -> dict[int, float]:
     """For each handed-over boundary tensor that the later stage holds after the earlier one let it go: its
-    bytes, added where the earlier stage lets go and taken off where the later one does (by action index)."""
-    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, mb) -> index of that compute in the stream
-    for index, action in enumerate(stream):
-        if isinstance(action, Instruction) and action.kind.is_compute:
-            done[(action.kind, action.stage, action.microbatch)] = index
+    bytes, added where the earlier stage lets go and taken off where the later one does (by action index).
+    ``done``: (kind, stage, mb) -> index of that compute in the rank's stream."""
 
     def release(stage: int, mb: int, keeps: str) -> int | None:
         if (Kind.BACKWARD, stage, mb) in done:

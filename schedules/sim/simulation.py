@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from schedules.ir.dataflow import Dataflow
 from schedules.ir.gcpause import gc_paused
-from schedules.ir.instructions import Action, Instruction, Kind, Post, ops_of
+from schedules.ir.instructions import Instruction, Kind, Post, ops_of
 from schedules.ir.schedule import Schedule
 from schedules.sim.memory_model import Memory, track
 from schedules.sim.perstage import PerStage, expand
@@ -168,11 +168,11 @@ def run(
     made: list[float | None] = [None] * flow.num_keys  # message -> when its producer ended
     sent: list[float | None] = [None] * flow.num_keys  # message -> when its send was posted
     received: list[float | None] = [None] * flow.num_keys  # message -> when its recv was posted
-    has_recv = [False] * flow.num_keys  # lowered schedules wait for their recvs, compute-only ones do not
+    skeletons, has_recv = _skeletons(schedule, flow)  # lowered schedules wait for their recvs, compute-only do not
     reduce, gather = expand("Costs.all_reduce", costs.all_reduce, S), expand("Costs.gather", costs.gather, S)
     programs = [
-        _compile(stream, table, flow, has_recv, None if durations is None else iter(durations[rank]), reduce, gather)
-        for rank, stream in enumerate(schedule.instructions)
+        _priced(skeleton, table, None if durations is None else iter(durations[rank]), reduce, gather)
+        for rank, skeleton in enumerate(skeletons)
     ]
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     pcs, clocks = [0] * p, [0.0] * p
@@ -250,36 +250,67 @@ _F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
 Entry = tuple[Kind | None, int, float, int, bool, int, tuple[tuple[int, bool], ...]]
 
 
-def _compile(
-    stream: tuple[Action, ...],
+# per action, whatever the prices: a compute (kind, stage, stage*M + mb, message it needs or -1, whether that crosses
+# ranks, message it makes or -1, whether it is its stage's first F on the rank), communication (None, 0, 0, -1, False,
+# -1, ((key, is_send), ...)), or a collective (None, stage, 1 for an AR else 0, -1, False, -1, ())
+_Skeleton = tuple[Kind | None, int, int, int, bool, int, bool | tuple[tuple[int, bool], ...]]
+_SKELETONS: dict[int, tuple[object, list[list[_Skeleton]], list[bool]]] = {}
+
+
+def _skeletons(schedule: Schedule, flow: Dataflow) -> tuple[list[list[_Skeleton]], list[bool]]:
+    """Each rank's stream flattened for the hot loop, and which messages are received (by a recv): made once per
+    schedule, which a search prices many times (kept for the last 512 schedules, by identity)."""
+    kept = _SKELETONS.get(id(schedule))
+    if kept is not None and kept[0] is schedule:
+        return kept[1], kept[2]
+    M = flow.num_microbatches
+    has_recv = [False] * flow.num_keys
+    skeletons = []
+    for stream in schedule.instructions:
+        skeleton: list[_Skeleton] = []
+        gathered: set[int] = set()
+        for action in stream:
+            if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous: posted, not waited on
+                skeleton.append((None, action.stage, int(action.kind is Kind.ALL_REDUCE), -1, False, -1, ()))
+            elif isinstance(action, Post) or not action.kind.is_compute:
+                keys = tuple((flow.carried_key(op), op.kind.is_send) for op in ops_of(action))
+                for key, is_send in keys:
+                    if not is_send:
+                        has_recv[key] = True
+                skeleton.append((None, 0, 0, -1, False, -1, keys))
+            else:
+                first = action.kind is Kind.FORWARD and action.stage not in gathered
+                if first:
+                    gathered.add(action.stage)
+                needs = flow.consumed_key(action)
+                skeleton.append((action.kind, action.stage, action.stage * M + action.microbatch, needs,
+                                 needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), first))  # fmt: skip
+        skeletons.append(skeleton)
+    if len(_SKELETONS) >= 512:
+        del _SKELETONS[next(iter(_SKELETONS))]
+    _SKELETONS[id(schedule)] = (schedule, skeletons, has_recv)
+    return skeletons, has_recv
+
+
+def _priced(
+    skeleton: list[_Skeleton],
     table: dict[Kind, list[float]],
-    flow: Dataflow,
-    has_recv: list[bool],
     durations: Iterator[float] | None,
     reduce: Sequence[float] = (),
     gather: Sequence[float] = (),
 ) -> list[Entry]:
-    """Flatten a rank's stream into tuples for the hot loop, marking the messages it receives. A gradient sync (AR)
-    carries its price (a TR is free); a stage's first forward on the rank carries its gather."""
+    """A rank's skeleton with its prices, for the hot loop. A gradient sync (AR) carries its price (a TR is free);
+    a stage's first forward on the rank carries its gather."""
     program: list[Entry] = []
-    M = flow.num_microbatches
-    gathered: set[int] = set()
-    for action in stream:
-        if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous: posted, not waited on
-            cost = reduce[action.stage] if reduce and action.kind is Kind.ALL_REDUCE else 0.0
-            program.append((None, action.stage, cost, -1, False, -1, ()))
-        elif isinstance(action, Post) or not action.kind.is_compute:
-            keys = tuple((flow.carried_key(op), op.kind.is_send) for op in ops_of(action))
-            for key, is_send in keys:
-                if not is_send:
-                    has_recv[key] = True
-            program.append((None, 0, 0.0, -1, False, -1, keys))
-        else:
-            cost = table[action.kind][action.stage] if durations is None else next(durations)
-            if action.kind is Kind.FORWARD and gather and action.stage not in gathered:
-                gathered.add(action.stage)
-                cost += gather[action.stage]
-            needs = flow.consumed_key(action)
-            program.append((action.kind, action.stage * M + action.microbatch, cost, needs,
-                            needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), ()))  # fmt: skip
+    for kind, stage, index, needs, crosses, makes, extra in skeleton:
+        if kind is None:
+            if index:  # an AR
+                program.append((None, stage, reduce[stage] if reduce else 0.0, -1, False, -1, ()))
+            else:
+                program.append((None, stage, 0.0, -1, False, -1, extra))  # type: ignore[arg-type]
+            continue
+        cost = table[kind][stage] if durations is None else next(durations)
+        if extra and gather:
+            cost += gather[stage]
+        program.append((kind, index, cost, needs, crosses, makes, ()))
     return program

@@ -121,3 +121,23 @@ def test_replaying_another_schedules_timeline_is_refused_with_where_they_differ(
         replay(build_schedule("gpipe", 2, 4), timeline)
     with pytest.raises(ValueError, match="rank 0 ran 8 computes, its stream of '1f1b' has 6"):
         replay(build_schedule("1f1b", 2, 3), timeline)
+
+
+def test_a_schedule_priced_again_at_other_costs_is_as_a_fresh_copy_of_it() -> None:
+    """simulate keeps each schedule's price-free skeleton and memory plan (a search prices one program many times):
+    a second pricing of the same object, at other costs, equals pricing a copy that was never priced."""
+    import copy
+
+    from schedules import Memory, lowered, with_gradient_sync
+
+    program = with_gradient_sync(lowered(build_schedule("zb-v", 2, 4)))
+    first = Costs(forward=[1, 2, 1, 3], backward_input=2, backward_weight=1, latency=0.2, all_reduce=0.5, gather=0.3,
+                  memory=Memory(state=100, activation=[10, 20, 30, 5], boundary=2, gradient=3, sync=7))  # fmt: skip
+    second = Costs(forward=2, backward_input=[1, 3, 2, 1], backward_weight=2, latency=0.1, all_reduce=[1, 0, 2, 0],
+                   memory=Memory(state=50, activation=8, boundary=[4, 1, 1, 0], gradient=1,
+                                 gathered=[6, 0, 0, 6]))  # fmt: skip
+    simulate(program, first)
+    again, fresh = simulate(program, second), simulate(copy.deepcopy(program), second)
+    assert again.makespan == fresh.makespan and again.required_memory == fresh.required_memory
+    assert [(s.start, s.end) for s in again.spans] == [(s.start, s.end) for s in fresh.spans]
+    assert again.memory == fresh.memory
