@@ -3,6 +3,7 @@
     python benchmarks/tune_layout.py                      # 6 MLP blocks of width 256, batch 64, 14 layouts, 3 rounds
     python benchmarks/tune_layout.py --layouts 16 --rounds 5 --steps 7
     python benchmarks/tune_layout.py --quick              # a tiny smoke run
+    python benchmarks/tune_layout.py --prices FILE        # at a calibration file's prices (no calibration first)
 
 First the machine is calibrated on 4 fresh ranks (calibration.measure_machine, the file under out/bench/), and
 tune() plans the model (blocks Linear(D, 4D), GELU, Linear(4D, D), tp_plan {"*.0": colwise, "*.2": rowwise}, mse
@@ -27,6 +28,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,12 +36,13 @@ from common import OUT, run_point, save_row, timed, write_json
 from torch import nn
 
 from pipeengine import PipelineEngine
-from pipeengine.planner.calibration import measure_machine
+from pipeengine.planner.calibration import load, measure_machine
 from pipeengine.planner.result import Candidate, TuneResult
 from pipeengine.planner.search import tune
 
 RANKS, THREADS, WIDTH, BLOCKS, BATCH, LAYOUTS, ROUNDS, STEPS, WARMUP, REPEATS = 4, 1, 256, 6, 64, 14, 3, 5, 2, 3
 QUICK = {"width": 32, "blocks": 4, "batch": 8, "layouts": 2, "rounds": 1, "steps": 1, "warmup": 1, "repeats": 1,
+         "microbatches": 1,
          "wider": []}  # fmt: skip
 LIMIT_QUANTILE = 0.75
 SLOWEST = 10.0  # the tail of the ranking (m=64, checkpointed: seconds a step) is not worth minutes of launches
@@ -144,22 +147,27 @@ def _colours() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in (("width", WIDTH), ("blocks", BLOCKS), ("batch", BATCH), ("layouts", LAYOUTS),
-                          ("rounds", ROUNDS), ("steps", STEPS), ("warmup", WARMUP), ("repeats", REPEATS)):  # fmt: skip
+                          ("rounds", ROUNDS), ("steps", STEPS), ("warmup", WARMUP), ("repeats", REPEATS),
+                          ("microbatches", 64)):  # fmt: skip
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--wider", type=int, nargs="*", default=[2 * RANKS], help="world sizes to time the search at")
     parser.add_argument("--slowest", type=float, default=SLOWEST, help="measure rows predicted at most this x the best")
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run: " + str(QUICK))
+    parser.add_argument("--prices", help="a calibration file to price at, in place of calibrating 4 ranks first")
     args = parser.parse_args()
     if args.quick:
         vars(args).update(QUICK)
     model, x, y = problem(args.width, args.blocks, args.batch)
     started = time.perf_counter()
-    path, prices = measure_machine(RANKS, PipelineEngine, "gloo", OUT / "tune_layout_calibration.json")
+    if args.prices:
+        path, prices = Path(args.prices), load(args.prices)
+    else:
+        path, prices = measure_machine(RANKS, PipelineEngine, "gloo", OUT / "tune_layout_calibration.json")
     calibrating = time.perf_counter() - started
-    print(f"calibrated {RANKS} gloo ranks in {calibrating:.1f} s: {path}", flush=True)
+    print(f"prices of {path} ({calibrating:.1f} s)", flush=True)
     plan = tp_plan()
     found = tune(model, nn.functional.mse_loss, x, RANKS, target=y, tp_plan=plan, prices=path, threads=THREADS,
-                 repeats=args.repeats)  # fmt: skip
+                 repeats=args.repeats, max_microbatches=args.microbatches)  # fmt: skip
     peaks = sorted(max(c.peak_memory) for c in found.rows)
     limit = peaks[min(len(peaks) - 1, int(LIMIT_QUANTILE * len(peaks)))]
     # tune's own filter (it drops what passes memory_limit after ranking), with the limit read off its ranking
@@ -169,7 +177,7 @@ def main() -> None:
     search = {RANKS: (len(found.rows), found.search_seconds, found.measure_seconds)}
     for world in args.wider:  # priced only: the search's time at more ranks
         wide = tune(model, nn.functional.mse_loss, x, world, target=y, tp_plan=plan, prices=path, threads=THREADS,
-                    repeats=args.repeats)  # fmt: skip
+                    repeats=args.repeats, max_microbatches=args.microbatches)  # fmt: skip
         search[world] = (len(wide.rows), wide.search_seconds, wide.measure_seconds)
     candidates = chosen(result, args.layouts, args.slowest)
     times: list[list[float]] = [[] for _ in candidates]
