@@ -4,7 +4,8 @@
 
 ``calibrate()`` measures them on the live ranks of the default process group (every rank calls it), in seconds:
 a message between two ranks and each collective FSDP and data parallelism run (all-reduce, all-gather,
-reduce-scatter) at a few sizes on every group size that divides the world, each fitted to latency + bytes x per_byte;
+reduce-scatter) at 4 KiB to 16 MiB on every group size that divides the world, each fitted to latency + bytes x
+per_byte;
 and the host cost of one pipeline instruction, fitted so that the simulator's step of a pipeline of tiny layers takes
 what the engine's took. ``save`` keeps them in a file per machine (``default_path()``: the host's name, with the date);
 ``load`` reads it, or gives the built-in constants, measured once on the 2-core machine of the benchmarks, and says so
@@ -36,7 +37,7 @@ OVERHEAD = 3e-4
 LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (benchmarks/vs_torch.py probes)
 BUILT_IN = "built-in constants (measured on the benchmarks' 2-core machine, not this one: run python -m " \
            "pipeengine.tune --calibrate)"  # fmt: skip
-SIZES = (2**12, 2**16, 2**20)  # bytes each collective and message is timed at
+SIZES = (2**12, 2**16, 2**20, 2**24)  # bytes each collective and message is timed at: up to a model's gradients
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ def test_every_layout_row_builds_and_trains_like_one_process_on_4_gloo_ranks(pla
     chosen[(0, 0, 0, False)] = next(c for c in planned.rows if c.checkpoint == "always").engine_kwargs()
     assert len(chosen) == 10
     # and schedule="auto" with tensor parallelism, on a machine with no prices kept: every rank measures them first
-    chosen[(-1, 0, 0, False)] = {"schedule": "auto", "tensor_parallel": 2, "tp_plan": PLAN, "data_parallel": 1}
+    chosen[(-1, 0, 0, False)] = {"schedule": "auto", "tensor_parallel": 2, "tp_plan": PLAN, "data_parallel": 1,
+                                 "num_microbatches": 2}  # one size to measure (in a spawned process: TP on ranks)
     kept = tmp_path / "prices.json"
     launch(train_each, 4, args=(list(chosen.values()), str(kept)), timeout=240)
     assert json.loads(kept.read_text())["world_size"] == 4
