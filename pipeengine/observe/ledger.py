@@ -47,8 +47,10 @@ class Ledger:
         self.saved: dict[int, list[int]] = {}  # storage -> [bytes, holders alive]
         self.lock = threading.Lock()
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # a hook autograd calls inside a compiled region: not dynamo's to trace (it would
-    def _pack(self, tensor: torch.Tensor) -> object:  # recompile it for every shape, to its limit)
+    # the hooks are autograd's to call inside a compiled region, not dynamo's to trace (it would compile them as the
+    # user's code, and recompile them for every shape, to its limit)
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _pack(self, tensor: torch.Tensor) -> object:
         if not tensor.numel() or tensor.device.type == "meta":
             return tensor
         key, size = storage(tensor)
