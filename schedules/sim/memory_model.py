@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from schedules.ir.dataflow import Dataflow, Message
 from schedules.ir.instructions import Action, Instruction, Kind, ops_of
+from schedules.sim.memo import ByIdentity
 from schedules.sim.perstage import PerStage, expand
 
 __all__ = ["Memory", "state_bytes", "track"]
@@ -219,15 +220,16 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
 # compute or None)
 _Compute = tuple[int, int, Kind, tuple[bool, int, bool] | None, tuple[int, bool, int, Instruction] | None]
 _Step = tuple[tuple[tuple[bool, int], ...], tuple[int, ...], tuple[bool, int, int] | None, _Compute | None]
-_PLANS: dict[int, tuple[object, list[list[_Step]], list[dict[tuple[Kind, int, int], int]]]] = {}
+_PLANS: ByIdentity[tuple[list[list[_Step]], list[dict[tuple[Kind, int, int], int]]]] = ByIdentity()
 
 
 def _plan(schedule: object) -> tuple[list[list[_Step]], list[dict[tuple[Kind, int, int], int]]]:
     """Each rank's steps (_Step) and its computes' indices by (kind, stage, mb): made once per schedule, which a search
-    prices many times (kept for the last 512 schedules, by identity)."""
-    kept = _PLANS.get(id(schedule))
-    if kept is not None and kept[0] is schedule:
-        return kept[1], kept[2]
+    prices many times."""
+    return _PLANS.get(schedule, lambda: _planned(schedule))
+
+
+def _planned(schedule: object) -> tuple[list[list[_Step]], list[dict[tuple[Kind, int, int], int]]]:
     flow = Dataflow.of(schedule)
     M = schedule.num_microbatches  # type: ignore[attr-defined]
     plans, computes = [], []
@@ -252,9 +254,6 @@ def _plan(schedule: object) -> tuple[list[list[_Step]], list[dict[tuple[Kind, in
             plan.append((recvs, sends, collective, compute))
         plans.append(plan)
         computes.append(done)
-    if len(_PLANS) >= 512:
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[id(schedule)] = (schedule, plans, computes)
     return plans, computes
 
 

@@ -10,6 +10,7 @@ from schedules.ir.dataflow import Dataflow
 from schedules.ir.gcpause import gc_paused
 from schedules.ir.instructions import Instruction, Kind, Post, ops_of
 from schedules.ir.schedule import Schedule
+from schedules.sim.memo import ByIdentity
 from schedules.sim.memory_model import Memory, track
 from schedules.sim.perstage import PerStage, expand
 from schedules.sim.timeline import Span, Timeline
@@ -254,15 +255,16 @@ Entry = tuple[Kind | None, int, float, int, bool, int, tuple[tuple[int, bool], .
 # ranks, message it makes or -1, whether it is its stage's first F on the rank), communication (None, 0, 0, -1, False,
 # -1, ((key, is_send), ...)), or a collective (None, stage, 1 for an AR else 0, -1, False, -1, ())
 _Skeleton = tuple[Kind | None, int, int, int, bool, int, bool | tuple[tuple[int, bool], ...]]
-_SKELETONS: dict[int, tuple[object, list[list[_Skeleton]], list[bool]]] = {}
+_SKELETONS: ByIdentity[tuple[list[list[_Skeleton]], list[bool]]] = ByIdentity()
 
 
 def _skeletons(schedule: Schedule, flow: Dataflow) -> tuple[list[list[_Skeleton]], list[bool]]:
     """Each rank's stream flattened for the hot loop, and which messages are received (by a recv): made once per
-    schedule, which a search prices many times (kept for the last 512 schedules, by identity)."""
-    kept = _SKELETONS.get(id(schedule))
-    if kept is not None and kept[0] is schedule:
-        return kept[1], kept[2]
+    schedule, which a search prices many times."""
+    return _SKELETONS.get(schedule, lambda: _flattened(schedule, flow))
+
+
+def _flattened(schedule: Schedule, flow: Dataflow) -> tuple[list[list[_Skeleton]], list[bool]]:
     M = flow.num_microbatches
     has_recv = [False] * flow.num_keys
     skeletons = []
@@ -286,9 +288,6 @@ def _skeletons(schedule: Schedule, flow: Dataflow) -> tuple[list[list[_Skeleton]
                 skeleton.append((action.kind, action.stage, action.stage * M + action.microbatch, needs,
                                  needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), first))  # fmt: skip
         skeletons.append(skeleton)
-    if len(_SKELETONS) >= 512:
-        del _SKELETONS[next(iter(_SKELETONS))]
-    _SKELETONS[id(schedule)] = (schedule, skeletons, has_recv)
     return skeletons, has_recv
 
 
