@@ -11,6 +11,7 @@ what one stage holds per micro-batch, as measured (pipeengine.train.tracing) or 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -46,10 +47,8 @@ class Ledger:
         self.ignore_live = ignore_live  # tensors whose storage moves (FSDP's gathered parameters): looked up when saved
         self.saved: dict[int, list[int]] = {}  # storage -> [bytes, holders alive]
         self.lock = threading.Lock()
+        self._disabled: tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]] | None = None
 
-    # the hooks are autograd's to call inside a compiled region, not dynamo's to trace (it would compile them as the
-    # user's code, and recompile them for every shape, to its limit)
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _pack(self, tensor: torch.Tensor) -> object:
         if not tensor.numel() or tensor.device.type == "meta":
             return tensor
@@ -72,15 +71,24 @@ class Ledger:
                 del self.saved[key]
 
     @staticmethod
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _unpack(held: object) -> torch.Tensor:
         return held.tensor if isinstance(held, _Held) else held  # type: ignore[return-value]
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Count what autograd saves in the block (hooks are per thread: the calling thread's computes)."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(*self._hooks()):
             yield
+
+    def _hooks(self) -> tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]:
+        """The hooks are autograd's to call inside a compiled region, not dynamo's to trace (it would compile them as
+        the user's code, and recompile them for every shape, to its limit): disabled for dynamo once it is imported.
+        Before, nothing can be compiled, and disabling them would import it (1.6 s on every ``import pipeengine``)."""
+        if "torch._dynamo" not in sys.modules:
+            return self._pack, self._unpack
+        if self._disabled is None:
+            self._disabled = torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack)
+        return self._disabled
 
     def bytes(self, shown: Iterable[torch.Tensor]) -> int:
         """Bytes of every storage alive: saved by autograd, or among ``shown``; each storage once."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,7 @@ def test_in_process_ranks_that_seed_then_build_get_the_seeded_model(tmp_path: Pa
 # ---- 7. Ctrl-C on an in-process launch
 
 INTERRUPTED = """
-import sys, threading, time
+import faulthandler, signal, sys, threading, time
 import torch
 from torch import nn
 from pipeengine import PipelineEngine, launch
@@ -139,6 +140,7 @@ def main():
             print("training", flush=True)
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every thread's stack if it hangs
     try:
         launch(main, 2, in_process=True)
     except KeyboardInterrupt:
@@ -161,7 +163,14 @@ def test_ctrl_c_on_an_in_process_launch_stops_every_rank(caller: str, tmp_path: 
     try:
         assert child.stdout is not None and child.stdout.readline() == "training\n"
         child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=60)
+        try:
+            out, err = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # still running: fail with where each of its threads is
+            child.send_signal(signal.SIGUSR1)
+            time.sleep(2)  # faulthandler writes the stacks
+            child.kill()
+            out, err = child.communicate(timeout=10)
+            pytest.fail(f"60 s after Ctrl-C the program still ran; its threads were at:\n{err[-6000:]}")
     finally:
         child.kill()
     if caller == "raise":  # the KeyboardInterrupt reaches the caller, the ranks stopped first (see the note below)
