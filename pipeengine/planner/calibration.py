@@ -5,11 +5,12 @@
 ``calibrate()`` measures them on the live ranks of the default process group (every rank calls it), in seconds:
 a message between two ranks and each collective FSDP and data parallelism run (all-reduce, all-gather,
 reduce-scatter) at 4 KiB to 16 MiB on every group size that divides the world, each fitted to latency + bytes x
-per_byte;
-and the host cost of one pipeline instruction, fitted so that the simulator's step of a pipeline of tiny layers takes
-what the engine's took. ``save`` keeps them in a file per machine (``default_path()``: the host's name, with the date);
-``load`` reads it, or gives the built-in constants, measured once on the 2-core machine of the benchmarks, and says so
-(``Prices.source``). The planner (pipeengine.planner.search) prices every layout with them.
+per_byte; how many ranks compute at full speed at once (CPU ranks share the machine's cores: each times the same
+work alone and all together); and the host cost of one pipeline instruction, fitted so that the simulator's step of
+a pipeline of tiny layers takes what the engine's took. ``save`` keeps them in a file per machine
+(``default_path()``: the host's name, with the date); ``load`` reads it, or gives the built-in constants, measured
+once on the 2-core machine of the benchmarks, and says so (``Prices.source``). The planner
+(pipeengine.planner.search) prices every layout with them.
 """
 
 from __future__ import annotations
@@ -72,13 +73,16 @@ class Prices:
     """What the planner charges: ``overhead`` seconds of host time per compute; ``p2p`` a message between stages;
     ``collectives[op][group]`` an op over a group of that many ranks, on the whole tensor's bytes (an all-gather's
     output, a reduce-scatter's input). A group size not measured is scaled from the nearest measured one as a ring
-    scales; an op never measured is a ring of ``p2p`` messages. ``source`` says where they come from."""
+    scales; an op never measured is a ring of ``p2p`` messages. ``source`` says where they come from. ``processors``:
+    how many ranks of the machine compute at full speed at once (CPU ranks share its cores: 2 for 4 ranks on 2 cores),
+    measured; None: each rank its own (a GPU each, or not measured)."""
 
     overhead: float = OVERHEAD
     p2p: Link = field(default_factory=lambda: Link(LATENCY, PER_BYTE))
     collectives: Mapping[str, Mapping[int, Link]] = field(default_factory=dict)
     source: str = BUILT_IN
     calibrated: bool = False
+    processors: float | None = None  # ranks of this machine that compute at full speed at once; None: every rank
 
     def collective(self, op: str, group: int, nbytes: float) -> float:
         if op not in COLLECTIVES:
@@ -97,7 +101,7 @@ class Prices:
         return link.latency * rounds / near_rounds + link.per_byte * nbytes * share / near_share
 
     def to_json(self) -> dict[str, object]:
-        return {"overhead": self.overhead, "p2p": [self.p2p.latency, self.p2p.per_byte],
+        return {"overhead": self.overhead, "p2p": [self.p2p.latency, self.p2p.per_byte], "processors": self.processors,
                 "collectives": {op: {str(g): [link.latency, link.per_byte] for g, link in groups.items()}
                                 for op, groups in self.collectives.items()}}  # fmt: skip
 
@@ -108,7 +112,7 @@ class Prices:
         return cls(float(data["overhead"]), Link(*map(float, p2p)),
                    {op: {int(g): Link(*map(float, v)) for g, v in groups.items()}
                     for op, groups in collectives.items()},
-                   source, True)  # fmt: skip
+                   source, True, None if data.get("processors") is None else float(data["processors"]))  # fmt: skip
 
 
 def default_path() -> Path:
@@ -165,10 +169,11 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
             for size in sizes:
                 samples[op].setdefault(group_size, []).append(
                     (size, _collective(op, size // 4, group, group_size, repeats, device)))  # fmt: skip
-    overhead = _overhead(engine, p2p, repeats)
+    processors = None if device.type == "cuda" else _processors(repeats)
+    overhead = _overhead(engine, p2p, repeats, processors)
     found = Prices(overhead, Link.fit(p2p),
                    {op: {g: Link.fit(s) for g, s in groups.items()} for op, groups in samples.items()},
-                   f"measured just now on {socket.gethostname()}", True)  # fmt: skip
+                   f"measured just now on {socket.gethostname()}", True, processors)  # fmt: skip
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]  # type: ignore[return-value]
@@ -235,7 +240,41 @@ def _collective(op: str, elements: int, group: Any, size: int, repeats: int, dev
     return statistics.median(times[1:])
 
 
-def _overhead(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats: int) -> float:
+def _processors(repeats: int) -> float | None:
+    """How many of the ranks compute at full speed at once: each rank times the same CPU work alone (the others
+    wait in a barrier, which sleeps), then all run it at once; world x alone / (last end - first start) (the median
+    of ``repeats``; the ranks of one machine share its monotonic clock). None if they do not slow each other (within
+    10%: a core each)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    a = torch.randn(192, 192)
+
+    def work() -> None:
+        for _ in range(60):
+            torch.mm(a, a)
+
+    alone, spans = [], []
+    for _ in range(repeats):
+        for turn in range(world):
+            dist.barrier()
+            if turn == rank:
+                start = time.perf_counter()
+                work()
+                alone.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        ends = torch.tensor([start, time.perf_counter()], dtype=torch.float64)
+        every = [torch.zeros_like(ends) for _ in range(world)]
+        dist.all_gather(every, ends)
+        spans.append(max(float(t[1]) for t in every) - min(float(t[0]) for t in every))
+    mine = torch.tensor([statistics.median(alone)], dtype=torch.float64)
+    dist.all_reduce(mine)
+    processors = float(mine.item()) / statistics.median(spans)  # world x the mean rank's time alone / the span
+    return None if processors > world / 1.1 else processors
+
+
+def _overhead(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats: int,
+              processors: float | None = None) -> float:  # fmt: skip
     """Host seconds per compute: the engine's step of a pipeline of tiny layers over every rank (1F1B), against the
     simulator's step of it at the measured message price, solved for the one unknown (bisection: the simulated step
     grows with it)."""
@@ -262,7 +301,7 @@ def _overhead(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats
     def step(overhead: float) -> float:
         # a message is a micro-batch's output: Linear(4, 4) keeps its input's size
         costs = Costs(forward=overhead, backward=overhead, latency=link.latency, per_byte=link.per_byte,
-                      message_bytes=batch[: len(batch) // micro].nbytes)  # fmt: skip
+                      message_bytes=batch[: len(batch) // micro].nbytes, processors=processors)  # fmt: skip
         return simulate(program, costs).makespan
 
     low, high = 0.0, measured

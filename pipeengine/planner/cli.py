@@ -98,8 +98,10 @@ def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = 
         if engine is None:
             parser.error("--calibrate runs the engine: use python -m pipeengine.tune")
         path, prices = measure_machine(args.world_size, engine, args.backend)
+        sharing = ("each rank computes at full speed" if prices.processors is None else
+                   f"{prices.processors:.2f} ranks compute at full speed at once")  # fmt: skip
         print(f"wrote {path}: host {prices.overhead * 1e3:.3f} ms per compute, a message "
-              f"{prices.p2p.latency * 1e3:.3f} ms + {prices.p2p.per_byte * 2**30:.3f} s/GiB")  # fmt: skip
+              f"{prices.p2p.latency * 1e3:.3f} ms + {prices.p2p.per_byte * 2**30:.3f} s/GiB; {sharing}")  # fmt: skip
         return 0
     if args.problem is None:
         parser.error("give the problem (module:function), or --calibrate")

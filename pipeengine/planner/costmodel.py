@@ -21,6 +21,11 @@ and I, the backward's); the replicas' all-reduce of a stage's gradients (AR; wit
 asynchronous after the stage's last backward, one at a time on a rank; FSDP's all-gather of a stage's
 parameters before its first forward of the step. A checkpointed stage keeps its input and output between F and
 B and runs its forward again in the backward.
+
+Ranks that share a machine's processors (CPU ranks, more than its cores: ``Prices.processors``, measured) compute
+slower together than alone: the simulator shares them among the computes running at each moment
+(schedules.sim.sharing), each simulated rank standing for the data_parallel x tensor_parallel ranks that compute
+beside it.
 """
 
 from __future__ import annotations
@@ -136,8 +141,15 @@ class LayerProfile:
             backward_input=[i + a + prices.overhead for i, a in zip(grad_input, again, strict=True)],
             backward_weight=[w + prices.overhead for w in weight],
             latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
-            all_reduce=reduce, gather=gather,
+            all_reduce=reduce, gather=gather, processors=self._processors(prices, data_parallel),
         )  # fmt: skip
+
+    def _processors(self, prices: Prices, data_parallel: int) -> float | None:
+        """The processors one pipeline's ranks have: the machine's, shared with the other replicas' and tensor-parallel
+        ranks, which compute at the same moments (each simulated rank stands for data_parallel x tensor_parallel)."""
+        if prices.processors is None:
+            return None
+        return prices.processors / (data_parallel * self.tensor_parallel)
 
     def _collectives(self, compute: str, a: int, b: int, prices: Prices) -> float:
         """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B")."""

@@ -13,6 +13,7 @@ from schedules.ir.schedule import Schedule
 from schedules.sim.memo import ByIdentity
 from schedules.sim.memory_model import Memory, track
 from schedules.sim.perstage import PerStage, expand
+from schedules.sim.sharing import shared
 from schedules.sim.timeline import Span, Timeline
 
 __all__ = ["Costs", "replay", "simulate"]
@@ -29,7 +30,9 @@ class Costs:
     timeline carries each rank's memory over time and its peak.
     ``all_reduce``: seconds of stage s's gradient sync (AR): asynchronous from its post, one at a time on a
     rank (in program order), and the step ends when the last is done. ``gather``: seconds before stage s's first
-    forward of the step can start on its rank (FSDP's all-gather of its parameters).
+    forward of the step can start on its rank (FSDP's all-gather of its parameters). ``processors``: how many ranks
+    can compute at full speed at once (CPU ranks sharing a machine's cores; schedules.sim.sharing); None: each rank
+    its own.
     """
 
     forward: PerStage = 1.0
@@ -42,6 +45,7 @@ class Costs:
     memory: Memory | None = None
     all_reduce: PerStage = 0.0
     gather: PerStage = 0.0
+    processors: float | None = None
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Costs:
@@ -175,6 +179,10 @@ def run(
         _priced(skeleton, table, None if durations is None else iter(durations[rank]), reduce, gather)
         for rank, skeleton in enumerate(skeletons)
     ]
+    if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
+        shared_times = _shared_run(schedule, costs.processors, programs,
+                                   (forward_end, input_end, made, sent, received), has_recv, message)  # fmt: skip
+        return _collectives(programs, shared_times, sent, received, message, M)
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     pcs, clocks = [0] * p, [0.0] * p
     remaining = sum(len(program) for program in programs)
@@ -226,7 +234,61 @@ def run(
             stuck = [(r, pcs[r]) for r in range(p) if pcs[r] < len(programs[r])]
             waits = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in stuck)
             raise schedule.error("every rank can make progress", f"the simulation is stuck: {waits}", stuck)
+    return _collectives(programs, times, sent, received, message, M)
 
+
+def _shared_run(
+    schedule: Schedule, processors: float, programs: list[list[Entry]],
+    ends: tuple[list[float | None], list[float | None], list[float | None], list[float | None], list[float | None]],
+    has_recv: list[bool], message: list[float],
+) -> list[list[tuple[float, float]]]:  # fmt: skip
+    """run()'s replay with the computes sharing ``processors`` (schedules.sim.sharing): the same readiness rules."""
+    forward_end, input_end, made, sent, received = ends
+    M = schedule.num_microbatches
+
+    def ready(entry: Entry, free: float) -> float | None:
+        kind, index, _, needs, crosses, _, _ = entry
+        start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
+        if start is None or needs < 0:
+            return None if start is None else max(start, free)
+        at = made[needs]
+        if at is not None and crosses:
+            if has_recv[needs]:
+                posted, wanted = sent[needs], received[needs]
+                at = None if posted is None or wanted is None else max(posted, wanted)
+            if at is not None:
+                at += message[(needs >> 1) // M]
+        return None if at is None else max(at, start, free)
+
+    def done(entry: Entry, end: float) -> None:
+        kind, index, _, _, _, makes, _ = entry
+        if kind is _F:
+            forward_end[index] = end
+        elif kind is not _W:
+            input_end[index] = end
+        if makes >= 0:
+            made[makes] = end
+
+    def post(entry: Entry, at: float) -> None:
+        for key, is_send in entry[6]:
+            if is_send:
+                sent[key] = at
+            else:
+                received[key] = at
+
+    def stuck(waits: list[tuple[int, int]]) -> Exception:
+        where = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in waits)
+        return schedule.error("every rank can make progress", f"the simulation is stuck: {where}", waits)
+
+    return shared(programs, processors, ready, done, post, stuck)
+
+
+def _collectives(
+    programs: list[list[Entry]], times: list[list[tuple[float, float]]], sent: list[float | None],
+    received: list[float | None], message: list[float], M: int,
+) -> list[list[tuple[float, float]]]:  # fmt: skip
+    """Each communication's end: a message when it has arrived, a rank's collectives one at a time in program order
+    from their post (asynchronous: no rank waits on them)."""
     for program, out in zip(programs, times, strict=True):
         channel = 0.0  # a rank's collectives run one at a time, in program order
         for index, entry in enumerate(program):

@@ -4,6 +4,7 @@ them; calibration keeps its file and the planner reads it; a layout it cannot bu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -132,6 +133,11 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
     assert costs.backward_input[0] == pytest.approx(sum(profile.backward_input) + each)  # type: ignore[index]
     assert costs.backward[0] == pytest.approx(sum(profile.backward) + each)  # type: ignore[index]
     assert costs.backward_weight[0] == pytest.approx(sum(profile.backward_weight))  # type: ignore[index]
+    # a machine whose ranks share 2 processors: one pipeline's ranks have them shared with the other replicas' and
+    # the other tensor-parallel ranks' (each simulated rank stands for dp x tp ranks computing at once)
+    sharing = dataclasses.replace(PRICES, processors=2.0)
+    assert costs.processors is None and whole.stage_costs([(0, 2)], prices=sharing).processors == 2.0
+    assert profile.stage_costs([(0, 1), (1, 2)], prices=sharing, data_parallel=2).processors == 0.5
     # an unmeasured group size scales as a ring from the nearest measured one; an unmeasured op is a ring of p2p
     assert PRICES.collective("all_reduce", 4, 1000.0) == pytest.approx(1.0 * 6 / 2 + 1e-3 * 1000 * 0.75 / 0.5)
     assert Prices().collective("all_gather", 4, 1e6) == pytest.approx(3 * 1e-4 + 0.75 * 1e-9 * 1e6)
@@ -162,6 +168,11 @@ def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, mon
     assert prices.calibrated and prices.source.startswith(f"calibrated on {record['host']} at {record['date']}")
     assert prices.overhead > 0 and prices.p2p.latency > 0 and set(prices.collectives) == set(calibration.COLLECTIVES)
     assert all(set(groups) == {2} for groups in prices.collectives.values())
+    # two ranks on this machine's cores: each at full speed (None), or slowing each other (fewer than 2 processors)
+    assert prices.processors is None or 0.5 < prices.processors < 2
+    assert record["processors"] == prices.processors
+    shared = calibration.save(dataclasses.replace(prices, processors=1.25), tmp_path / "shared.json")
+    assert calibration.load(shared).processors == 1.25
     x, y = data()
     result = tune(blocks(2), mse, x, 2, target=y, prices=kept, schedules=["1f1b"], microbatches=[2],
                   checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip

@@ -79,8 +79,9 @@ def test_bubble_per_rank_and_overall() -> None:
 
 def test_a_stuck_schedule_is_reported_not_looped_on() -> None:
     stuck = Schedule("stuck", 1, 1, 1, (0,), ((parse("0B0"), parse("0F0")),))
-    with pytest.raises(ScheduleError, match=r"the simulation is stuck: rank 0 at instruction 0 \(0B0\)"):
-        simulate(stuck)
+    for costs in (Costs(), Costs(processors=0.5)):  # the replay of ranks sharing processors too
+        with pytest.raises(ScheduleError, match=r"the simulation is stuck: rank 0 at instruction 0 \(0B0\)"):
+            simulate(stuck, costs)
 
 
 def test_replay_charges_each_compute_its_own_measured_time() -> None:
@@ -141,3 +142,57 @@ def test_a_schedule_priced_again_at_other_costs_is_as_a_fresh_copy_of_it() -> No
     assert again.makespan == fresh.makespan and again.required_memory == fresh.required_memory
     assert [(s.start, s.end) for s in again.spans] == [(s.start, s.end) for s in fresh.spans]
     assert again.memory == fresh.memory
+
+
+def test_ranks_sharing_processors_by_hand() -> None:
+    # gpipe p=2, m=2, F = B = 1, on 1.5 processors: 0F0 alone [0, 1]; 0F1 and 1F0 together at 0.75 each [1, 7/3];
+    # 1F1 alone [7/3, 10/3]; 1B0 alone [10/3, 13/3]; 1B1 and 0B0 together [13/3, 17/3]; 0B1 alone [17/3, 20/3]
+    timeline = simulate(build_schedule("gpipe", 2, 2), Costs(forward=1, backward=1, processors=1.5))
+    spans = {str(s.action): (s.start, s.end) for s in timeline.spans if s.is_compute}
+    expected = {"0F0": (0, 1), "0F1": (1, 7 / 3), "1F0": (1, 7 / 3), "1F1": (7 / 3, 10 / 3), "1B0": (10 / 3, 13 / 3),
+                "1B1": (13 / 3, 17 / 3), "0B0": (13 / 3, 17 / 3), "0B1": (17 / 3, 20 / 3)}  # fmt: skip
+    assert spans == {name: pytest.approx(times) for name, times in expected.items()}
+
+
+GRID = [(name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v")
+        for p in (2, 4) for m in (4, 8) if (name, p, m) != ("dualpipe-v", 4, 4)]  # fmt: skip
+
+
+def _priced(name: str, p: int, m: int, seed: int) -> tuple[Schedule, dict[str, object]]:
+    import random
+
+    from schedules import registration, with_gradient_sync
+
+    generator = random.Random(seed)
+    schedule = with_gradient_sync(build_schedule(name, p, m, (registration(name).chunks or (2,))[0]))
+    stages = schedule.num_stages
+
+    def draw(low: float, high: float) -> list[float]:
+        return [generator.uniform(low, high) for _ in range(stages)]
+
+    return schedule, {"forward": draw(1, 2), "backward_input": draw(1, 2), "backward_weight": draw(0.5, 1)}
+
+
+@pytest.mark.parametrize("name, p, m", GRID)
+def test_ranks_on_one_processor_take_the_sum_of_their_work(name: str, p: int, m: int) -> None:
+    """With free messages one processor is never idle while a compute waits (a schedule that can progress always
+    has one ready): the step takes every compute's work, one after another."""
+    schedule, costs = _priced(name, p, m, seed=p * m)
+    alone = simulate(schedule, Costs(**costs))  # type: ignore[arg-type]
+    shared = simulate(schedule, Costs(**costs, processors=1))  # type: ignore[arg-type]
+    work = sum(s.duration for s in alone.spans if s.is_compute)
+    assert shared.makespan == pytest.approx(work, rel=1e-9) and work > alone.makespan
+    assert sum(s.duration for s in shared.spans if s.is_compute) > work  # each span stretched by its sharing
+
+
+@pytest.mark.parametrize("name, p, m", GRID)
+def test_enough_processors_for_every_rank_replay_as_unshared(name: str, p: int, m: int) -> None:
+    """The event-by-event replay of shared processors (schedules.sim.sharing) follows the same rules as the
+    unshared one: with all but a hair of a processor per rank, every span is where the unshared replay puts it."""
+    schedule, costs = _priced(name, p, m, seed=p + m)
+    costs.update(latency=0.3, per_byte=0.01, message_bytes=10.0, all_reduce=2.0)
+    alone = simulate(schedule, Costs(**costs))  # type: ignore[arg-type]
+    nearly = simulate(schedule, Costs(**costs, processors=p - 1e-9))  # type: ignore[arg-type]
+    assert [(s.rank, s.action) for s in nearly.spans] == [(s.rank, s.action) for s in alone.spans]
+    assert [t for s in nearly.spans for t in (s.start, s.end)] == pytest.approx(
+        [t for s in alone.spans for t in (s.start, s.end)], rel=1e-6)  # fmt: skip
