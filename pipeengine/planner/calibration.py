@@ -221,23 +221,28 @@ def _ping(elements: int, repeats: int, device: torch.device) -> float:
 
 
 def _collective(op: str, elements: int, group: Any, size: int, repeats: int, device: torch.device) -> float:
-    """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group`` (the median of the slowest)."""
+    """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group``: ``repeats`` back to back after
+    one barrier, as a step runs them, the slowest rank's time over their count (once warm). Timed one by one from a
+    barrier each, an op also took the barrier's exit skew, milliseconds when ranks share cores."""
     whole = torch.ones(elements - elements % size, device=device)
     shard = torch.empty(whole.numel() // size, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def once() -> None:
         if op == "all_reduce":
             dist.all_reduce(whole, group=group)
         elif op == "all_gather":
             dist.all_gather_into_tensor(whole, shard, group=group)
         else:
             dist.reduce_scatter_tensor(shard, whole, group=group)
-        if whole.is_cuda:
-            torch.cuda.synchronize()
-        times.append(_synced(time.perf_counter() - start))
-    return statistics.median(times[1:])
+
+    once()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    if whole.is_cuda:
+        torch.cuda.synchronize()
+    return _synced(time.perf_counter() - start) / repeats
 
 
 def _processors(repeats: int) -> float | None:
@@ -248,8 +253,8 @@ def _processors(repeats: int) -> float | None:
     world, rank = dist.get_world_size(), dist.get_rank()
     a = torch.randn(192, 192)
 
-    def work() -> None:
-        for _ in range(60):
+    def work() -> None:  # about 0.1 s on one core of the 2-core machine: long beside the barrier's exit skew
+        for _ in range(200):
             torch.mm(a, a)
 
     alone, spans = [], []

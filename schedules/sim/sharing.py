@@ -32,43 +32,59 @@ def shared(
     compute's price). ``ready(entry, free)``: when a compute can start on a rank free since ``free``, or None while
     its input's time is unknown; ``done(entry, end)``: a compute ended; ``post(entry, at)``: communication posted;
     ``stuck(waits)``: the error to raise when no rank can go on ((rank, pc) of each waiting)."""
-    ranks = len(programs)
+    ranks, infinity = len(programs), float("inf")
     times: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]
-    pcs, free = [0] * ranks, [0.0] * ranks
-    running: dict[int, list[float]] = {}  # rank -> [work left (seconds at full speed), start]
-    now = 0.0
+    pcs, free, began = [0] * ranks, [0.0] * ranks, [0.0] * ranks
+    # a running compute ends when the work clock (the work each running compute has done since 0: all run at one
+    # rate) reaches its mark; an idle rank's next compute starts at its time once known (known, it stays)
+    mark: list[float | None] = [None] * ranks
+    start: list[float | None] = [None] * ranks
+    work = now = 0.0
+    running, changed = 0, True
     while True:
-        idle = [rank for rank in range(ranks) if rank not in running]
-        for rank in idle:  # every post first: a compute's input may be one another rank posts now
-            program, pc = programs[rank], pcs[rank]
-            while pc < len(program) and program[pc][0] is None:
-                post(program[pc], free[rank])
-                times[rank].append((free[rank], free[rank]))
-                pc += 1
-            pcs[rank] = pc
-        starts: dict[int, float] = {}
-        for rank in idle:
-            if pcs[rank] < len(programs[rank]):
-                at = ready(programs[rank][pcs[rank]], free[rank])
-                if at is not None:
-                    starts[rank] = at if at > now else now
-        if not running and not starts:
+        if changed:  # a rank went idle: its posts first (a compute's input may be one posted now), then who can start
+            for rank in range(ranks):
+                if mark[rank] is None and start[rank] is None:
+                    program, pc = programs[rank], pcs[rank]
+                    while pc < len(program) and program[pc][0] is None:
+                        post(program[pc], free[rank])
+                        times[rank].append((free[rank], free[rank]))
+                        pc += 1
+                    pcs[rank] = pc
+            for rank in range(ranks):
+                if mark[rank] is None and start[rank] is None and pcs[rank] < len(programs[rank]):
+                    at = ready(programs[rank][pcs[rank]], free[rank])
+                    if at is not None:
+                        start[rank] = at if at > now else now
+            changed = False
+        first = lowest = infinity
+        for rank in range(ranks):
+            at, end = start[rank], mark[rank]
+            if at is not None and at < first:
+                first = at
+            if end is not None and end < lowest:
+                lowest = end
+        rate = processors / running if running > processors else 1.0
+        finish = now + (lowest - work) / rate if running else infinity
+        if first == finish == infinity:
             waiting = [(r, pcs[r]) for r in range(ranks) if pcs[r] < len(programs[r])]
             if waiting:
                 raise stuck(waiting)
             return times
-        rate = min(1.0, processors / len(running)) if running else 0.0
-        finish = now + min(left for left, _ in running.values()) / rate if running else float("inf")
-        then = min(finish, min(starts.values(), default=float("inf")))
-        for entry in running.values():
-            entry[0] -= (then - now) * rate
+        then = finish if finish < first else first
+        work += (then - now) * rate
         now = then
-        for rank in [r for r, (left, _) in running.items() if left <= _EPSILON * (1.0 + now)]:
-            _, began = running.pop(rank)
-            done(programs[rank][pcs[rank]], now)
-            times[rank].append((began, now))
-            pcs[rank] += 1
-            free[rank] = now
-        for rank, at in starts.items():
-            if at <= now:
-                running[rank] = [programs[rank][pcs[rank]][2], now]
+        for rank in range(ranks):
+            end = mark[rank]
+            if end is not None and end <= work + _EPSILON * (1.0 + work):
+                done(programs[rank][pcs[rank]], now)
+                times[rank].append((began[rank], now))
+                pcs[rank] += 1
+                free[rank], mark[rank] = now, None
+                running -= 1
+                changed = True
+        for rank in range(ranks):
+            at = start[rank]
+            if at is not None and at <= now:
+                mark[rank], began[rank], start[rank] = work + programs[rank][pcs[rank]][2], now, None
+                running += 1
