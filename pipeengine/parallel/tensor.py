@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -102,11 +103,15 @@ def fake_mesh(size: int) -> Iterator[object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # init_process_group wraps sys.excepthook to prefix "[rank0]: " to each line, for good: without this, one more
+    # prefix per mesh on every traceback of the user's process ever after
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
         yield init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _has(module: nn.Module, name: str) -> bool:

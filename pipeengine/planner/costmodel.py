@@ -25,7 +25,8 @@ B and runs its forward again in the backward.
 Ranks that share a machine's processors (CPU ranks, more than its cores: ``Prices.processors``, measured) compute
 slower together than alone: the simulator shares them among the computes running at each moment
 (schedules.sim.sharing), each simulated rank standing for the data_parallel x tensor_parallel ranks that compute
-beside it.
+beside it; a compute's tensor-parallel collectives and FSDP's gather wait on other ranks and are not shared (their
+calibrated times were measured with every rank running them).
 """
 
 from __future__ import annotations
@@ -120,9 +121,11 @@ class LayerProfile:
             memory = self._allocated(memory, bounds, placement, params, data_parallel)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
             memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations))
-        forward = [total(self.forward, a, b) + self._collectives("F", a, b, prices) for a, b in bounds]
-        backward = [total(self.backward, a, b) + self._collectives("B", a, b, prices) for a, b in bounds]
-        grad_input = [total(self.backward_input, a, b) + self._collectives("B", a, b, prices) for a, b in bounds]
+        forward_wait = [self._collectives("F", a, b, prices) for a, b in bounds]  # waits on the other TP ranks
+        backward_wait = [self._collectives("B", a, b, prices) for a, b in bounds]
+        forward = [total(self.forward, a, b) + w for (a, b), w in zip(bounds, forward_wait, strict=True)]
+        backward = [total(self.backward, a, b) + w for (a, b), w in zip(bounds, backward_wait, strict=True)]
+        grad_input = [total(self.backward_input, a, b) + w for (a, b), w in zip(bounds, backward_wait, strict=True)]
         weight = [total(self.backward_weight, a, b) for a, b in bounds]
         checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
                         for s in range(len(bounds))]  # fmt: skip
@@ -142,6 +145,7 @@ class LayerProfile:
             backward_weight=[w + prices.overhead for w in weight],
             latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
             all_reduce=reduce, gather=gather, processors=self._processors(prices, data_parallel),
+            forward_wait=forward_wait, backward_wait=backward_wait,
         )  # fmt: skip
 
     def _processors(self, prices: Prices, data_parallel: int) -> float | None:

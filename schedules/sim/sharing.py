@@ -5,7 +5,10 @@ moment, each compute runs at min(1, P / n) of its full speed (processor sharing:
 shares the cores out evenly among the runnable threads). A compute's price is its time alone; its span is as long as
 that much work takes at the rates it is given. The replay is event by event in time order: a compute starts when its
 rank is free and its input has arrived (as in schedules.sim.simulation.run) and ends when its work is done; the rates
-change whenever one starts or ends. Communication is posted when the rank reaches it and costs no processor.
+change whenever one starts or ends. Of a compute's price, the seconds it waits on other ranks (a tensor-parallel
+collective inside it, FSDP's gather before a first forward: ``waits``) take no processor: the compute holds its rank
+that long after its work, beside the running ones. Communication is posted when the rank reaches it and costs no
+processor.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ _EPSILON = 1e-12
 
 def shared(
     programs: Sequence[Sequence[Any]],
+    waits: Sequence[Sequence[float]],
     processors: float,
     ready: Callable[[Any, float], float | None],
     done: Callable[[Any, float], None],
@@ -29,7 +33,8 @@ def shared(
     """(start, end) of every action of every rank, in program order, the computes sharing ``processors``.
 
     ``programs``: each rank's entries (schedules.sim.simulation's; entry[0] None: communication, entry[2]: a
-    compute's price). ``ready(entry, free)``: when a compute can start on a rank free since ``free``, or None while
+    compute's price). ``waits``: per rank and entry, the seconds of its price that wait on other ranks (0 for
+    communication). ``ready(entry, free)``: when a compute can start on a rank free since ``free``, or None while
     its input's time is unknown; ``done(entry, end)``: a compute ended; ``post(entry, at)``: communication posted;
     ``stuck(waits)``: the error to raise when no rank can go on ((rank, pc) of each waiting)."""
     ranks, infinity = len(programs), float("inf")
@@ -38,13 +43,14 @@ def shared(
     # a running compute ends when the work clock (the work each running compute has done since 0: all run at one
     # rate) reaches its mark; an idle rank's next compute starts at its time once known (known, it stays)
     mark: list[float | None] = [None] * ranks
+    hold: list[float | None] = [None] * ranks  # a compute past its work, waiting on other ranks until then
     start: list[float | None] = [None] * ranks
     work = now = 0.0
     running, changed = 0, True
     while True:
         if changed:  # a rank went idle: its posts first (a compute's input may be one posted now), then who can start
             for rank in range(ranks):
-                if mark[rank] is None and start[rank] is None:
+                if mark[rank] is None and hold[rank] is None and start[rank] is None:
                     program, pc = programs[rank], pcs[rank]
                     while pc < len(program) and program[pc][0] is None:
                         post(program[pc], free[rank])
@@ -52,16 +58,19 @@ def shared(
                         pc += 1
                     pcs[rank] = pc
             for rank in range(ranks):
-                if mark[rank] is None and start[rank] is None and pcs[rank] < len(programs[rank]):
+                idle = mark[rank] is None and hold[rank] is None and start[rank] is None
+                if idle and pcs[rank] < len(programs[rank]):
                     at = ready(programs[rank][pcs[rank]], free[rank])
                     if at is not None:
                         start[rank] = at if at > now else now
             changed = False
         first = lowest = infinity
         for rank in range(ranks):
-            at, end = start[rank], mark[rank]
+            at, end, held = start[rank], mark[rank], hold[rank]
             if at is not None and at < first:
                 first = at
+            if held is not None and held < first:
+                first = held
             if end is not None and end < lowest:
                 lowest = end
         rate = processors / running if running > processors else 1.0
@@ -75,16 +84,23 @@ def shared(
         work += (then - now) * rate
         now = then
         for rank in range(ranks):
-            end = mark[rank]
-            if end is not None and end <= work + _EPSILON * (1.0 + work):
-                done(programs[rank][pcs[rank]], now)
-                times[rank].append((began[rank], now))
-                pcs[rank] += 1
-                free[rank], mark[rank] = now, None
-                running -= 1
-                changed = True
+            end, held = mark[rank], hold[rank]
+            if end is not None and end <= work + _EPSILON * (1.0 + work):  # its work is done
+                mark[rank], running = None, running - 1
+                wait = waits[rank][pcs[rank]]
+                if wait > 0:
+                    hold[rank] = now + wait
+                    continue
+            elif held is None or held > now:
+                continue
+            done(programs[rank][pcs[rank]], now)
+            times[rank].append((began[rank], now))
+            pcs[rank] += 1
+            free[rank], hold[rank] = now, None
+            changed = True
         for rank in range(ranks):
             at = start[rank]
             if at is not None and at <= now:
-                mark[rank], began[rank], start[rank] = work + programs[rank][pcs[rank]][2], now, None
+                mark[rank] = work + programs[rank][pcs[rank]][2] - waits[rank][pcs[rank]]
+                began[rank], start[rank] = now, None
                 running += 1

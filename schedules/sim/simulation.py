@@ -32,7 +32,8 @@ class Costs:
     rank (in program order), and the step ends when the last is done. ``gather``: seconds before stage s's first
     forward of the step can start on its rank (FSDP's all-gather of its parameters). ``processors``: how many ranks
     can compute at full speed at once (CPU ranks sharing a machine's cores; schedules.sim.sharing); None: each rank
-    its own.
+    its own. ``forward_wait`` (``backward_wait``): of stage s's forward (its B and I), the seconds it waits on other
+    ranks (tensor parallelism's collectives inside it), which take no processor where ranks share them.
     """
 
     forward: PerStage = 1.0
@@ -46,6 +47,8 @@ class Costs:
     all_reduce: PerStage = 0.0
     gather: PerStage = 0.0
     processors: float | None = None
+    forward_wait: PerStage = 0.0
+    backward_wait: PerStage = 0.0
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Costs:
@@ -180,7 +183,8 @@ def run(
         for rank, skeleton in enumerate(skeletons)
     ]
     if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
-        shared_times = _shared_run(schedule, costs.processors, programs,
+        held = [[0.0] * len(x) for x in programs] if durations is not None else _waits(skeletons, costs, gather)
+        shared_times = _shared_run(schedule, costs.processors, programs, held,
                                    (forward_end, input_end, made, sent, received), has_recv, message)  # fmt: skip
         return _collectives(programs, shared_times, sent, received, message, M)
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
@@ -237,8 +241,28 @@ def run(
     return _collectives(programs, times, sent, received, message, M)
 
 
+def _waits(skeletons: list[list[_Skeleton]], costs: Costs, gather: Sequence[float]) -> list[list[float]]:
+    """Per rank and action, the seconds of a compute's price that wait on other ranks: its stage's forward_wait (and
+    gather, on its first F) or backward_wait (B and I); none for W and communication."""
+    stages = len(gather)
+    forward = expand("Costs.forward_wait", costs.forward_wait, stages)
+    backward = expand("Costs.backward_wait", costs.backward_wait, stages)
+    waits = []
+    for skeleton in skeletons:
+        mine = []
+        for kind, stage, _, _, _, _, first in skeleton:
+            if kind is _F:
+                mine.append(forward[stage] + (gather[stage] if first else 0.0))
+            elif kind is None or kind is _W:
+                mine.append(0.0)
+            else:
+                mine.append(backward[stage])
+        waits.append(mine)
+    return waits
+
+
 def _shared_run(
-    schedule: Schedule, processors: float, programs: list[list[Entry]],
+    schedule: Schedule, processors: float, programs: list[list[Entry]], waits: list[list[float]],
     ends: tuple[list[float | None], list[float | None], list[float | None], list[float | None], list[float | None]],
     has_recv: list[bool], message: list[float],
 ) -> list[list[tuple[float, float]]]:  # fmt: skip
@@ -280,7 +304,7 @@ def _shared_run(
         where = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in waits)
         return schedule.error("every rank can make progress", f"the simulation is stuck: {where}", waits)
 
-    return shared(programs, processors, ready, done, post, stuck)
+    return shared(programs, waits, processors, ready, done, post, stuck)
 
 
 def _collectives(

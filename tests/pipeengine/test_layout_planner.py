@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,9 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
     float tensor; the stage's F, B and I each carry their price, W none."""
     model, (x, _) = blocks(2, 16), data()
     x = torch.randn(BATCH, 16)
+    hook = sys.excepthook
     profile = profile_layers(model, x, 4, repeats=1, device=torch.device("cpu"), tensor_parallel=2, tp_plan=PLAN)
+    assert sys.excepthook is hook  # the fake group's "[rank0]: " prefix is not left on the user's tracebacks
     whole = profile_layers(model, x, 4, repeats=1, device=torch.device("cpu"))
     size = 4 * 16 * 4  # the (4 rows, 16) float activation
     # the first block's input needs no gradient (the user's batch): no backward all-reduce there
@@ -133,6 +136,8 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
     assert costs.backward_input[0] == pytest.approx(sum(profile.backward_input) + each)  # type: ignore[index]
     assert costs.backward[0] == pytest.approx(sum(profile.backward) + each)  # type: ignore[index]
     assert costs.backward_weight[0] == pytest.approx(sum(profile.backward_weight))  # type: ignore[index]
+    # the collectives wait on the other TP rank: where ranks share processors, that part is not shared
+    assert costs.forward_wait == [pytest.approx(2 * each)] and costs.backward_wait == [pytest.approx(each)]
     # a machine whose ranks share 2 processors: one pipeline's ranks have them shared with the other replicas' and
     # the other tensor-parallel ranks' (each simulated rank stands for dp x tp ranks computing at once)
     sharing = dataclasses.replace(PRICES, processors=2.0)

@@ -154,6 +154,20 @@ def test_ranks_sharing_processors_by_hand() -> None:
     assert spans == {name: pytest.approx(times) for name, times in expected.items()}
 
 
+def test_what_a_compute_waits_on_other_ranks_takes_no_processor() -> None:
+    # gpipe p=2, m=2 on 1 processor, B = 1; stage 0's F = 2 of which 1 waits (a tensor-parallel collective): 0F0's
+    # work [0, 1] alone, its wait to 2; 0F1 and 1F0 share the processor [2, 4], then 0F1 waits to 5; 1F1 [5, 6], 1B0
+    # [6, 7]; 1B1 and 0B0 share it [7, 9]; 0B1 [9, 10]. Unshared the wait is part of the price: 0F0 [0, 2], 0F1 [2, 4]
+    costs = {"forward": [2, 1], "backward": 1, "forward_wait": [1, 0]}
+    timeline = simulate(build_schedule("gpipe", 2, 2), Costs(**costs, processors=1))  # type: ignore[arg-type]
+    spans = {str(s.action): (s.start, s.end) for s in timeline.spans if s.is_compute}
+    expected = {"0F0": (0, 2), "0F1": (2, 5), "1F0": (2, 4), "1F1": (5, 6), "1B0": (6, 7), "1B1": (7, 9),
+                "0B0": (7, 9), "0B1": (9, 10)}  # fmt: skip
+    assert spans == {name: pytest.approx(times) for name, times in expected.items()}
+    unshared = simulate(build_schedule("gpipe", 2, 2), Costs(**costs))  # type: ignore[arg-type]
+    assert [(s.start, s.end) for s in unshared.compute_spans(0)][:2] == [(0, 2), (2, 4)]
+
+
 GRID = [(name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v")
         for p in (2, 4) for m in (4, 8) if (name, p, m) != ("dualpipe-v", 4, 4)]  # fmt: skip
 
