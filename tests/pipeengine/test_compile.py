@@ -119,17 +119,19 @@ def around_the_schedules() -> None:
 
 
 def with_tensor_parallel_and_fsdp() -> None:
-    """compile=True after tensor parallelism (tp=2) and before FSDP (dp=2), as torchtitan orders them; two ranks
-    each (a compiled region is compiled on every rank: the fewer, the cheaper)."""
+    """compile after tensor parallelism (tp=2) and before FSDP (dp=2), as torchtitan orders them; two ranks each (a
+    compiled region is compiled on every rank: the fewer, the cheaper). Dynamo and AOT autograd over the DTensors and
+    FSDP's hooks, as compile= takes the user's options; inductor's code generation is every_schedule's."""
+    backend = {"backend": "aot_eager"}
     for options, data_parallel in (({"tensor_parallel": 2, "tp_plan": tp_plan()}, 1), ({"fsdp": True}, 2)):
         model = headwise_gpt(blocks=2)
         one = OneProcess(model, one_process_loss)  # the token mean
-        every_layer_compiled(one.model)
-        engine = PipelineEngine(model, whole_token_sum, num_microbatches=2, loss_count=count_tokens, compile=True,
+        every_layer_compiled(one.model, **backend)
+        engine = PipelineEngine(model, whole_token_sum, num_microbatches=2, loss_count=count_tokens, compile=backend,
                                 data_parallel=data_parallel, **options)  # type: ignore[arg-type]  # fmt: skip
         optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2),
                       torch.optim.AdamW(one.parameters(), lr=1e-2))  # fmt: skip
-        what = f"compile=True {options} dp={data_parallel}"
+        what = f"compile={backend} {options} dp={data_parallel}"
         # micro-batches of 4 rows, the shapes compiled on both sides: one replica's batch is 8 rows
         train_like_one_process(
             engine, one, optimizers, 1, what,
@@ -147,7 +149,8 @@ def everything() -> None:
 @pytest.mark.timeout(400)
 def test_compiled_stages_under_every_schedule_and_every_feature_equal_one_process() -> None:
     """One world of two gloo ranks (each compiles a region once, then every case reuses it): every schedule with the
-    user's compiled blocks; checkpointing, ties, tracing, bf16; compile=True alone, with tp=2 and with fsdp=True."""
+    user's compiled blocks; checkpointing, ties, tracing, bf16; compile=True alone; compile= (aot_eager) with tp=2
+    and with fsdp=True."""
     launch(everything, 2, timeout=380)
 
 
