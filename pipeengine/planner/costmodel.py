@@ -133,9 +133,10 @@ class LayerProfile:
             memory = _checkpointed(memory, checkpointed, bounds, self.output)
         # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
         again = [f if c else 0.0 for f, c in zip(forward, checkpointed, strict=True)]
-        if fsdp:  # the gradients reduce-scattered over the replicas, the parameters all-gathered once a step
-            reduce = [prices.collective("reduce_scatter", data_parallel, p) for p in params]
-            gather = [prices.collective("all_gather", data_parallel, p) for p in params]
+        if fsdp:  # the gradients reduce-scattered over the replicas, the parameters all-gathered once a step: one
+            # of each per FSDP unit (pipeengine.parallel.fsdp.shard_stage: each layer with parameters)
+            reduce = [self._per_unit("reduce_scatter", a, b, prices, data_parallel) for a, b in bounds]
+            gather = [self._per_unit("all_gather", a, b, prices, data_parallel) for a, b in bounds]
         else:
             reduce, gather = [prices.collective("all_reduce", data_parallel, p) for p in params], [0.0] * len(bounds)
         return Costs(
@@ -154,6 +155,10 @@ class LayerProfile:
         if prices.processors is None:
             return None
         return prices.processors / (data_parallel * self.tensor_parallel)
+
+    def _per_unit(self, op: str, a: int, b: int, prices: Prices, data_parallel: int) -> float:
+        """Seconds of one FSDP collective per layer of [a, b) that holds parameters, on that layer's bytes."""
+        return sum(prices.collective(op, data_parallel, float(size)) for size in self.parameter_bytes[a:b] if size)
 
     def _collectives(self, compute: str, a: int, b: int, prices: Prices) -> float:
         """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B")."""

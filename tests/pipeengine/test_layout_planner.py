@@ -143,6 +143,9 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
     sharing = dataclasses.replace(PRICES, processors=2.0)
     assert costs.processors is None and whole.stage_costs([(0, 2)], prices=sharing).processors == 2.0
     assert profile.stage_costs([(0, 1), (1, 2)], prices=sharing, data_parallel=2).processors == 0.5
+    # FSDP: one all-gather and one reduce-scatter per unit (each layer with parameters), each paying its latency
+    sharded = whole.stage_costs([(0, 2)], prices=PRICES, data_parallel=2, fsdp=True)
+    assert sharded.gather == [pytest.approx(2 * 0.5)] and sharded.all_reduce == [pytest.approx(2 * 0.25)]
     # an unmeasured group size scales as a ring from the nearest measured one; an unmeasured op is a ring of p2p
     assert PRICES.collective("all_reduce", 4, 1000.0) == pytest.approx(1.0 * 6 / 2 + 1e-3 * 1000 * 0.75 / 0.5)
     assert Prices().collective("all_gather", 4, 1e6) == pytest.approx(3 * 1e-4 + 0.75 * 1e-9 * 1e6)
