@@ -13,7 +13,7 @@ from schedules.ir.schedule import Schedule
 from schedules.sim.memo import ByIdentity
 from schedules.sim.memory_model import Memory, track
 from schedules.sim.perstage import PerStage, expand
-from schedules.sim.sharing import shared
+from schedules.sim.sharing import replay_shared, waits_of
 from schedules.sim.timeline import Span, Timeline
 
 __all__ = ["Costs", "replay", "simulate"]
@@ -183,8 +183,8 @@ def run(
         for rank, skeleton in enumerate(skeletons)
     ]
     if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
-        held = [[0.0] * len(x) for x in programs] if durations is not None else _waits(skeletons, costs, gather)
-        shared_times = _shared_run(schedule, costs.processors, programs, held,
+        held = [[0.0] * len(x) for x in programs] if durations is not None else waits_of(skeletons, costs, gather)
+        shared_times = replay_shared(schedule, costs.processors, programs, held,
                                    (forward_end, input_end, made, sent, received), has_recv, message)  # fmt: skip
         return _collectives(programs, shared_times, sent, received, message, M)
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
@@ -239,72 +239,6 @@ def run(
             waits = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in stuck)
             raise schedule.error("every rank can make progress", f"the simulation is stuck: {waits}", stuck)
     return _collectives(programs, times, sent, received, message, M)
-
-
-def _waits(skeletons: list[list[_Skeleton]], costs: Costs, gather: Sequence[float]) -> list[list[float]]:
-    """Per rank and action, the seconds of a compute's price that wait on other ranks: its stage's forward_wait (and
-    gather, on its first F) or backward_wait (B and I); none for W and communication."""
-    stages = len(gather)
-    forward = expand("Costs.forward_wait", costs.forward_wait, stages)
-    backward = expand("Costs.backward_wait", costs.backward_wait, stages)
-    waits = []
-    for skeleton in skeletons:
-        mine = []
-        for kind, stage, _, _, _, _, first in skeleton:
-            if kind is _F:
-                mine.append(forward[stage] + (gather[stage] if first else 0.0))
-            elif kind is None or kind is _W:
-                mine.append(0.0)
-            else:
-                mine.append(backward[stage])
-        waits.append(mine)
-    return waits
-
-
-def _shared_run(
-    schedule: Schedule, processors: float, programs: list[list[Entry]], waits: list[list[float]],
-    ends: tuple[list[float | None], list[float | None], list[float | None], list[float | None], list[float | None]],
-    has_recv: list[bool], message: list[float],
-) -> list[list[tuple[float, float]]]:  # fmt: skip
-    """run()'s replay with the computes sharing ``processors`` (schedules.sim.sharing): the same readiness rules."""
-    forward_end, input_end, made, sent, received = ends
-    M = schedule.num_microbatches
-
-    def ready(entry: Entry, free: float) -> float | None:
-        kind, index, _, needs, crosses, _, _ = entry
-        start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
-        if start is None or needs < 0:
-            return None if start is None else max(start, free)
-        at = made[needs]
-        if at is not None and crosses:
-            if has_recv[needs]:
-                posted, wanted = sent[needs], received[needs]
-                at = None if posted is None or wanted is None else max(posted, wanted)
-            if at is not None:
-                at += message[(needs >> 1) // M]
-        return None if at is None else max(at, start, free)
-
-    def done(entry: Entry, end: float) -> None:
-        kind, index, _, _, _, makes, _ = entry
-        if kind is _F:
-            forward_end[index] = end
-        elif kind is not _W:
-            input_end[index] = end
-        if makes >= 0:
-            made[makes] = end
-
-    def post(entry: Entry, at: float) -> None:
-        for key, is_send in entry[6]:
-            if is_send:
-                sent[key] = at
-            else:
-                received[key] = at
-
-    def stuck(waits: list[tuple[int, int]]) -> Exception:
-        where = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in waits)
-        return schedule.error("every rank can make progress", f"the simulation is stuck: {where}", waits)
-
-    return shared(programs, waits, processors, ready, done, post, stuck)
 
 
 def _collectives(
