@@ -247,9 +247,9 @@ def _collective(op: str, elements: int, group: Any, size: int, repeats: int, dev
 
 def _processors(repeats: int) -> float | None:
     """How many of the ranks compute at full speed at once: each rank times the same CPU work alone (the others
-    wait in a barrier, which sleeps), then all run it at once; world x alone / (last end - first start) (the median
-    of ``repeats``; the ranks of one machine share its monotonic clock). None if they do not slow each other (within
-    10%: a core each)."""
+    wait in a barrier, which sleeps), then all run it at once. On each machine (the ranks of one share its monotonic
+    clock) the slowdown is (last end - first start) / its ranks' mean time alone (the median of ``repeats``); the
+    answer is world / the largest. None if the ranks do not slow each other (within 10%: a core each)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     a = torch.randn(192, 192)
 
@@ -257,7 +257,7 @@ def _processors(repeats: int) -> float | None:
         for _ in range(200):
             torch.mm(a, a)
 
-    alone, spans = [], []
+    alone, together = [], []
     for _ in range(repeats):
         for turn in range(world):
             dist.barrier()
@@ -268,14 +268,24 @@ def _processors(repeats: int) -> float | None:
         dist.barrier()
         start = time.perf_counter()
         work()
-        ends = torch.tensor([start, time.perf_counter()], dtype=torch.float64)
-        every = [torch.zeros_like(ends) for _ in range(world)]
-        dist.all_gather(every, ends)
-        spans.append(max(float(t[1]) for t in every) - min(float(t[0]) for t in every))
-    mine = torch.tensor([statistics.median(alone)], dtype=torch.float64)
-    dist.all_reduce(mine)
-    processors = float(mine.item()) / statistics.median(spans)  # world x the mean rank's time alone / the span
-    return None if processors > world / 1.1 else processors
+        together.append((start, time.perf_counter()))
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, (socket.gethostname(), statistics.median(alone), together))
+    return sharing(found)
+
+
+def sharing(found: Sequence[tuple[str, float, Sequence[tuple[float, float]]]]) -> float | None:
+    """Processors from each rank's (host, time alone, [(start, end) of each run all at once]): on each host the
+    median span of a run over its ranks' mean time alone is its slowdown; world / the largest, or None within 10% of
+    one processor a rank."""
+    slowdowns = []
+    for host in {name for name, _, _ in found}:
+        mine = [(time_alone, marks) for name, time_alone, marks in found if name == host]
+        runs = range(min(len(marks) for _, marks in mine))
+        spans = [max(marks[i][1] for _, marks in mine) - min(marks[i][0] for _, marks in mine) for i in runs]
+        slowdowns.append(statistics.median(spans) / statistics.fmean(time_alone for time_alone, _ in mine))
+    processors = len(found) / max(slowdowns)
+    return None if processors > len(found) / 1.1 else processors
 
 
 def _overhead(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats: int,

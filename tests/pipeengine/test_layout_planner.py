@@ -168,6 +168,16 @@ def test_a_refused_layout_says_why() -> None:
     assert odd.refused["dp4 x pp1 x tp1"] == "the batch of 6 rows does not split equally into 4 replicas"
 
 
+def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -> None:
+    """calibration's processors from each rank's (host, seconds alone, (start, end) of each run all at once)."""
+    one = [("a", 1.0, [(0.0, 2.0), (0.0, 2.0)])] * 4  # 4 ranks, each 1 s alone, all done 2 s after the first began
+    assert calibration.sharing(one) == pytest.approx(2.0)
+    # two machines whose clocks differ by an hour, each its own span: b's 4 ranks slow each other 4x -> 8 / 4
+    two = [("a", 1.0, [(0.0, 2.0)])] * 4 + [("b", 1.0, [(3600.0, 3604.0)])] * 4
+    assert calibration.sharing(two) == pytest.approx(2.0)
+    assert calibration.sharing([("a", 1.0, [(0.0, 1.05)])] * 2) is None  # a core each
+
+
 def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kept = tmp_path / "machine.json"
     path, prices = calibration.measure_machine(2, PipelineEngine, "gloo", kept)
