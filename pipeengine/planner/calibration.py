@@ -6,8 +6,9 @@
 a message between two ranks and each collective FSDP and data parallelism run (all-reduce, all-gather,
 reduce-scatter) at 4 KiB to 16 MiB on every group size that divides the world, each fitted to latency + bytes x
 per_byte; how many ranks compute at full speed at once (CPU ranks share the machine's cores: each times the same
-work alone and all together); and the host cost of one pipeline instruction, fitted so that the simulator's step of
-a pipeline of tiny layers takes what the engine's took. ``save`` keeps them in a file per machine
+work alone and all together); and the host cost of one pipeline instruction and the latency of a message between
+stages as the engine takes it up, fitted so that the simulator's steps of tiny layers (replicas, then a chain of
+stages) take what the engine's took. ``save`` keeps them in a file per machine
 (``default_path()``: the host's name, with the date); ``load`` reads it, or gives the built-in constants, measured
 once on the 2-core machine of the benchmarks, and says so (``Prices.source``). The planner
 (pipeengine.planner.search) prices every layout with them.
@@ -170,9 +171,9 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
                 samples[op].setdefault(group_size, []).append(
                     (size, _collective(op, size // 4, group, group_size, repeats, device)))  # fmt: skip
     processors = None if device.type == "cuda" else _processors(repeats)
-    overhead = _overhead(engine, p2p, repeats, processors)
-    found = Prices(overhead, Link.fit(p2p),
-                   {op: {g: Link.fit(s) for g, s in groups.items()} for op, groups in samples.items()},
+    collectives = {op: {g: Link.fit(s) for g, s in groups.items()} for op, groups in samples.items()}
+    overhead, message = _host(engine, p2p, repeats, device, processors)
+    found = Prices(overhead, message, collectives,
                    f"measured just now on {socket.gethostname()}", True, processors)  # fmt: skip
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
@@ -288,39 +289,50 @@ def sharing(found: Sequence[tuple[str, float, Sequence[tuple[float, float]]]]) -
     return None if processors > len(found) / 1.1 else processors
 
 
-def _overhead(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats: int,
-              processors: float | None = None) -> float:  # fmt: skip
-    """Host seconds per compute: the engine's step of a pipeline of tiny layers over every rank (1F1B), against the
-    simulator's step of it at the measured message price, solved for the one unknown (bisection: the simulated step
-    grows with it)."""
+def _host(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats: int, device: torch.device,
+          processors: float | None = None) -> tuple[float, Link]:  # fmt: skip
+    """Host seconds per compute and the latency of a message between stages, as the engine runs them, from two of
+    its steps on tiny Linear(4, 4) layers against the simulator's: every rank a replica of one layer (8 micro-batches,
+    then the all-reduce of their gradients, timed alone: no message, the computes' host cost), then GPipe with one
+    micro-batch over a layer a rank (a chain: each compute waits for a message), solved in turn by bisection (each
+    simulated step grows with its unknown). A ping between two ranks alone (``p2p``, whose per-byte price is kept)
+    misses what a rank pays to take a message up in a step."""
     from torch import nn
 
     from schedules import Costs, simulate
 
-    torch.manual_seed(0)
     world = dist.get_world_size()
-    micro = 2 * world
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
-    engine = build(model, nn.functional.mse_loss, num_microbatches=micro, schedule="1f1b")
-    batch, target = torch.randn(micro, 4), torch.randn(micro, 4)
-    times = []
-    for _ in range(repeats + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        engine.train_step(batch, target)
-        times.append(_synced(time.perf_counter() - start))
-    measured = statistics.median(times[2:])
     link = Link.fit(p2p)
-    program = engine.schedule
+    runs = []
+    for layers, micro, replicas in ((1, 8, world), (world, 1, 1)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+        engine = build(model, nn.functional.mse_loss, num_microbatches=micro, schedule="gpipe", data_parallel=replicas)
+        batch, target = torch.randn(micro, 4), torch.randn(micro, 4)
+        times = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            engine.train_step(batch, target)
+            times.append(_synced(time.perf_counter() - start))
+        runs.append((engine.schedule, statistics.median(times[2:]), replicas))
+    gradients = sum(p.numel() for p in nn.Linear(4, 4).parameters())  # floats, all-reduced in one buffer
+    reduce = _collective("all_reduce", gradients, dist.group.WORLD, world, repeats, device)
 
-    def step(overhead: float) -> float:
-        # a message is a micro-batch's output: Linear(4, 4) keeps its input's size
-        costs = Costs(forward=overhead, backward=overhead, latency=link.latency, per_byte=link.per_byte,
-                      message_bytes=batch[: len(batch) // micro].nbytes, processors=processors)  # fmt: skip
+    def step(run: tuple[Any, float, int], overhead: float, latency: float) -> float:
+        program, _, replicas = run  # a message is a micro-batch's output: Linear(4, 4) keeps its input's size
+        costs = Costs(forward=overhead, backward=overhead, latency=latency, per_byte=link.per_byte, message_bytes=16,
+                      all_reduce=reduce if replicas > 1 else 0.0,
+                      processors=None if processors is None else processors / replicas)  # fmt: skip
         return simulate(program, costs).makespan
 
-    low, high = 0.0, measured
-    for _ in range(40):
-        middle = (low + high) / 2
-        low, high = (middle, high) if step(middle) < measured else (low, middle)
-    return (low + high) / 2
+    def solve(run: tuple[Any, float, int], price: Callable[[float], float]) -> float:
+        low, high = 0.0, run[1]
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if price(middle) < run[1] else (low, middle)
+        return (low + high) / 2
+
+    alone, chain = runs
+    overhead = solve(alone, lambda o: step(alone, o, 0.0))
+    return overhead, Link(solve(chain, lambda latency: step(chain, overhead, latency)), link.per_byte)
