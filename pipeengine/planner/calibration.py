@@ -17,6 +17,7 @@ once on the 2-core machine of the benchmarks, and says so (``Prices.source``). T
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -84,6 +85,7 @@ class Prices:
     source: str = BUILT_IN
     calibrated: bool = False
     processors: float | None = None  # ranks of this machine that compute at full speed at once; None: every rank
+    world_size: int | None = None  # the ranks they were measured on (a calibration file's)
 
     def collective(self, op: str, group: int, nbytes: float) -> float:
         if op not in COLLECTIVES:
@@ -108,12 +110,26 @@ class Prices:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Prices:
+        """Prices from a calibration file's record; a ValueError naming the value where one is not a finite
+        number >= 0 (processors > 0)."""
         p2p = data["p2p"]
         collectives = data.get("collectives", {})
-        return cls(float(data["overhead"]), Link(*map(float, p2p)),
-                   {op: {int(g): Link(*map(float, v)) for g, v in groups.items()}
-                    for op, groups in collectives.items()},
-                   source, True, None if data.get("processors") is None else float(data["processors"]))  # fmt: skip
+        processors = None if data.get("processors") is None else float(data["processors"])
+        found = cls(float(data["overhead"]), Link(*map(float, p2p)),
+                    {op: {int(g): Link(*map(float, v)) for g, v in groups.items()}
+                     for op, groups in collectives.items()},
+                    source, True, processors,
+                    None if data.get("world_size") is None else int(data["world_size"]))  # fmt: skip
+        links = [("p2p", found.p2p)] + [(f"{op} over {g}", link) for op, groups in found.collectives.items()
+                                        for g, link in groups.items()]  # fmt: skip
+        for name, value in [("overhead", found.overhead), *[(f"{n} {part}", v) for n, link in links
+                                                             for part, v in (("latency", link.latency),
+                                                                             ("per_byte", link.per_byte))]]:
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} is {value}, not a number of seconds >= 0")
+        if processors is not None and (not math.isfinite(processors) or processors <= 0):
+            raise ValueError(f"processors is {processors}, not a positive number of ranks")
+        return found
 
 
 def default_path() -> Path:
@@ -145,7 +161,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
     try:
         data = json.loads(source.read_text())
         return Prices.from_json(data, f"calibrated on {data['host']} at {data['date']} ({source})")
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OSError) as error:
         raise ValueError(
             f"calibration file {source} cannot be read ({type(error).__name__}: {error}); delete it and run "
             "python -m pipeengine.tune --calibrate again"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -110,7 +111,16 @@ def tune(
     for option in checkpoint:
         if option not in CHECKPOINTING:
             raise ValueError(f"checkpoint options are {', '.join(CHECKPOINTING)}, got {option!r}")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+                                     or not memory_limit > 0):  # fmt: skip
+        raise ValueError(f"memory_limit is bytes per rank, a number > 0 (or None: no limit), got {memory_limit!r}; "
+                         "for '64MiB' write 64 * 2**20")  # fmt: skip
     rates = prices if isinstance(prices, Prices) else calibration.load(prices)
+    if rates.world_size is not None and rates.world_size != world_size:
+        warnings.warn(
+            f"tune for {world_size} ranks at prices measured on {rates.world_size} ({rates.source}): how many ranks "
+            f"share this machine's processors and what a collective over {world_size} costs were not measured; run "
+            f"python -m pipeengine.tune --calibrate --world-size {world_size}", stacklevel=2)  # fmt: skip
     transport = backend_named(backend)  # its program, and whether a sent buffer is free once posted (buffered)
     buffered = transport.semantics is Semantics.BUFFERED
     names = list(schedules or SCHEDULES)
@@ -120,7 +130,9 @@ def tune(
     refused: dict[str, str] = {}
     found = layouts(model, world_size, batch, data_parallel, tensor_parallel, tp_plan, fsdp, backend, refused)
     if not found:
-        reasons = "; ".join(f"{layout}: {why}" for layout, why in refused.items())
+        reasons = "; ".join(f"{layout}: {why}" for layout, why in refused.items()) or (
+            f"data_parallel={data_parallel} and tensor_parallel={tensor_parallel} leave no pipeline size: their "
+            f"product must divide world_size={world_size}")  # fmt: skip
         raise ValueError(f"no layout of {world_size} ranks can run this model: {reasons}")
     per_replica = {dp: batch if data_parallel is not None else batch // dp for dp, _, _ in found}
     counts = {dp: sorted(m for m in (microbatches or range(1, min(rows, max_microbatches) + 1)) if rows % m == 0)

@@ -168,6 +168,30 @@ def test_a_refused_layout_says_why() -> None:
     assert odd.refused["dp4 x pp1 x tp1"] == "the batch of 6 rows does not split equally into 4 replicas"
 
 
+def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    x, y = data()
+    with pytest.raises(ValueError, match=r"product must divide world_size=4"):  # was "...this model: " and nothing
+        tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, tensor_parallel=3)
+    for limit in ("64MiB", 0, -5):
+        with pytest.raises(ValueError, match=r"memory_limit is bytes per rank, a number > 0"):
+            tune(blocks(), mse, x, 2, target=y, memory_limit=limit)  # type: ignore[arg-type]
+    record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
+    for key, value, said in (("processors", 0, "processors is 0.0"), ("overhead", -1e-3, "overhead is -0.001"),
+                             ("overhead", float("nan"), "overhead is nan")):  # fmt: skip
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({**record, key: value}))
+        with pytest.raises(ValueError, match=rf"{path.name} cannot be read .*{said}.*--calibrate again"):
+            calibration.load(path)
+    with pytest.raises(ValueError, match=r"cannot be read \(IsADirectoryError"):
+        calibration.load(tmp_path)
+    # a file measured on 4 ranks, a plan for 2: tune says so, and how to measure for 2 (the tests' fixed prices
+    # name no world size)
+    (tmp_path / "four.json").write_text(json.dumps({**record, "world_size": 4}))
+    with pytest.warns(UserWarning, match=r"prices measured on 4 .* --calibrate --world-size 2"):
+        tune(blocks(2), mse, x, 2, target=y, schedules=["1f1b"], microbatches=[2], checkpoint=["never"], repeats=1,
+             allocator=False, prices=tmp_path / "four.json")  # fmt: skip
+
+
 def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -> None:
     """calibration's processors from each rank's (host, seconds alone, (start, end) of each run all at once)."""
     one = [("a", 1.0, [(0.0, 2.0), (0.0, 2.0)])] * 4  # 4 ranks, each 1 s alone, all done 2 s after the first began
