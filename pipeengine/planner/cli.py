@@ -94,6 +94,9 @@ def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = 
     if args.calibrate:
         from pipeengine.planner.calibration import measure_machine
 
+        if args.world_size < 2:
+            parser.error(f"--calibrate times messages and collectives between ranks: --world-size 2 or more, got "
+                         f"{args.world_size}")  # fmt: skip
         print(f"calibrating on {args.world_size} {args.backend} ranks ...", flush=True)
         if engine is None:
             parser.error("--calibrate runs the engine: use python -m pipeengine.tune")

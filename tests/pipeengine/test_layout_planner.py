@@ -168,7 +168,8 @@ def test_a_refused_layout_says_why() -> None:
     assert odd.refused["dp4 x pp1 x tp1"] == "the batch of 6 rows does not split equally into 4 replicas"
 
 
-def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: Path) -> None:
+def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     x, y = data()
     with pytest.raises(ValueError, match=r"product must divide world_size=4"):  # was "...this model: " and nothing
         tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, tensor_parallel=3)
@@ -184,6 +185,12 @@ def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: 
             calibration.load(path)
     with pytest.raises(ValueError, match=r"cannot be read \(IsADirectoryError"):
         calibration.load(tmp_path)
+    from pipeengine.planner.cli import main
+
+    with pytest.raises(SystemExit):  # one line, not two tracebacks from the launched rank
+        main(["--calibrate", "--world-size", "1"], PipelineEngine)
+    assert "error: --calibrate times messages and collectives between ranks: --world-size 2 or more, got 1" in (
+        capsys.readouterr().err)  # fmt: skip
     # a file measured on 4 ranks, a plan for 2: tune says so, and how to measure for 2 (the tests' fixed prices
     # name no world size)
     (tmp_path / "four.json").write_text(json.dumps({**record, "world_size": 4}))
