@@ -13,11 +13,13 @@ already belongs to a process group (schedule="auto" on a rank), that is done in 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ from pipeengine.planner import transients
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
 from pipeengine.runtime.backward import backward_input
 
-__all__ = ["measure", "parameter_keys", "profile_layers"]
+__all__ = ["measure", "one_process", "parameter_keys", "profile_layers"]
 
 
 def measure(
@@ -363,8 +365,35 @@ def _elsewhere(model: nn.Sequential, sample: object, rows: int, arguments: dict[
             f"loss, sample and plan must pickle to get there: {type(error).__name__}: {error}; define them at a "
             "module's top level (not lambdas), or tune before init_process_group"
         ) from error
+    if _SHARED.get("open"):  # inside one_process(): the block's one process, started at its first measurement
+        if "pool" not in _SHARED:
+            _SHARED["pool"] = multiprocessing.get_context("spawn").Pool(1)
+        return _SHARED["pool"].apply(_profile_pickled, (payload,))  # type: ignore[no-any-return]
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_profile_pickled, (payload,))
+
+
+_SHARED: dict[str, Any] = {}  # one_process()'s: whether a block is open, and its process once started
+
+
+@contextlib.contextmanager
+def one_process() -> Iterator[None]:
+    """Inside the block, the measurements profile_layers makes in a fresh process (tensor-parallel shards where this
+    process is in a process group: schedule="auto" on a rank) share one, started at the first and stopped at the
+    block's end: each process costs a spawn and torch's import, seconds, and tune measures at every micro-batch size
+    and degree."""
+    if _SHARED.get("open"):
+        yield
+        return
+    _SHARED["open"] = True
+    try:
+        yield
+    finally:
+        pool = _SHARED.pop("pool", None)
+        _SHARED.clear()
+        if pool is not None:
+            pool.close()
+            pool.join()
 
 
 def _profile_pickled(payload: bytes) -> LayerProfile:

@@ -38,7 +38,7 @@ from pipeengine.launcher.launch import keep_freed_memory
 from pipeengine.planner import calibration
 from pipeengine.planner.calibration import Prices
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
-from pipeengine.planner.measure import profile_layers
+from pipeengine.planner.measure import one_process, profile_layers
 from pipeengine.planner.partition import method_costs, solve
 from pipeengine.planner.result import Candidate, TuneResult
 from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, simulate, with_gradient_sync
@@ -158,20 +158,21 @@ def tune(
             progress(done, layers, len(wanted))
 
     profiles: dict[tuple[int, int], LayerProfile] = {}
-    for rows, tp in wanted:
-        if not any(t == tp for _, _, t in found):  # refused at another size already
-            continue
-        try:
-            profiles[rows, tp] = profile_layers(
-                model, sample, rows, repeats=repeats, device=where, threads=share, loss=loss_fn, target=target,
-                allocator=allocator, compile=compile, progress=layer_done, tensor_parallel=tp,
-                tp_plan=tp_plan)  # fmt: skip
-        except ValueError as error:  # a plan this degree cannot split equally: every layout of it is refused
-            if tp == 1:
-                raise
-            for layout in [x for x in found if x[2] == tp]:
-                refused[_named(layout)] = str(error)
-                found.remove(layout)
+    with one_process():  # on a rank (schedule="auto"), the TP shards measured in one fresh process, not one each
+        for rows, tp in wanted:
+            if not any(t == tp for _, _, t in found):  # refused at another size already
+                continue
+            try:
+                profiles[rows, tp] = profile_layers(
+                    model, sample, rows, repeats=repeats, device=where, threads=share, loss=loss_fn, target=target,
+                    allocator=allocator, compile=compile, progress=layer_done, tensor_parallel=tp,
+                    tp_plan=tp_plan)  # fmt: skip
+            except ValueError as error:  # a plan this degree cannot split equally: every layout of it is refused
+                if tp == 1:
+                    raise
+                for layout in [x for x in found if x[2] == tp]:
+                    refused[_named(layout)] = str(error)
+                    found.remove(layout)
     measured = time.perf_counter() - started
 
     started = time.perf_counter()

@@ -151,6 +151,23 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
     assert Prices().collective("all_gather", 4, 1e6) == pytest.approx(3 * 1e-4 + 0.75 * 1e-9 * 1e6)
 
 
+def test_shards_measured_in_a_fresh_process_share_one_inside_one_process() -> None:
+    """On a rank (schedule="auto" with tensor parallelism) each TP measurement runs in a fresh process: inside
+    one_process() (tune's) they share one, started at the first and stopped at the end (one each took 18-23 s of
+    spawns and imports for a 2-rank auto build)."""
+    from pipeengine.planner import measure
+
+    arguments = dict(repeats=1, device=torch.device("cpu"), threads=1, loss=None, target=None, timed=True,
+                     allocator=False, compile=False, tensor_parallel=2, tp_plan=PLAN)  # fmt: skip
+    model, x = blocks(2, 16), torch.randn(BATCH, 16)
+    with measure.one_process():
+        first = measure._elsewhere(model, x, 4, arguments)
+        process = measure._SHARED["pool"]
+        second = measure._elsewhere(model, x, 2, arguments)
+        assert measure._SHARED["pool"] is process
+    assert not measure._SHARED and (first.rows, second.rows) == (4, 2) and first.tensor_parallel == 2
+
+
 def test_a_refused_layout_says_why() -> None:
     x, y = data()
     narrow = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}
