@@ -13,13 +13,11 @@ already belongs to a process group (schedule="auto" on a rank), that is done in 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,9 +29,10 @@ from pipeengine.observe.ledger import Ledger
 from pipeengine.parallel import tensor
 from pipeengine.planner import transients
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
+from pipeengine.planner.elsewhere import elsewhere
 from pipeengine.runtime.backward import backward_input
 
-__all__ = ["measure", "one_process", "parameter_keys", "profile_layers"]
+__all__ = ["measure", "parameter_keys", "profile_layers"]
 
 
 def measure(
@@ -100,7 +99,7 @@ def profile_layers(
         arguments = dict(repeats=repeats, device=device, threads=threads, loss=loss, target=target, timed=timed,
                          allocator=allocator, compile=compile, tensor_parallel=tensor_parallel, tp_plan=tp_plan)
         if dist.is_initialized():  # one default group to a process: the fake one is made in a fresh process
-            return _elsewhere(model, sample, rows, arguments)
+            return elsewhere(profile_layers, model, sample, rows, arguments)
         with tensor.fake_mesh(tensor_parallel) as mesh:
             shards = _layer_plans(model, tp_plan, tensor_parallel)
             return _measured(model, sample, rows, **arguments, progress=progress, shard=(mesh, shards))  # type: ignore[arg-type]
@@ -350,54 +349,3 @@ def _collectives(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) -
             torch.autograd.backward(outputs, tuple(torch.ones_like(o) for o in outputs))
     layer.zero_grad(set_to_none=True)
     return tuple(("F", op, n) for op, n in forward.seen) + tuple(("B", op, n) for op, n in backward.seen)
-
-
-def _elsewhere(model: nn.Sequential, sample: object, rows: int, arguments: dict[str, object]) -> LayerProfile:
-    """profile_layers in a fresh process (spawned): everything it is given must pickle."""
-    import multiprocessing
-    import pickle
-
-    try:
-        payload = pickle.dumps((model, sample, rows, arguments))
-    except Exception as error:
-        raise ValueError(
-            "measuring tensor-parallel shards inside a process group runs in a fresh process, and the model, "
-            f"loss, sample and plan must pickle to get there: {type(error).__name__}: {error}; define them at a "
-            "module's top level (not lambdas), or tune before init_process_group"
-        ) from error
-    if _SHARED.get("open"):  # inside one_process(): the block's one process, started at its first measurement
-        if "pool" not in _SHARED:
-            _SHARED["pool"] = multiprocessing.get_context("spawn").Pool(1)
-        return _SHARED["pool"].apply(_profile_pickled, (payload,))  # type: ignore[no-any-return]
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_profile_pickled, (payload,))
-
-
-_SHARED: dict[str, Any] = {}  # one_process()'s: whether a block is open, and its process once started
-
-
-@contextlib.contextmanager
-def one_process() -> Iterator[None]:
-    """Inside the block, the measurements profile_layers makes in a fresh process (tensor-parallel shards where this
-    process is in a process group: schedule="auto" on a rank) share one, started at the first and stopped at the
-    block's end: each process costs a spawn and torch's import, seconds, and tune measures at every micro-batch size
-    and degree."""
-    if _SHARED.get("open"):
-        yield
-        return
-    _SHARED["open"] = True
-    try:
-        yield
-    finally:
-        pool = _SHARED.pop("pool", None)
-        _SHARED.clear()
-        if pool is not None:
-            pool.close()
-            pool.join()
-
-
-def _profile_pickled(payload: bytes) -> LayerProfile:
-    import pickle
-
-    model, sample, rows, arguments = pickle.loads(payload)
-    return profile_layers(model, sample, rows, **arguments)

@@ -38,7 +38,8 @@ from pipeengine.launcher.launch import keep_freed_memory
 from pipeengine.planner import calibration
 from pipeengine.planner.calibration import Prices
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
-from pipeengine.planner.measure import one_process, profile_layers
+from pipeengine.planner.elsewhere import one_process
+from pipeengine.planner.measure import profile_layers
 from pipeengine.planner.partition import method_costs, solve
 from pipeengine.planner.result import Candidate, TuneResult
 from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, simulate, with_gradient_sync

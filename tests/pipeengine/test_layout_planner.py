@@ -155,17 +155,17 @@ def test_shards_measured_in_a_fresh_process_share_one_inside_one_process() -> No
     """On a rank (schedule="auto" with tensor parallelism) each TP measurement runs in a fresh process: inside
     one_process() (tune's) they share one, started at the first and stopped at the end (one each took 18-23 s of
     spawns and imports for a 2-rank auto build)."""
-    from pipeengine.planner import measure
+    from pipeengine.planner import elsewhere as isolated
 
     arguments = dict(repeats=1, device=torch.device("cpu"), threads=1, loss=None, target=None, timed=True,
                      allocator=False, compile=False, tensor_parallel=2, tp_plan=PLAN)  # fmt: skip
     model, x = blocks(2, 16), torch.randn(BATCH, 16)
-    with measure.one_process():
-        first = measure._elsewhere(model, x, 4, arguments)
-        process = measure._SHARED["pool"]
-        second = measure._elsewhere(model, x, 2, arguments)
-        assert measure._SHARED["pool"] is process
-    assert not measure._SHARED and (first.rows, second.rows) == (4, 2) and first.tensor_parallel == 2
+    with isolated.one_process():
+        first = isolated.elsewhere(profile_layers, model, x, 4, arguments)
+        process = isolated._SHARED["pool"]
+        second = isolated.elsewhere(profile_layers, model, x, 2, arguments)
+        assert isolated._SHARED["pool"] is process
+    assert not isolated._SHARED and (first.rows, second.rows) == (4, 2) and first.tensor_parallel == 2
 
 
 def test_a_refused_layout_says_why() -> None:
