@@ -19,7 +19,7 @@ from typing import Any
 from schedules.ir.instructions import Kind
 from schedules.sim.perstage import expand
 
-__all__ = ["replay_shared", "shared", "waits_of"]
+__all__ = ["shared", "waits_of"]
 
 _EPSILON = 1e-12
 _F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
@@ -128,51 +128,3 @@ def waits_of(skeletons: Sequence[Sequence[Any]], costs: Any, gather: Sequence[fl
                 mine.append(backward[stage])
         found.append(mine)
     return found
-
-
-def replay_shared(
-    schedule: Any, processors: float, programs: list[list[Any]], held: list[list[float]],
-    ends: tuple[list[float | None], list[float | None], list[float | None], list[float | None], list[float | None]],
-    has_recv: list[bool], message: list[float],
-) -> list[list[tuple[float, float]]]:  # fmt: skip
-    """schedules.sim.simulation.run()'s replay (``programs``: its entries, ``ends``: its records of when things ended
-    and were posted) with the computes sharing ``processors``: the same readiness rules."""
-    forward_end, input_end, made, sent, received = ends
-    M = schedule.num_microbatches
-
-    def ready(entry: Any, free: float) -> float | None:
-        kind, index, _, needs, crosses, _, _ = entry
-        start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
-        if start is None or needs < 0:
-            return None if start is None else max(start, free)
-        at = made[needs]
-        if at is not None and crosses:
-            if has_recv[needs]:
-                posted, wanted = sent[needs], received[needs]
-                at = None if posted is None or wanted is None else max(posted, wanted)
-            if at is not None:
-                at += message[(needs >> 1) // M]
-        return None if at is None else max(at, start, free)
-
-    def done(entry: Any, end: float) -> None:
-        kind, index, _, _, _, makes, _ = entry
-        if kind is _F:
-            forward_end[index] = end
-        elif kind is not _W:
-            input_end[index] = end
-        if makes >= 0:
-            made[makes] = end
-
-    def post(entry: Any, at: float) -> None:
-        for key, is_send in entry[6]:
-            if is_send:
-                sent[key] = at
-            else:
-                received[key] = at
-
-    def stuck(waits: list[tuple[int, int]]) -> Exception:
-        where = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in waits)
-        error: Exception = schedule.error("every rank can make progress", f"the simulation is stuck: {where}", waits)
-        return error
-
-    return shared(programs, held, processors, ready, done, post, stuck)

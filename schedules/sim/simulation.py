@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from schedules.ir.dataflow import Dataflow
@@ -13,7 +13,7 @@ from schedules.ir.schedule import Schedule
 from schedules.sim.memo import ByIdentity
 from schedules.sim.memory_model import Memory, track
 from schedules.sim.perstage import PerStage, expand
-from schedules.sim.sharing import replay_shared, waits_of
+from schedules.sim.sharing import shared, waits_of
 from schedules.sim.timeline import Span, Timeline
 
 __all__ = ["Costs", "replay", "simulate"]
@@ -182,10 +182,10 @@ def run(
         _priced(skeleton, table, None if durations is None else iter(durations[rank]), reduce, gather)
         for rank, skeleton in enumerate(skeletons)
     ]
+    ready, done, post, stuck = _rules(schedule, (forward_end, input_end, made, sent, received), has_recv, message)
     if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
         held = [[0.0] * len(x) for x in programs] if durations is not None else waits_of(skeletons, costs, gather)
-        shared_times = replay_shared(schedule, costs.processors, programs, held,
-                                   (forward_end, input_end, made, sent, received), has_recv, message)  # fmt: skip
+        shared_times = shared(programs, held, costs.processors, ready, done, post, stuck)
         return _collectives(programs, shared_times, sent, received, message, M)
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     pcs, clocks = [0] * p, [0.0] * p
@@ -195,50 +195,77 @@ def run(
         for rank in range(p):
             program, pc, clock, out = programs[rank], pcs[rank], clocks[rank], times[rank]
             while pc < len(program):
-                kind, index, cost, needs, crosses, makes, keys = program[pc]
-                if kind is None:  # communication: post and go on; completion is filled in below
-                    for key, is_send in keys:
-                        if is_send:
-                            sent[key] = clock
-                        else:
-                            received[key] = clock
+                entry = program[pc]
+                if entry[0] is None:  # communication: post and go on; completion is filled in below
+                    post(entry, clock)
                     out.append((clock, clock))
                     pc += 1
                     continue
-                start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
+                start = ready(entry, clock)
                 if start is None:
                     break
-                if needs >= 0:
-                    ready = made[needs]
-                    if ready is not None and crosses:
-                        if has_recv[needs]:
-                            posted, wanted = sent[needs], received[needs]
-                            ready = None if posted is None or wanted is None else max(posted, wanted)
-                        if ready is not None:
-                            ready += message[(needs >> 1) // M]
-                    if ready is None:
-                        break
-                    start = ready if ready > start else start
-                if clock > start:
-                    start = clock
-                clock = start + cost
+                clock = start + entry[2]
                 out.append((start, clock))
-                if kind is _F:
-                    forward_end[index] = clock
-                elif kind is not _W:
-                    input_end[index] = clock
-                if makes >= 0:
-                    made[makes] = clock
+                done(entry, clock)
                 pc += 1
             if pc != pcs[rank]:
                 progress = True
                 remaining -= pc - pcs[rank]
                 pcs[rank], clocks[rank] = pc, clock
         if not progress:
-            stuck = [(r, pcs[r]) for r in range(p) if pcs[r] < len(programs[r])]
-            waits = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in stuck)
-            raise schedule.error("every rank can make progress", f"the simulation is stuck: {waits}", stuck)
+            raise stuck([(r, pcs[r]) for r in range(p) if pcs[r] < len(programs[r])])
     return _collectives(programs, times, sent, received, message, M)
+
+
+def _rules(
+    schedule: Schedule,
+    ends: tuple[list[float | None], list[float | None], list[float | None], list[float | None], list[float | None]],
+    has_recv: list[bool], message: list[float],
+) -> tuple[Callable[[Entry, float], float | None], Callable[[Entry, float], None], Callable[[Entry, float], None],
+           Callable[[list[tuple[int, int]]], Exception]]:  # fmt: skip
+    """run()'s rules over its records (``ends``: when each F and B or I ended, each message was made, its send and
+    its recv posted), for both replays: ``ready(entry, free)``, when a compute can start on a rank free since
+    ``free`` (None while an input's time is unknown); ``done(entry, end)``, a compute ended; ``post(entry, at)``,
+    communication posted; ``stuck(waits)``, the error when no rank can go on."""
+    forward_end, input_end, made, sent, received = ends
+    M = schedule.num_microbatches
+
+    def ready(entry: Entry, free: float) -> float | None:
+        kind, index, _, needs, crosses, _, _ = entry
+        start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
+        if start is None or needs < 0:
+            return None if start is None else max(start, free)
+        at = made[needs]
+        if at is not None and crosses:
+            if has_recv[needs]:
+                posted, wanted = sent[needs], received[needs]
+                at = None if posted is None or wanted is None else max(posted, wanted)
+            if at is not None:
+                at += message[(needs >> 1) // M]
+        return None if at is None else max(at, start, free)
+
+    def done(entry: Entry, end: float) -> None:
+        kind, index, _, _, _, makes, _ = entry
+        if kind is _F:
+            forward_end[index] = end
+        elif kind is not _W:
+            input_end[index] = end
+        if makes >= 0:
+            made[makes] = end
+
+    def post(entry: Entry, at: float) -> None:
+        for key, is_send in entry[6]:
+            if is_send:
+                sent[key] = at
+            else:
+                received[key] = at
+
+    def stuck(waits: list[tuple[int, int]]) -> Exception:
+        where = ", ".join(f"rank {r} at instruction {pc} ({schedule.instructions[r][pc]})" for r, pc in waits)
+        error: Exception = schedule.error("every rank can make progress", f"the simulation is stuck: {where}", waits)
+        return error
+
+    return ready, done, post, stuck
 
 
 def _collectives(
