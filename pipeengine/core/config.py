@@ -9,7 +9,8 @@ import torch
 
 from schedules import SCHEDULES, Schedule
 
-__all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "METHODS", "PRECISIONS", "EngineConfig", "check_arguments"]
+__all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "METHODS", "PRECISIONS", "EngineConfig", "check_arguments",
+           "check_memory_limit"]
 
 METHODS = ("uniform", "parameters", "time", "memory")  # how partition= cuts the model (pipeengine.planner.partition)
 
@@ -107,10 +108,7 @@ class EngineConfig:
             raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINTING)}, got {self.checkpoint!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(str, PRECISIONS))}, got {self.precision!r}")
-        if self.memory_limit is not None and not (
-            isinstance(self.memory_limit, (int, float)) and self.memory_limit > 0
-        ):
-            raise ValueError(f"memory_limit must be a positive number of bytes per rank, got {self.memory_limit!r}")
+        check_memory_limit(self.memory_limit)
         if self.memory_limit is not None and self.schedule != AUTO:
             raise ValueError(
                 f"memory_limit= is the bound schedule='auto' plans under; with schedule={_shown(self.schedule)} "
@@ -209,3 +207,10 @@ def check_arguments(model: object, loss_fn: object, group: object, data_parallel
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     if group is not None and data_parallel > 1:
         raise ValueError("pass either group= (your own pipeline group) or data_parallel=, not both")
+
+
+def check_memory_limit(value: object) -> None:
+    """A memory limit is None (no limit) or a positive number of bytes per rank (the engine's and tune's)."""
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"memory_limit must be a positive number of bytes per rank (or None: no limit), got "
+                         f"{value!r}; for '64MiB' write 64 * 2**20")  # fmt: skip

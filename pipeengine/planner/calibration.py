@@ -120,11 +120,12 @@ class Prices:
                      for op, groups in collectives.items()},
                     source, True, processors,
                     None if data.get("world_size") is None else int(data["world_size"]))  # fmt: skip
-        links = [("p2p", found.p2p)] + [(f"{op} over {g}", link) for op, groups in found.collectives.items()
-                                        for g, link in groups.items()]  # fmt: skip
-        for name, value in [("overhead", found.overhead), *[(f"{n} {part}", v) for n, link in links
-                                                             for part, v in (("latency", link.latency),
-                                                                             ("per_byte", link.per_byte))]]:
+        seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte}
+        for op, groups in found.collectives.items():
+            for group, link in groups.items():
+                seconds[f"{op} over {group} latency"] = link.latency
+                seconds[f"{op} over {group} per_byte"] = link.per_byte
+        for name, value in seconds.items():
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} is {value}, not a number of seconds >= 0")
         if processors is not None and (not math.isfinite(processors) or processors <= 0):

@@ -32,7 +32,7 @@ from torch import nn
 
 from pipeengine.comm.backends import backend as backend_named
 from pipeengine.comm.base import Transport
-from pipeengine.core.config import CHECKPOINTING, EngineConfig
+from pipeengine.core.config import CHECKPOINTING, EngineConfig, check_memory_limit
 from pipeengine.core.specs import Tensors, unpack
 from pipeengine.launcher.launch import keep_freed_memory
 from pipeengine.planner import calibration
@@ -112,10 +112,7 @@ def tune(
     for option in checkpoint:
         if option not in CHECKPOINTING:
             raise ValueError(f"checkpoint options are {', '.join(CHECKPOINTING)}, got {option!r}")
-    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
-                                     or not memory_limit > 0):  # fmt: skip
-        raise ValueError(f"memory_limit is bytes per rank, a number > 0 (or None: no limit), got {memory_limit!r}; "
-                         "for '64MiB' write 64 * 2**20")  # fmt: skip
+    check_memory_limit(memory_limit)
     rates = prices if isinstance(prices, Prices) else calibration.load(prices)
     if rates.world_size is not None and rates.world_size != world_size:
         warnings.warn(

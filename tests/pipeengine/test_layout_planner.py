@@ -191,7 +191,7 @@ def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: 
     with pytest.raises(ValueError, match=r"product must divide world_size=4"):  # was "...this model: " and nothing
         tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, tensor_parallel=3)
     for limit in ("64MiB", 0, -5):
-        with pytest.raises(ValueError, match=r"memory_limit is bytes per rank, a number > 0"):
+        with pytest.raises(ValueError, match=r"memory_limit must be a positive number of bytes per rank"):
             tune(blocks(), mse, x, 2, target=y, memory_limit=limit)  # type: ignore[arg-type]
     record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
     for key, value, said in (("processors", 0, "processors is 0.0"), ("overhead", -1e-3, "overhead is -0.001"),
