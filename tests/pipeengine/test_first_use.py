@@ -158,8 +158,12 @@ def test_ctrl_c_on_an_in_process_launch_stops_every_rank(caller: str, tmp_path: 
 
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
+    # Ctrl-C as at a terminal: SIGINT at its default in the child (Python installs KeyboardInterrupt only then), even
+    # where this test runs with it ignored (a shell's background job, `pytest ... &`, ignores SIGINT; its children
+    # inherit that, and a Ctrl-C never arrives)
     child = subprocess.Popen([sys.executable, str(script), caller], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})  # fmt: skip
+                             text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         assert child.stdout is not None and child.stdout.readline() == "training\n"
         child.send_signal(signal.SIGINT)
