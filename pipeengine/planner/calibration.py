@@ -2,26 +2,28 @@
 
     python -m pipeengine.tune --calibrate --world-size 4     # measure on 4 ranks of this machine; keep the file
 
-``calibrate()`` measures them on the live ranks of the default process group (every rank calls it), in seconds:
-a message between two ranks and each collective FSDP and data parallelism run (all-reduce, all-gather,
-reduce-scatter) at 4 KiB to 16 MiB on every group size that divides the world, each fitted to latency + bytes x
-per_byte; how many ranks compute at full speed at once (CPU ranks share the machine's cores: each times the same
-work alone and all together); and the host cost of one pipeline instruction and the latency of a message between
-stages as the engine takes it up, fitted so that the simulator's steps of tiny layers (replicas, then a chain of
-stages) take what the engine's took. ``save`` keeps them in a file per machine
-(``default_path()``: the host's name, with the date); ``load`` reads it, or gives the built-in constants, measured
-once on the 2-core machine of the benchmarks, and says so (``Prices.source``). The planner
-(pipeengine.planner.search) prices every layout with them.
+``calibrate()`` measures them on the live ranks of the default process group (every rank calls it), in seconds
+(pipeengine.planner.probes): a message between two ranks (fitted to latency + bytes x per_byte) and each
+collective FSDP, data and tensor parallelism run (all-reduce, all-gather, reduce-scatter) at 1 KiB to 16 MiB on
+every group size that divides the world (a Curve through the sizes measured); a training step's frame (the header
+a pipeline's ranks agree on before its program, the loss shared after it) over each group size; posting a message;
+copying a byte of gradients (a sync flattens them); how many ranks compute at full speed at once (CPU ranks share
+the machine's cores: each times the same work alone and all together); and the host cost of one pipeline
+instruction and the latency of a message between stages as the engine takes it up, fitted so that the simulator's
+steps of tiny layers (a pipeline of one rank, then a chain of stages) take what the engine's took. ``save`` keeps
+them in a file per machine (``default_path()``: the host's name, with the date); ``load`` reads it, or gives the
+built-in constants, measured once on the 2-core machine of the benchmarks, and says so (``Prices.source``). The
+planner (pipeengine.planner.search) prices every layout with them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import socket
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -31,16 +33,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["COLLECTIVES", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
+from pipeengine.planner import probes
+
+__all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # priced on the whole tensor's bytes
 # host seconds per compute beyond its kernels, on CPU/gloo: its span 0.13 ms, a post 0.08 ms, 0.05 ms between
 # instructions (a traced 2-rank 1F1B of Linear(8) layers, m=32, on the 2-core machine of the benchmarks)
 OVERHEAD = 3e-4
 LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (benchmarks/vs_torch.py probes)
+# a step's frame over pipelines and replicas of 2 and 4 ranks, posting (per post, per message more), copying a byte:
+# 4 gloo ranks of the 2-core machine of the benchmarks (python -m pipeengine.tune --calibrate --world-size 4)
+FRAME = {"pipeline": {2: 1.5e-3, 4: 3.5e-3}, "replicas": {2: 1.5e-3, 4: 1.0e-3}}
+POST, POST_MESSAGE, COPY = 8e-5, 1.5e-5, 1.6e-10
+FORMAT = 2  # of the calibration file: 1 (no version written) had no frame, posting or copying
 BUILT_IN = "built-in constants (measured on the benchmarks' 2-core machine, not this one: run python -m " \
            "pipeengine.tune --calibrate)"  # fmt: skip
-SIZES = (2**12, 2**16, 2**20, 2**24)  # bytes each collective and message is timed at: up to a model's gradients
+SIZES = (2**12, 2**16, 2**20, 2**24)  # bytes each message is timed at: up to a model's gradients
+# bytes each collective is timed at: a micro-batch's activations (tensor parallelism) to a stage's gradients
+COLLECTIVE_SIZES = (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,49 @@ class Link:
         return cls(max(mean_y - slope * mean_x, 0.0), slope)
 
 
+@dataclass(frozen=True)
+class Curve:
+    """Seconds measured at some sizes (bytes ascending): between two, the line through them; below the smallest, its
+    time; past the largest, the last segment's slope. ``of`` makes the times non-decreasing (noise never makes a
+    larger tensor cheaper): the closest such in least squares, each run of sizes measured out of order pooled to
+    their mean. ``latency`` and ``per_byte`` read as a Link's: the smallest's time, the last slope."""
+
+    points: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[tuple[float, float]]) -> Curve:
+        ordered = sorted((float(b), float(s)) for b, s in samples)
+        pools: list[list[float]] = []  # [sum of times, count], pooled adjacent violators
+        for _, seconds in ordered:
+            pools.append([seconds, 1.0])
+            while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+                total, count = pools.pop()
+                pools[-1][0] += total
+                pools[-1][1] += count
+        times = [total / count for total, count in pools for _ in range(int(count))]
+        return cls(tuple((size, t) for (size, _), t in zip(ordered, times, strict=True)))
+
+    @property
+    def latency(self) -> float:
+        return self.points[0][1]
+
+    @property
+    def per_byte(self) -> float:
+        if len(self.points) < 2:
+            return 0.0
+        (a, t), (b, u) = self.points[-2:]
+        return (u - t) / (b - a)
+
+    def time(self, nbytes: float) -> float:
+        points = self.points
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (a, t), (b, u) in zip(points, points[1:], strict=False):
+            if nbytes <= b:
+                return t + (u - t) * (nbytes - a) / (b - a)
+        return points[-1][1] + self.per_byte * (nbytes - points[-1][0])
+
+
 def _steps(op: str, group: int) -> tuple[float, float]:
     """A ring's (messages, share of the whole tensor each rank sends) for ``op`` over ``group`` ranks."""
     rounds = 2 * (group - 1) if op == "all_reduce" else group - 1
@@ -77,15 +131,33 @@ class Prices:
     output, a reduce-scatter's input). A group size not measured is scaled from the nearest measured one as a ring
     scales; an op never measured is a ring of ``p2p`` messages. ``source`` says where they come from. ``processors``:
     how many ranks of the machine compute at full speed at once (CPU ranks share its cores: 2 for 4 ranks on 2 cores),
-    measured; None: each rank its own (a GPU each, or not measured)."""
+    measured; None: each rank its own (a GPU each, or not measured). ``frame[name][group]``: the seconds a training
+    step spends outside its program ("pipeline": the header its ranks gather first and the loss broadcast last,
+    "replicas": the loss summed over them), ``post`` and ``post_message`` a post's host seconds and each message's
+    more in it, ``copy`` host seconds per byte a gradient sync copies."""
 
     overhead: float = OVERHEAD
     p2p: Link = field(default_factory=lambda: Link(LATENCY, PER_BYTE))
-    collectives: Mapping[str, Mapping[int, Link]] = field(default_factory=dict)
+    collectives: Mapping[str, Mapping[int, Link | Curve]] = field(default_factory=dict)
     source: str = BUILT_IN
     calibrated: bool = False
     processors: float | None = None  # ranks of this machine that compute at full speed at once; None: every rank
     world_size: int | None = None  # the ranks they were measured on (a calibration file's)
+    frame: Mapping[str, Mapping[int, float]] = field(default_factory=lambda: FRAME)
+    post: float = POST
+    post_message: float = POST_MESSAGE
+    copy: float = COPY
+
+    def frame_of(self, data_parallel: int, pipeline: int) -> float:
+        """Seconds a training step of ``pipeline`` ranks a pipeline and ``data_parallel`` replicas spends outside its
+        program (a group size not measured: the nearest measured, scaled by its ranks less one)."""
+        total = 0.0
+        for name, size in (("pipeline", pipeline), ("replicas", data_parallel)):
+            measured = self.frame.get(name, {})
+            if size > 1 and measured:
+                near = min(measured, key=lambda g: (abs(g - size), g))
+                total += measured[near] * (size - 1) / (near - 1)
+        return total
 
     def collective(self, op: str, group: int, nbytes: float) -> float:
         if op not in COLLECTIVES:
@@ -100,30 +172,42 @@ class Prices:
             return rounds * self.p2p.latency + share * self.p2p.per_byte * nbytes
         near = min(fitted, key=lambda g: (abs(g - group), g))
         near_rounds, near_share = _steps(op, near)
-        link = fitted[near]
-        return link.latency * rounds / near_rounds + link.per_byte * nbytes * share / near_share
+        link = fitted[near]  # its latency by the rounds, the rest by the bytes each rank sends
+        return link.latency * rounds / near_rounds + (link.time(nbytes) - link.latency) * share / near_share
 
     def to_json(self) -> dict[str, object]:
-        return {"overhead": self.overhead, "p2p": [self.p2p.latency, self.p2p.per_byte], "processors": self.processors,
-                "collectives": {op: {str(g): [link.latency, link.per_byte] for g, link in groups.items()}
+        return {"format": FORMAT, "overhead": self.overhead, "p2p": [self.p2p.latency, self.p2p.per_byte],
+                "processors": self.processors, "post": [self.post, self.post_message], "copy": self.copy,
+                "frame": {name: {str(g): s for g, s in sizes.items()} for name, sizes in self.frame.items()},
+                "collectives": {op: {str(g): [list(p) for p in link.points] if isinstance(link, Curve) else
+                                     [link.latency, link.per_byte] for g, link in groups.items()}
                                 for op, groups in self.collectives.items()}}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Prices:
         """Prices from a calibration file's record; a ValueError naming the value where one is not a finite
-        number >= 0 (processors > 0)."""
+        number >= 0 (processors > 0), or the file is of an earlier format."""
+        if data.get("format", 1) != FORMAT:
+            raise ValueError(f"it is of format {data.get('format', 1)}, written by an earlier pipeengine (this one "
+                             f"reads {FORMAT}, which also prices a step's frame, posting and copying)")  # fmt: skip
         p2p = data["p2p"]
         collectives = data.get("collectives", {})
         processors = None if data.get("processors") is None else float(data["processors"])
-        found = cls(float(data["overhead"]), Link(*map(float, p2p)),
-                    {op: {int(g): Link(*map(float, v)) for g, v in groups.items()}
-                     for op, groups in collectives.items()},
+        found = cls(float(data["overhead"]), Link(*map(float, p2p)),  # type: ignore[call-arg]
+                    {op: {int(g): Curve.of(v) if v and isinstance(v[0], list) else Link(*map(float, v))
+                          for g, v in groups.items()} for op, groups in collectives.items()},
                     source, True, processors,
-                    None if data.get("world_size") is None else int(data["world_size"]))  # fmt: skip
-        seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte}
+                    None if data.get("world_size") is None else int(data["world_size"]),
+                    {name: {int(g): float(s) for g, s in sizes.items()} for name, sizes in data["frame"].items()},
+                    *map(float, data["post"]), float(data["copy"]))  # fmt: skip
+        seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte,
+                   "post": found.post, "post_message": found.post_message, "copy": found.copy}
+        for name, sizes in found.frame.items():
+            seconds |= {f"{name} frame over {group}": value for group, value in sizes.items()}
         for op, groups in found.collectives.items():
             for group, link in groups.items():
-                seconds[f"{op} over {group} latency"] = link.latency
+                points = link.points if isinstance(link, Curve) else ((0.0, link.latency),)
+                seconds |= {f"{op} over {group} at {b:.0f} bytes": t for b, t in points}
                 seconds[f"{op} over {group} per_byte"] = link.per_byte
         for name, value in seconds.items():
             if not math.isfinite(value) or value < 0:
@@ -169,7 +253,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
         ) from error
 
 
-def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int] = SIZES) -> Prices:
+def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int] = COLLECTIVE_SIZES) -> Prices:
     """Measure this machine's prices on every rank of the default process group (each calls it; at least 2 ranks);
     every rank returns them. ``engine``: PipelineEngine, whose step the host cost is fitted to (given by the caller:
     the planner sits below the engine)."""
@@ -178,23 +262,40 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
         raise ValueError("calibration measures messages and collectives between ranks: launch at least 2")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     samples: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in COLLECTIVES}
-    p2p: list[tuple[float, float]] = []
-    for size in sizes:
-        p2p.append((size, _ping(size // 4, repeats, device)))
-    for group_size in [g for g in range(2, world + 1) if world % g == 0]:
-        group = dist.new_subgroups(group_size)[0] if group_size < world else dist.group.WORLD
+    p2p = Link.fit([(size, probes.ping(size // 4, repeats, device)) for size in SIZES])
+    groups = {g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
+              for g in range(2, world + 1) if world % g == 0}  # fmt: skip
+    for group_size, group in groups.items():
         for op in COLLECTIVES:
             for size in sizes:
                 samples[op].setdefault(group_size, []).append(
-                    (size, _collective(op, size // 4, group, group_size, repeats, device)))  # fmt: skip
-    processors = None if device.type == "cuda" else _processors(repeats)
-    collectives = {op: {g: Link.fit(s) for g, s in groups.items()} for op, groups in samples.items()}
-    overhead, message = _host(engine, p2p, repeats, device, processors)
-    found = Prices(overhead, message, collectives,
-                   f"measured just now on {socket.gethostname()}", True, processors)  # fmt: skip
+                    (size, probes.collective(op, size // 4, group, group_size, repeats if size < 2**22 else 2, device,
+                                             rounds=repeats)))  # fmt: skip
+    partial = Prices(0.0, p2p, {op: {g: Curve.of(s) for g, s in found.items()} for op, found in samples.items()},
+                     f"measured just now on {socket.gethostname()}", True,
+                     None if device.type == "cuda" else probes.processors(repeats), None,
+                     probes.frame(groups, 4 * repeats, device), *probes.posting(2 * repeats, device),
+                     probes.copying(repeats, device))  # fmt: skip
+    overhead, latency = probes.host(engine, _stepper(partial), repeats)
+    found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte))
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]  # type: ignore[return-value]
+
+
+def _stepper(prices: Prices) -> Callable[[Any, float, float], float]:
+    """probes.host's simulated step of its tiny Linear(4, 4) programs at ``prices``, for a host cost per compute and
+    a message latency: every compute that host cost, each message a micro-batch's output (Linear(4, 4) keeps its
+    input's size), posting, the step's frame."""
+    from schedules import Costs, simulate
+
+    def step(program: Any, overhead: float, latency: float) -> float:
+        costs = Costs(forward=overhead, backward=overhead, latency=latency, per_byte=prices.p2p.per_byte,
+                      message_bytes=16, post=prices.post, post_message=prices.post_message,
+                      processors=None if prices.processors is None else min(prices.processors, program.num_ranks))
+        return simulate(program, costs).makespan + prices.frame_of(1, program.num_ranks)
+
+    return step
 
 
 def measure_machine(world_size: int, engine: Callable[..., Any], backend: str = "gloo",
@@ -213,143 +314,3 @@ def _calibrate_and_save(path: str, backend: str, engine: Callable[..., Any]) -> 
     prices = calibrate(engine)
     if dist.get_rank() == 0:
         save(prices, path, backend=backend, world_size=dist.get_world_size())
-
-
-def _synced(seconds: float) -> float:
-    """The slowest rank's time (a collective is done when its last rank is)."""
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
-def _ping(elements: int, repeats: int, device: torch.device) -> float:
-    """Half a round trip of ``elements`` floats between ranks 0 and 1 (the median); the others wait."""
-    rank, buffer, times = dist.get_rank(), torch.zeros(elements, device=device), []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        elif rank == 1:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
-        times.append((time.perf_counter() - start) / 2)
-    return statistics.median(times[1:]) if rank == 0 else 0.0
-
-
-def _collective(op: str, elements: int, group: Any, size: int, repeats: int, device: torch.device) -> float:
-    """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group``: ``repeats`` back to back after
-    one barrier, as a step runs them, the slowest rank's time over their count (once warm). Timed one by one from a
-    barrier each, an op also took the barrier's exit skew, milliseconds when ranks share cores."""
-    whole = torch.ones(elements - elements % size, device=device)
-    shard = torch.empty(whole.numel() // size, device=device)
-
-    def once() -> None:
-        if op == "all_reduce":
-            dist.all_reduce(whole, group=group)
-        elif op == "all_gather":
-            dist.all_gather_into_tensor(whole, shard, group=group)
-        else:
-            dist.reduce_scatter_tensor(shard, whole, group=group)
-
-    once()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        once()
-    if whole.is_cuda:
-        torch.cuda.synchronize()
-    return _synced(time.perf_counter() - start) / repeats
-
-
-def _processors(repeats: int) -> float | None:
-    """How many of the ranks compute at full speed at once: each rank times the same CPU work alone (the others
-    wait in a barrier, which sleeps), then all run it at once. On each machine (the ranks of one share its monotonic
-    clock) the slowdown is (last end - first start) / its ranks' mean time alone (the median of ``repeats``); the
-    answer is world / the largest. None if the ranks do not slow each other (within 10%: a core each)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    a = torch.randn(192, 192)
-
-    def work() -> None:  # about 0.1 s on one core of the 2-core machine: long beside the barrier's exit skew
-        for _ in range(200):
-            torch.mm(a, a)
-
-    alone, together = [], []
-    for _ in range(repeats):
-        for turn in range(world):
-            dist.barrier()
-            if turn == rank:
-                start = time.perf_counter()
-                work()
-                alone.append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        work()
-        together.append((start, time.perf_counter()))
-    found: list[Any] = [None] * world
-    dist.all_gather_object(found, (socket.gethostname(), statistics.median(alone), together))
-    return sharing(found)
-
-
-def sharing(found: Sequence[tuple[str, float, Sequence[tuple[float, float]]]]) -> float | None:
-    """Processors from each rank's (host, time alone, [(start, end) of each run all at once]): on each host the
-    median span of a run over its ranks' mean time alone is its slowdown; world / the largest, or None within 10% of
-    one processor a rank."""
-    slowdowns = []
-    for host in {name for name, _, _ in found}:
-        mine = [(time_alone, marks) for name, time_alone, marks in found if name == host]
-        runs = range(min(len(marks) for _, marks in mine))
-        spans = [max(marks[i][1] for _, marks in mine) - min(marks[i][0] for _, marks in mine) for i in runs]
-        slowdowns.append(statistics.median(spans) / statistics.fmean(time_alone for time_alone, _ in mine))
-    processors = len(found) / max(slowdowns)
-    return None if processors > len(found) / 1.1 else processors
-
-
-def _host(build: Callable[..., Any], p2p: list[tuple[float, float]], repeats: int, device: torch.device,
-          processors: float | None = None) -> tuple[float, Link]:  # fmt: skip
-    """Host seconds per compute and the latency of a message between stages, as the engine runs them, from two of
-    its steps on tiny Linear(4, 4) layers against the simulator's: every rank a replica of one layer (8 micro-batches,
-    then the all-reduce of their gradients, timed alone: no message, the computes' host cost), then GPipe with one
-    micro-batch over a layer a rank (a chain: each compute waits for a message), solved in turn by bisection (each
-    simulated step grows with its unknown). A ping between two ranks alone (``p2p``, whose per-byte price is kept)
-    misses what a rank pays to take a message up in a step."""
-    from torch import nn
-
-    from schedules import Costs, simulate
-
-    world = dist.get_world_size()
-    link = Link.fit(p2p)
-    runs = []
-    for layers, micro, replicas in ((1, 8, world), (world, 1, 1)):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
-        engine = build(model, nn.functional.mse_loss, num_microbatches=micro, schedule="gpipe", data_parallel=replicas)
-        batch, target = torch.randn(micro, 4), torch.randn(micro, 4)
-        times = []
-        for _ in range(repeats + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            engine.train_step(batch, target)
-            times.append(_synced(time.perf_counter() - start))
-        runs.append((engine.schedule, statistics.median(times[2:]), replicas))
-    gradients = sum(p.numel() for p in nn.Linear(4, 4).parameters())  # floats, all-reduced in one buffer
-    reduce = _collective("all_reduce", gradients, dist.group.WORLD, world, repeats, device)
-
-    def step(run: tuple[Any, float, int], overhead: float, latency: float) -> float:
-        program, _, replicas = run  # a message is a micro-batch's output: Linear(4, 4) keeps its input's size
-        costs = Costs(forward=overhead, backward=overhead, latency=latency, per_byte=link.per_byte, message_bytes=16,
-                      all_reduce=reduce if replicas > 1 else 0.0,
-                      processors=None if processors is None else processors / replicas)  # fmt: skip
-        return simulate(program, costs).makespan
-
-    def solve(run: tuple[Any, float, int], price: Callable[[float], float]) -> float:
-        low, high = 0.0, run[1]
-        for _ in range(40):
-            middle = (low + high) / 2
-            low, high = (middle, high) if price(middle) < run[1] else (low, middle)
-        return (low + high) / 2
-
-    alone, chain = runs
-    overhead = solve(alone, lambda o: step(alone, o, 0.0))
-    return overhead, Link(solve(chain, lambda latency: step(chain, overhead, latency)), link.per_byte)

@@ -17,10 +17,12 @@ input needs no gradient, W is the whole backward and keeps the received gradient
 state (weights, gradients, the optimizer's copies) is schedules.state_bytes of the parameters.
 
 Collectives, as the runtime runs them: tensor parallelism's inside each compute (its time adds to F, and to B
-and I, the backward's); the replicas' all-reduce of a stage's gradients (AR; with FSDP its reduce-scatter)
-asynchronous after the stage's last backward, one at a time on a rank; FSDP's all-gather of a stage's
-parameters before its first forward of the step. A checkpointed stage keeps its input and output between F and
-B and runs its forward again in the backward.
+and I, the backward's); the replicas' all-reduce of a stage's gradients (AR) after the stage's last backward,
+its gradients flattened into one buffer on the rank (host time: ``Prices.copy`` a byte), then asynchronous, one at
+a time on a rank, and copied back at the step's end; with FSDP the AR is FSDP2's reduce-scatter of each unit,
+which holds the rank until it is done, and its all-gather of a stage's parameters comes before its first forward
+of the step. Each post of messages takes host time (``Prices.post``). A checkpointed stage keeps its input and
+output between F and B and runs its forward again in the backward.
 
 Ranks that share a machine's processors (CPU ranks, more than its cores: ``Prices.processors``, measured) compute
 slower together than alone: the simulator shares them among the computes running at each moment
@@ -44,7 +46,8 @@ from schedules import Costs, Memory, state_bytes
 
 __all__ = ["FREE", "LayerCosts", "LayerProfile"]
 
-FREE = Prices(0.0, Link(0.0, 0.0), {}, "free: no host cost, no message or collective time")
+FREE = Prices(0.0, Link(0.0, 0.0), {}, "free: no host cost, no message or collective time", frame={}, post=0.0,
+              post_message=0.0, copy=0.0)
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -133,12 +136,17 @@ class LayerProfile:
             memory = _checkpointed(memory, checkpointed, bounds, self.output)
         # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
         again = [f if c else 0.0 for f, c in zip(forward, checkpointed, strict=True)]
+        synced = data_parallel > 1
         if fsdp:  # the gradients reduce-scattered over the replicas, the parameters all-gathered once a step: one
-            # of each per FSDP unit (pipeengine.parallel.fsdp.shard_stage: each layer with parameters)
+            # of each per FSDP unit (pipeengine.parallel.fsdp.shard_stage: each layer with parameters), each copying
+            # the whole tensors in or out of its flat buffer on the host
             reduce = [self._per_unit("reduce_scatter", a, b, prices, data_parallel) for a, b in bounds]
-            gather = [self._per_unit("all_gather", a, b, prices, data_parallel) for a, b in bounds]
-        else:
-            reduce, gather = [prices.collective("all_reduce", data_parallel, p) for p in params], [0.0] * len(bounds)
+            gather = [self._per_unit("all_gather", a, b, prices, data_parallel) + prices.copy * p
+                      for (a, b), p in zip(bounds, params, strict=True)]  # fmt: skip
+            sync_host = [prices.copy * p * (1 + 1 / data_parallel) for p in params]
+        else:  # flattened at the AR, copied back (and divided) once it is done, at the step's end
+            reduce = [prices.collective("all_reduce", data_parallel, p) + 2 * prices.copy * p * synced for p in params]
+            gather, sync_host = [0.0] * len(bounds), [prices.copy * p * synced for p in params]
         return Costs(
             forward=[f + prices.overhead for f in forward],
             backward=[b + a + prices.overhead for b, a in zip(backward, again, strict=True)],
@@ -146,7 +154,8 @@ class LayerProfile:
             backward_weight=[w + prices.overhead for w in weight],
             latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
             all_reduce=reduce, gather=gather, processors=self._processors(prices, data_parallel),
-            forward_wait=forward_wait, backward_wait=backward_wait,
+            forward_wait=forward_wait, backward_wait=backward_wait, post=prices.post, post_message=prices.post_message,
+            sync_host=sync_host, sync_blocking=fsdp,
         )  # fmt: skip
 
     def _processors(self, prices: Prices, data_parallel: int) -> float | None:

@@ -4,6 +4,11 @@ The partitioner (pipeengine.planner.partition: LayerCosts, ``measure``) and the 
 both read it, through the cost model (pipeengine.planner.costmodel), so both count time and bytes alike.
 Parameters are timed and counted on copies, the random state forked: the model is left as it was.
 
+On the CPU each timed run starts with the processor's caches flushed (a buffer the size of its last-level cache
+written over): a rank meets its stage's weights cold, since between two of its computes other layers, other
+micro-batches, communication and the ranks sharing the machine run (the same layer timed back to back, its weights
+still cached, ran 20-50% faster than in a pipeline's step on the 2-core machine of the benchmarks).
+
 Under tensor parallelism each layer is measured as one tensor-parallel rank runs it: a copy parallelized by the
 plan (torch's parallelize_module) on a process group of torch's fake backend, whose collectives do nothing, so
 the times are the shard's computes alone and every collective the layer runs, forward and backward, is recorded
@@ -153,6 +158,7 @@ def _profile(
     }  # fmt: skip
     allocations: list[transients.Allocation] = []
     collectives, probes = [], list[list[int]]()
+    flush = _flusher(device) if repeats else (lambda: None)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index, layer in enumerate(model):
             probe = copy.deepcopy(layer).to(device)
@@ -162,7 +168,7 @@ def _profile(
                 collectives.append(_collectives(probe, value, index == 0))
             probe = _compiled(probe, layer, compile)
             first = index == 0  # the user's batch: no gradient wanted for it
-            timings = [_time(probe, value, first, device) for _ in range(repeats + 1)][1:] if repeats else []
+            timings = [_time(probe, value, first, device, flush) for _ in range(repeats + 1)][1:] if repeats else []
             for index_, key in enumerate(("forward", "backward", "backward_input", "backward_weight")):
                 columns[key].append(statistics.median(t[index_] for t in timings) if timings else 0.0)
             sizes = _bytes(probe, value, first)
@@ -195,16 +201,20 @@ def _leaves(value: torch.Tensor | Tensors, first: bool) -> Tensors:
     return unpack(map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point() and not first)))
 
 
-def _time(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: torch.device) -> tuple[float, ...]:
+def _time(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: torch.device,
+          flush: Callable[[], None]) -> tuple[float, ...]:  # fmt: skip
     """Forward, full backward, input-gradient (I) and weight-gradient (W) seconds of one layer on one input,
-    each through the engine's own code (pipeengine.runtime.backward for I and W, as a zero-bubble stage runs them)."""
+    each through the engine's own code (pipeengine.runtime.backward for I and W, as a zero-bubble stage runs them),
+    each after ``flush()`` (the CPU's caches emptied)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = [p for p in layer.parameters() if p.requires_grad]
 
-    def forward() -> tuple[Tensors, list[torch.Tensor], float]:
+    def forward(timed: bool = True) -> tuple[Tensors, list[torch.Tensor], float]:
         inputs = _leaves(value, first)
         with torch.enable_grad():
             sync()
+            if timed:
+                flush()
             start = time.perf_counter()
             outputs = [settled(o) for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0]))
                        if o.requires_grad]
@@ -213,22 +223,52 @@ def _time(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: 
 
     inputs, outputs, forward_time = forward()
     grads = tuple(torch.ones_like(o) for o in outputs)
+    flush()
     start = time.perf_counter()
     if outputs:
         torch.autograd.backward(outputs, grads)
     sync()
     backward_time = time.perf_counter() - start
-    inputs, outputs, _ = forward()
+    inputs, outputs, _ = forward(timed=False)
+    flush()
     start = time.perf_counter()
     weight_pass = backward_input(tuple(outputs), grads, inputs, params)[1] if outputs else None
     sync()
-    middle = time.perf_counter()
+    input_time = time.perf_counter() - start
+    flush()
+    start = time.perf_counter()
     if weight_pass is not None:
         weight_pass.run()
     sync()
-    end = time.perf_counter()
+    weight_time = time.perf_counter() - start
     layer.zero_grad(set_to_none=True)
-    return forward_time, backward_time, middle - start, end - middle
+    return forward_time, backward_time, input_time, weight_time
+
+
+def _flusher(device: torch.device) -> Callable[[], None]:
+    """On the CPU, what writes over a buffer the size of the processor's last-level cache (what runs next reads
+    from memory); elsewhere nothing."""
+    if device.type != "cpu":
+        return lambda: None
+    buffer = torch.zeros(_last_level_cache() // 4)
+
+    def flush() -> None:
+        buffer.add_(1.0)
+
+    return flush
+
+
+def _last_level_cache() -> int:
+    """Bytes of this processor's largest cache (Linux's sysfs), else 32 MiB."""
+    from pathlib import Path
+
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes, default=32 * 2**20)
 
 
 def _bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) -> dict[str, int | bool]:

@@ -319,7 +319,8 @@ def _price(
                                 placement=program.placement, data_parallel=dp, fsdp=fsdp,
                                 checkpoint=checkpoint)  # fmt: skip
     timeline = simulate(program, costs)
-    return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), timeline.makespan,
+    step = timeline.makespan + prices.frame_of(dp, program.num_ranks)  # with what the step runs around its program
+    return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), step,
                      timeline.bubble_fraction, tuple(timeline.required_memory), dp, fsdp, tp, checkpoint,
                      tp_plan if tp > 1 else None)  # type: ignore[arg-type]  # fmt: skip
 

@@ -6,9 +6,9 @@ shares the cores out evenly among the runnable threads). A compute's price is it
 that much work takes at the rates it is given. The replay is event by event in time order: a compute starts when its
 rank is free and its input has arrived (as in schedules.sim.simulation.run) and ends when its work is done; the rates
 change whenever one starts or ends. Of a compute's price, the seconds it waits on other ranks (a tensor-parallel
-collective inside it, FSDP's gather before a first forward: ``waits``) take no processor: the compute holds its rank
-that long after its work, beside the running ones. Communication is posted when the rank reaches it and costs no
-processor.
+collective inside it, FSDP's gather before a first forward: its entry's hold) take no processor: the compute holds its
+rank that long after its work, beside the running ones. Communication is posted when the rank reaches it: its host
+time (schedules.sim.entries) is work like a compute's, and a blocking collective then holds the rank until done.
 """
 
 from __future__ import annotations
@@ -16,18 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from schedules.ir.instructions import Kind
-from schedules.sim.perstage import expand
-
-__all__ = ["shared", "waits_of"]
+__all__ = ["shared"]
 
 _EPSILON = 1e-12
-_F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
 
 
 def shared(
     programs: Sequence[Sequence[Any]],
-    waits: Sequence[Sequence[float]],
     processors: float,
     ready: Callable[[Any, float], float | None],
     done: Callable[[Any, float], None],
@@ -36,11 +31,11 @@ def shared(
 ) -> list[list[tuple[float, float]]]:
     """(start, end) of every action of every rank, in program order, the computes sharing ``processors``.
 
-    ``programs``: each rank's entries (schedules.sim.simulation's; entry[0] None: communication, entry[2]: a
-    compute's price). ``waits``: per rank and entry, the seconds of its price that wait on other ranks (0 for
-    communication). ``ready(entry, free)``: when a compute can start on a rank free since ``free``, or None while
-    its input's time is unknown; ``done(entry, end)``: a compute ended; ``post(entry, at)``: communication posted;
-    ``stuck(waits)``: the error to raise when no rank can go on ((rank, pc) of each waiting)."""
+    ``programs``: each rank's entries (schedules.sim.entries: entry[0] None: communication, entry[2]: a compute's
+    price, entry[7]: host seconds, entry[8]: what of it waits on other ranks). ``ready(entry, free)``: when a
+    compute can start on a rank free since ``free``, or None while its input's time is unknown; ``done(entry, end)``:
+    a compute ended; ``post(entry, at)``: communication posted; ``stuck(waits)``: the error to raise when no rank can
+    go on ((rank, pc) of each waiting)."""
     ranks, infinity = len(programs), float("inf")
     times: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]
     pcs, free, began = [0] * ranks, [0.0] * ranks, [0.0] * ranks
@@ -56,7 +51,7 @@ def shared(
             for rank in range(ranks):
                 if mark[rank] is None and hold[rank] is None and start[rank] is None:
                     program, pc = programs[rank], pcs[rank]
-                    while pc < len(program) and program[pc][0] is None:
+                    while pc < len(program) and program[pc][0] is None and not program[pc][7] and not program[pc][8]:
                         post(program[pc], free[rank])
                         times[rank].append((free[rank], free[rank]))
                         pc += 1
@@ -64,7 +59,8 @@ def shared(
             for rank in range(ranks):
                 idle = mark[rank] is None and hold[rank] is None and start[rank] is None
                 if idle and pcs[rank] < len(programs[rank]):
-                    at = ready(programs[rank][pcs[rank]], free[rank])
+                    entry = programs[rank][pcs[rank]]
+                    at = free[rank] if entry[0] is None else ready(entry, free[rank])
                     if at is not None:
                         start[rank] = at if at > now else now
             changed = False
@@ -91,13 +87,14 @@ def shared(
             end, held = mark[rank], hold[rank]
             if end is not None and end <= work + _EPSILON * (1.0 + work):  # its work is done
                 mark[rank], running = None, running - 1
-                wait = waits[rank][pcs[rank]]
+                wait = programs[rank][pcs[rank]][8]
                 if wait > 0:
                     hold[rank] = now + wait
                     continue
             elif held is None or held > now:
                 continue
-            done(programs[rank][pcs[rank]], now)
+            entry = programs[rank][pcs[rank]]
+            (post if entry[0] is None else done)(entry, now)
             times[rank].append((began[rank], now))
             pcs[rank] += 1
             free[rank], hold[rank] = now, None
@@ -105,26 +102,7 @@ def shared(
         for rank in range(ranks):
             at = start[rank]
             if at is not None and at <= now:
-                mark[rank] = work + programs[rank][pcs[rank]][2] - waits[rank][pcs[rank]]
+                entry = programs[rank][pcs[rank]]
+                mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
                 began[rank], start[rank] = now, None
                 running += 1
-
-
-def waits_of(skeletons: Sequence[Sequence[Any]], costs: Any, gather: Sequence[float]) -> list[list[float]]:
-    """Per rank and action, the seconds of a compute's price that wait on other ranks: its stage's forward_wait (and
-    gather, on its first F) or backward_wait (B and I); none for W and communication."""
-    stages = len(gather)
-    forward = expand("Costs.forward_wait", costs.forward_wait, stages)
-    backward = expand("Costs.backward_wait", costs.backward_wait, stages)
-    found = []
-    for skeleton in skeletons:
-        mine = []
-        for kind, stage, _, _, _, _, first in skeleton:
-            if kind is _F:
-                mine.append(forward[stage] + (gather[stage] if first else 0.0))
-            elif kind is None or kind is _W:
-                mine.append(0.0)
-            else:
-                mine.append(backward[stage])
-        found.append(mine)
-    return found

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from schedules.ir.dataflow import Dataflow
 from schedules.ir.gcpause import gc_paused
-from schedules.ir.instructions import Instruction, Kind, Post, ops_of
+from schedules.ir.instructions import Instruction, Kind
 from schedules.ir.schedule import Schedule
-from schedules.sim.memo import ByIdentity
+from schedules.sim.entries import Entry, priced, skeletons
 from schedules.sim.memory_model import Memory, track
 from schedules.sim.perstage import PerStage, expand
-from schedules.sim.sharing import shared, waits_of
+from schedules.sim.sharing import shared
 from schedules.sim.timeline import Span, Timeline
 
 __all__ = ["Costs", "replay", "simulate"]
@@ -34,6 +34,10 @@ class Costs:
     can compute at full speed at once (CPU ranks sharing a machine's cores; schedules.sim.sharing); None: each rank
     its own. ``forward_wait`` (``backward_wait``): of stage s's forward (its B and I), the seconds it waits on other
     ranks (tensor parallelism's collectives inside it), which take no processor where ranks share them.
+    ``post``: seconds of rank time each post of communication takes (making its buffers, issuing it), plus
+    ``post_message`` for each message it posts. ``sync_host``: seconds of rank time at stage s's AR before its
+    collective runs (flattening the gradients). ``sync_blocking``: each AR holds its rank until its collective is
+    done (FSDP's reduce-scatter) instead of running beside what follows.
     """
 
     forward: PerStage = 1.0
@@ -49,6 +53,10 @@ class Costs:
     processors: float | None = None
     forward_wait: PerStage = 0.0
     backward_wait: PerStage = 0.0
+    post: float = 0.0
+    post_message: float = 0.0
+    sync_host: PerStage = 0.0
+    sync_blocking: bool = False
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Costs:
@@ -176,19 +184,16 @@ def run(
     made: list[float | None] = [None] * flow.num_keys  # message -> when its producer ended
     sent: list[float | None] = [None] * flow.num_keys  # message -> when its send was posted
     received: list[float | None] = [None] * flow.num_keys  # message -> when its recv was posted
-    skeletons, has_recv = _skeletons(schedule, flow)  # lowered schedules wait for their recvs, compute-only do not
-    reduce, gather = expand("Costs.all_reduce", costs.all_reduce, S), expand("Costs.gather", costs.gather, S)
-    programs = [
-        _priced(skeleton, table, None if durations is None else iter(durations[rank]), reduce, gather)
-        for rank, skeleton in enumerate(skeletons)
-    ]
+    shapes, has_recv = skeletons(schedule, flow)  # lowered schedules wait for their recvs, compute-only do not
+    charges = _charges(costs, S)
+    programs = [priced(skeleton, table, None if durations is None else iter(durations[rank]), charges)
+                for rank, skeleton in enumerate(shapes)]  # fmt: skip
     ready, done, post, stuck = _rules(schedule, (forward_end, input_end, made, sent, received), has_recv, message)
     if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
-        held = [[0.0] * len(x) for x in programs] if durations is not None else waits_of(skeletons, costs, gather)
-        shared_times = shared(programs, held, costs.processors, ready, done, post, stuck)
-        return _collectives(programs, shared_times, sent, received, message, M)
+        return _collectives(programs, shared(programs, costs.processors, ready, done, post, stuck), sent, received,
+                            message, M)  # fmt: skip
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    pcs, clocks = [0] * p, [0.0] * p
+    pcs, clocks, channels = [0] * p, [0.0] * p, [0.0] * p
     remaining = sum(len(program) for program in programs)
     while remaining:
         progress = False
@@ -197,8 +202,12 @@ def run(
             while pc < len(program):
                 entry = program[pc]
                 if entry[0] is None:  # communication: post and go on; completion is filled in below
+                    began = clock
+                    clock += entry[7]  # the host time it takes to post
+                    if entry[8]:  # a blocking collective: the rank waits for it, one at a time with its others
+                        clock = channels[rank] = max(clock, channels[rank]) + entry[8]
                     post(entry, clock)
-                    out.append((clock, clock))
+                    out.append((began, clock))
                     pc += 1
                     continue
                 start = ready(entry, clock)
@@ -217,6 +226,20 @@ def run(
     return _collectives(programs, times, sent, received, message, M)
 
 
+def _charges(costs: Costs, stages: int) -> tuple[list[float], list[float], dict[Kind, list[float]], float, float,
+                                                  list[float], bool]:  # fmt: skip
+    """What entries.priced charges beyond the compute table (its Prices), checked and expanded per stage."""
+    forward = expand("Costs.forward_wait", costs.forward_wait, stages)
+    backward = expand("Costs.backward_wait", costs.backward_wait, stages)
+    waits = {_F: forward, Kind.BACKWARD: backward, Kind.BACKWARD_INPUT: backward, _W: [0.0] * stages}
+    for name, value in (("Costs.post", costs.post), ("Costs.post_message", costs.post_message)):
+        if value < 0:
+            raise ValueError(f"{name} must not be negative, got {value}")
+    return (expand("Costs.all_reduce", costs.all_reduce, stages), expand("Costs.gather", costs.gather, stages), waits,
+            float(costs.post), float(costs.post_message), expand("Costs.sync_host", costs.sync_host, stages),
+            bool(costs.sync_blocking))  # fmt: skip
+
+
 def _rules(
     schedule: Schedule,
     ends: tuple[list[float | None], list[float | None], list[float | None], list[float | None], list[float | None]],
@@ -231,7 +254,7 @@ def _rules(
     M = schedule.num_microbatches
 
     def ready(entry: Entry, free: float) -> float | None:
-        kind, index, _, needs, crosses, _, _ = entry
+        kind, index, _, needs, crosses = entry[:5]
         start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
         if start is None or needs < 0:
             return None if start is None else max(start, free)
@@ -245,7 +268,7 @@ def _rules(
         return None if at is None else max(at, start, free)
 
     def done(entry: Entry, end: float) -> None:
-        kind, index, _, _, _, makes, _ = entry
+        kind, index, makes = entry[0], entry[1], entry[5]
         if kind is _F:
             forward_end[index] = end
         elif kind is not _W:
@@ -273,90 +296,28 @@ def _collectives(
     received: list[float | None], message: list[float], M: int,
 ) -> list[list[tuple[float, float]]]:  # fmt: skip
     """Each communication's end: a message when it has arrived, a rank's collectives one at a time in program order
-    from their post (asynchronous: no rank waits on them)."""
+    from their post (asynchronous: no rank waits on them; a blocking one ended where the replay put it)."""
     for program, out in zip(programs, times, strict=True):
         channel = 0.0  # a rank's collectives run one at a time, in program order
         for index, entry in enumerate(program):
-            if entry[0] is None and entry[2] > 0:  # a collective with a price
-                start = max(out[index][0], channel)
-                channel = start + entry[2]
-                out[index] = (out[index][0], channel)
-            elif entry[0] is None:
-                end = posted_at = out[index][0]
+            if entry[0] is not None:
+                continue
+            began, posted_at = out[index]
+            if entry[8]:  # blocking: done when the rank went on
+                channel = max(channel, posted_at)
+            elif entry[2] > 0:  # an asynchronous collective with a price
+                channel = max(posted_at, channel) + entry[2]
+                out[index] = (began, channel)
+            else:
+                end = posted_at
                 for key, _ in entry[6]:
                     posted, wanted = sent[key], received[key]
                     if posted is not None and wanted is not None:
                         end = max(end, max(posted, wanted) + message[(key >> 1) // M])
-                out[index] = (posted_at, end)
+                out[index] = (began, end)
     return times
 
 
 _F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
-# per action, for the hot loop: a compute (kind, stage*M + mb, cost, message it needs or -1, whether that
-# crosses ranks, message it makes or -1, ()), communication (None, 0, 0.0, -1, False, -1, ((key, is_send), ...)),
-# or a collective (None, stage, its price, -1, False, -1, ())
-Entry = tuple[Kind | None, int, float, int, bool, int, tuple[tuple[int, bool], ...]]
 
 
-# per action, whatever the prices: a compute (kind, stage, stage*M + mb, message it needs or -1, whether that crosses
-# ranks, message it makes or -1, whether it is its stage's first F on the rank), communication (None, 0, 0, -1, False,
-# -1, ((key, is_send), ...)), or a collective (None, stage, 1 for an AR else 0, -1, False, -1, ())
-_Skeleton = tuple[Kind | None, int, int, int, bool, int, bool | tuple[tuple[int, bool], ...]]
-_SKELETONS: ByIdentity[tuple[list[list[_Skeleton]], list[bool]]] = ByIdentity()
-
-
-def _skeletons(schedule: Schedule, flow: Dataflow) -> tuple[list[list[_Skeleton]], list[bool]]:
-    """Each rank's stream flattened for the hot loop, and which messages are received (by a recv): made once per
-    schedule, which a search prices many times."""
-    return _SKELETONS.get(schedule, lambda: _flattened(schedule, flow))
-
-
-def _flattened(schedule: Schedule, flow: Dataflow) -> tuple[list[list[_Skeleton]], list[bool]]:
-    M = flow.num_microbatches
-    has_recv = [False] * flow.num_keys
-    skeletons = []
-    for stream in schedule.instructions:
-        skeleton: list[_Skeleton] = []
-        gathered: set[int] = set()
-        for action in stream:
-            if isinstance(action, Instruction) and action.kind.is_collective:  # asynchronous: posted, not waited on
-                skeleton.append((None, action.stage, int(action.kind is Kind.ALL_REDUCE), -1, False, -1, ()))
-            elif isinstance(action, Post) or not action.kind.is_compute:
-                keys = tuple((flow.carried_key(op), op.kind.is_send) for op in ops_of(action))
-                for key, is_send in keys:
-                    if not is_send:
-                        has_recv[key] = True
-                skeleton.append((None, 0, 0, -1, False, -1, keys))
-            else:
-                first = action.kind is Kind.FORWARD and action.stage not in gathered
-                if first:
-                    gathered.add(action.stage)
-                needs = flow.consumed_key(action)
-                skeleton.append((action.kind, action.stage, action.stage * M + action.microbatch, needs,
-                                 needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), first))  # fmt: skip
-        skeletons.append(skeleton)
-    return skeletons, has_recv
-
-
-def _priced(
-    skeleton: list[_Skeleton],
-    table: dict[Kind, list[float]],
-    durations: Iterator[float] | None,
-    reduce: Sequence[float] = (),
-    gather: Sequence[float] = (),
-) -> list[Entry]:
-    """A rank's skeleton with its prices, for the hot loop. A gradient sync (AR) carries its price (a TR is free);
-    a stage's first forward on the rank carries its gather."""
-    program: list[Entry] = []
-    for kind, stage, index, needs, crosses, makes, extra in skeleton:
-        if kind is None:
-            if index:  # an AR
-                program.append((None, stage, reduce[stage] if reduce else 0.0, -1, False, -1, ()))
-            else:
-                program.append((None, stage, 0.0, -1, False, -1, extra))  # type: ignore[arg-type]
-            continue
-        cost = table[kind][stage] if durations is None else next(durations)
-        if extra and gather:
-            cost += gather[stage]
-        program.append((kind, index, cost, needs, crosses, makes, ()))
-    return program

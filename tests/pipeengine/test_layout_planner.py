@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.planner import calibration
+from pipeengine.planner import calibration, probes
 from pipeengine.planner.calibration import Link, Prices
 from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import tune
@@ -92,7 +92,8 @@ def train_each(rows: list[dict[str, object]], prices: str) -> None:
 
 
 PRICES = Prices(0.0, Link(0.0, 0.0), {"all_reduce": {2: Link(1.0, 1e-3)}, "all_gather": {2: Link(0.5, 0.0)},
-                                      "reduce_scatter": {2: Link(0.25, 0.0)}}, "injected")  # fmt: skip
+                                      "reduce_scatter": {2: Link(0.25, 0.0)}}, "injected", frame={}, post=0.0,
+                post_message=0.0, copy=0.0)  # fmt: skip
 
 
 def test_the_replicas_collectives_sit_on_the_timeline_where_the_runtime_runs_them() -> None:
@@ -149,6 +150,21 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
     # an unmeasured group size scales as a ring from the nearest measured one; an unmeasured op is a ring of p2p
     assert PRICES.collective("all_reduce", 4, 1000.0) == pytest.approx(1.0 * 6 / 2 + 1e-3 * 1000 * 0.75 / 0.5)
     assert Prices().collective("all_gather", 4, 1e6) == pytest.approx(3 * 1e-4 + 0.75 * 1e-9 * 1e6)
+
+
+def test_each_timed_run_of_a_layer_starts_with_the_caches_flushed() -> None:
+    """On the CPU a layer's F, B, I and W are each timed right after the caches are written over (a rank meets its
+    stage's weights cold in a step), with a buffer the size of the processor's largest cache."""
+    from pipeengine.planner import measure
+
+    order: list[str] = []
+    layer = nn.Linear(4, 4)
+    layer.register_forward_pre_hook(lambda *_: order.append("F"))
+    layer.register_full_backward_pre_hook(lambda *_: order.append("B"))
+    measure._time(layer, torch.randn(2, 4), False, torch.device("cpu"), lambda: order.append("flush"))
+    # F, B, then F again untimed (I and W need its graph), I, W: each timed one after a flush
+    assert order == ["flush", "F", "flush", "B", "F", "flush", "B", "flush"]
+    assert measure._last_level_cache() >= 2**20
 
 
 def test_shards_measured_in_a_fresh_process_share_one_inside_one_process() -> None:
@@ -216,14 +232,72 @@ def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: 
              allocator=False, prices=tmp_path / "four.json")  # fmt: skip
 
 
+def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Injected prices: a step's frame by the layout's pipeline and replica sizes (unmeasured sizes scaled by their
+    ranks less one); each post's host time; a sync's copies (an AR flattens before, copies back and divides after;
+    FSDP copies in and out, holds its rank through its reduce-scatters and copies its gathered parameters)."""
+    frame = {"pipeline": {2: 1.0, 4: 3.0}, "replicas": {2: 0.5}}
+    priced = dataclasses.replace(PRICES, frame=frame, post=0.25, post_message=0.125, copy=1e-3)
+    assert priced.frame_of(1, 1) == 0 and priced.frame_of(2, 4) == 3.5 and priced.frame_of(4, 2) == 1 + 0.5 * 3
+    assert priced.frame_of(1, 8) == pytest.approx(3.0 * 7 / 3)
+    profile = profile_layers(blocks(2, 16), torch.randn(BATCH, 16), 4, repeats=1, device=torch.device("cpu"))
+    params = [float(sum(profile.parameter_bytes))]
+    costs = profile.stage_costs([(0, 2)], prices=priced, data_parallel=2)
+    assert (costs.post, costs.post_message, costs.sync_blocking) == (0.25, 0.125, False)
+    assert costs.sync_host == [pytest.approx(1e-3 * params[0])]
+    assert costs.all_reduce == [pytest.approx(PRICES.collective("all_reduce", 2, params[0]) + 2e-3 * params[0])]
+    assert profile.stage_costs([(0, 2)], prices=priced).sync_host == [0.0]  # no replicas: no sync
+    sharded = profile.stage_costs([(0, 2)], prices=priced, data_parallel=2, fsdp=True)
+    assert sharded.sync_blocking and sharded.sync_host == [pytest.approx(1e-3 * params[0] * 1.5)]
+    assert sharded.gather == [pytest.approx(2 * 0.5 + 1e-3 * params[0])]
+    # the search's step is the simulated program's makespan and the frame around it: the same layers (measured once)
+    # priced without a frame and with one over a pipeline of 2 take 7 s more each
+    x, y = data()
+    import pipeengine.planner.search as search
+
+    measured = {}
+    monkeypatch.setattr(search, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
+        (rows, kw["tensor_parallel"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
+    record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
+    steps = []
+    for pipeline in ({}, {"2": 7.0}):
+        (tmp_path / "priced.json").write_text(json.dumps({**record, "frame": {"pipeline": pipeline}}))
+        result = tune(blocks(2), mse, x, 2, target=y, prices=tmp_path / "priced.json", schedules=["1f1b"],
+                      microbatches=[2], data_parallel=1, methods=("uniform",), checkpoint=["never"], repeats=1,
+                      allocator=False)  # fmt: skip
+        steps.append([c.step_time for c in result.rows])
+    assert len(steps[0]) == 1 and steps[1] == [pytest.approx(t + 7.0) for t in steps[0]]
+    # a file from an earlier pipeengine (no frame, posting or copying: format 1) is refused, saying so
+    old = {k: v for k, v in record.items() if k not in ("format", "frame", "post", "copy")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"old.json cannot be read .*format 1, written by an earlier pipeengine"):
+        calibration.load(tmp_path / "old.json")
+
+
+def test_a_collective_is_priced_along_the_sizes_it_was_measured_at(tmp_path: Path) -> None:
+    """A Curve: between two measured sizes the line through them, below the smallest its time, past the largest the
+    last slope; noise that makes a larger size cheaper is pooled to the mean of the sizes out of order; kept in the
+    calibration file as its points."""
+    curve = calibration.Curve.of([(4096, 2.0), (1024, 1.0), (16384, 1.5), (65536, 5.0)])  # 4096 and 16384 disagree
+    assert curve.points == ((1024, 1.0), (4096, 1.75), (16384, 1.75), (65536, 5.0))
+    assert (curve.time(0), curve.time(2560), curve.time(40960)) == (1.0, 1.375, 3.375)
+    assert curve.time(65536 + 49152) == pytest.approx(5.0 + 3.25) and curve.latency == 1.0
+    prices = dataclasses.replace(PRICES, collectives={"all_reduce": {2: curve}})
+    assert prices.collective("all_reduce", 2, 2560) == 1.375
+    assert prices.collective("all_reduce", 4, 1024) == pytest.approx(1.0 * 6 / 2)  # a ring's rounds, from 2 ranks
+    kept = calibration.load(calibration.save(prices, tmp_path / "curve.json"))
+    assert kept.collectives["all_reduce"][2] == curve
+
+
 def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -> None:
     """calibration's processors from each rank's (host, seconds alone, (start, end) of each run all at once)."""
     one = [("a", 1.0, [(0.0, 2.0), (0.0, 2.0)])] * 4  # 4 ranks, each 1 s alone, all done 2 s after the first began
-    assert calibration.sharing(one) == pytest.approx(2.0)
+    assert probes.sharing(one) == pytest.approx(2.0)
     # two machines whose clocks differ by an hour, each its own span: b's 4 ranks slow each other 4x -> 8 / 4
     two = [("a", 1.0, [(0.0, 2.0)])] * 4 + [("b", 1.0, [(3600.0, 3604.0)])] * 4
-    assert calibration.sharing(two) == pytest.approx(2.0)
-    assert calibration.sharing([("a", 1.0, [(0.0, 1.05)])] * 2) is None  # a core each
+    assert probes.sharing(two) == pytest.approx(2.0)
+    assert probes.sharing([("a", 1.0, [(0.0, 1.05)])] * 2) is None  # a core each
 
 
 def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,6 +311,10 @@ def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, mon
     # two ranks on this machine's cores: each at full speed (None), or slowing each other (fewer than 2 processors)
     assert prices.processors is None or 0.5 < prices.processors < 2
     assert record["processors"] == prices.processors
+    # a step's frame over a pipeline and over replicas of the 2 ranks, posting and copying: measured, kept, read
+    assert set(prices.frame) == {"pipeline", "replicas"} and all(set(g) == {2} for g in prices.frame.values())
+    assert min(prices.frame["pipeline"][2], prices.frame["replicas"][2], prices.post, prices.copy) > 0
+    assert prices.post_message >= 0 and record["post"] == [prices.post, prices.post_message]
     shared = calibration.save(dataclasses.replace(prices, processors=1.25), tmp_path / "shared.json")
     assert calibration.load(shared).processors == 1.25
     x, y = data()

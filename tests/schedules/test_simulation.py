@@ -6,15 +6,19 @@ import pytest
 
 from schedules import (
     Costs,
+    Instruction,
+    Kind,
     Schedule,
     ScheduleError,
     Span,
     Timeline,
     build_schedule,
     compile_schedule,
+    ops_of,
     parse,
     replay,
     simulate,
+    with_gradient_sync,
 )
 
 
@@ -168,6 +172,31 @@ def test_what_a_compute_waits_on_other_ranks_takes_no_processor() -> None:
     assert [(s.start, s.end) for s in unshared.compute_spans(0)][:2] == [(0, 2), (2, 4)]
 
 
+def test_posting_takes_its_host_time_on_the_rank_by_hand() -> None:
+    # gpipe p=2, m=1, F = B = 1, a post 0.5 and 0.25 a message in it: 1RF0 [0, 0.75]; 0F0 [0, 1], 0SF0+0RB0 [1, 2]
+    # (two messages), so 1F0 [2, 3], 1B0 [3, 4], 1SB0 [4, 4.75], and 0B0 [4.75, 5.75]; free posts take 4
+    schedule = build_schedule("gpipe", 2, 1)
+    assert simulate(schedule, Costs(forward=1, backward=1)).makespan == 4
+    for processors in (None, 2 - 1e-9):  # both replays
+        timeline = simulate(schedule, Costs(forward=1, backward=1, post=0.5, post_message=0.25, processors=processors))
+        spans = {str(s.action): (s.start, s.end) for s in timeline.spans if s.is_compute}
+        expected = {"0F0": (0, 1), "1F0": (2, 3), "1B0": (3, 4), "0B0": (4.75, 5.75)}
+        assert spans == {name: pytest.approx(times) for name, times in expected.items()}
+
+
+def test_a_gradient_sync_takes_its_host_time_then_runs_beside_or_holds_the_rank_by_hand() -> None:
+    # gpipe p=2, m=1 with its ARs, F = B = 1, an AR 2 after 0.5 of host time. Beside: 1AR0's host [2 + 1, 3.5] (1B0
+    # ends at 3), so 1SB0 is posted at 3.5 and 0B0 runs [3.5, 4.5]; 0AR0's host [4.5, 5], its collective [5, 7].
+    # Blocking: 1AR0 holds rank 1 to 5.5, 0B0 [5.5, 6.5], 0AR0 [6.5, 9]
+    schedule = with_gradient_sync(build_schedule("gpipe", 2, 1))
+    for processors in (None, 2 - 1e-9):
+        costs = {"forward": 1, "backward": 1, "all_reduce": 2, "sync_host": 0.5, "processors": processors}
+        beside, blocking = simulate(schedule, Costs(**costs)), simulate(schedule, Costs(**costs, sync_blocking=True))
+        assert (beside.makespan, blocking.makespan) == (pytest.approx(7), pytest.approx(9))
+        syncs = [(s.rank, s.start, s.end) for s in blocking.spans if str(s.action).endswith("AR0")]
+        assert sorted(syncs) == [(0, pytest.approx(6.5), pytest.approx(9)), (1, pytest.approx(3), pytest.approx(5.5))]
+
+
 GRID = [(name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v")
         for p in (2, 4) for m in (4, 8) if (name, p, m) != ("dualpipe-v", 4, 4)]  # fmt: skip
 
@@ -196,6 +225,13 @@ def test_ranks_on_one_processor_take_the_sum_of_their_work(name: str, p: int, m:
     shared = simulate(schedule, Costs(**costs, processors=1))  # type: ignore[arg-type]
     work = sum(s.duration for s in alone.spans if s.is_compute)
     assert shared.makespan == pytest.approx(work, rel=1e-9) and work > alone.makespan
+    # posting and a sync's host time are work too (an AR's collective itself is free here)
+    hosted = Costs(**costs, post=0.125, post_message=0.0625, sync_host=0.25, processors=1)  # type: ignore[arg-type]
+    actions = [a for stream in schedule.instructions for a in stream]
+    syncs = [a for a in actions if isinstance(a, Instruction) and a.kind is Kind.ALL_REDUCE]
+    posts = [a for a in actions if not isinstance(a, Instruction) or not (a.kind.is_compute or a.kind.is_collective)]
+    host = 0.25 * len(syncs) + sum(0.125 + 0.0625 * len(ops_of(a)) for a in posts)
+    assert simulate(schedule, hosted).makespan == pytest.approx(work + host, rel=1e-9)
     assert sum(s.duration for s in shared.spans if s.is_compute) > work  # each span stretched by its sharing
 
 
@@ -204,7 +240,8 @@ def test_enough_processors_for_every_rank_replay_as_unshared(name: str, p: int, 
     """The event-by-event replay of shared processors (schedules.sim.sharing) follows the same rules as the
     unshared one: with all but a hair of a processor per rank, every span is where the unshared replay puts it."""
     schedule, costs = _priced(name, p, m, seed=p + m)
-    costs.update(latency=0.3, per_byte=0.01, message_bytes=10.0, all_reduce=2.0)
+    costs.update(latency=0.3, per_byte=0.01, message_bytes=10.0, all_reduce=2.0, post=0.05, post_message=0.02,
+                 sync_host=0.1, sync_blocking=p == 4)  # fmt: skip
     alone = simulate(schedule, Costs(**costs))  # type: ignore[arg-type]
     nearly = simulate(schedule, Costs(**costs, processors=p - 1e-9))  # type: ignore[arg-type]
     assert [(s.rank, s.action) for s in nearly.spans] == [(s.rank, s.action) for s in alone.spans]

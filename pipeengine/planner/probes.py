@@ -1,0 +1,234 @@
+"""What calibration measures on the live ranks (pipeengine.planner.calibration runs them; every rank calls each):
+a message's time, each collective's, a step's frame, posting, copying, how many ranks compute at full speed at once,
+and the host cost and message latency as the engine's own steps take them."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["collective", "copying", "frame", "host", "ping", "posting", "processors", "sharing"]
+
+HEADER = 86  # int64s in a step's header row (pipeengine.comm.calls: _ROW)
+
+
+def synced(seconds: float) -> float:
+    """The slowest rank's time (a collective is done when its last rank is)."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def ping(elements: int, repeats: int, device: torch.device) -> float:
+    """Half a round trip of ``elements`` floats between ranks 0 and 1 (the median); the others wait."""
+    rank, buffer, times = dist.get_rank(), torch.zeros(elements, device=device), []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times[1:]) if rank == 0 else 0.0
+
+
+def collective(op: str, elements: int, group: Any, size: int, repeats: int, device: torch.device,
+               rounds: int = 1) -> float:  # fmt: skip
+    """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group``: ``repeats`` back to back after
+    one barrier, as a step runs them, the slowest rank's time over their count (once warm); with ``rounds``, the
+    median of that many. Timed one by one from a barrier each, an op also took the barrier's exit skew, milliseconds
+    when ranks share cores."""
+    whole = torch.ones(elements - elements % size, device=device)
+    shard = torch.empty(whole.numel() // size, device=device)
+
+    def once() -> None:
+        if op == "all_reduce":
+            dist.all_reduce(whole, group=group)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(whole, shard, group=group)
+        else:
+            dist.reduce_scatter_tensor(shard, whole, group=group)
+
+    once()
+    found = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        if whole.is_cuda:
+            torch.cuda.synchronize()
+        found.append(synced(time.perf_counter() - start) / repeats)
+    return statistics.median(found)
+
+
+def frame(groups: Mapping[int, Any], repeats: int, device: torch.device) -> dict[str, dict[int, float]]:
+    """What a training step runs outside its program, over groups of each size (``groups``: size -> this rank's
+    group, all the world's groups of that size at once), each timed as a step takes it, from a barrier (the
+    slowest rank's, the median of ``repeats``): "pipeline", the header every rank of a pipeline gathers before the
+    step (pipeengine.comm.calls) and the loss its last rank broadcasts after; "replicas", the loss summed over them."""
+    found: dict[str, dict[int, float]] = {"pipeline": {}, "replicas": {}}
+    row = torch.zeros(HEADER, dtype=torch.int64, device=device)
+    loss = torch.zeros((), device=device)
+    for size, group in groups.items():
+        rows = [torch.empty_like(row) for _ in range(size)]
+        last = size - 1
+
+        def pipeline(group: Any = group, rows: list[torch.Tensor] = rows, last: int = last) -> None:
+            dist.all_gather(rows, row, group=group)
+            dist.broadcast(loss, group_src=last, group=group)
+
+        def replicas(group: Any = group) -> None:
+            dist.all_reduce(loss, group=group)
+
+        for name, step in (("pipeline", pipeline), ("replicas", replicas)):
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                times.append(synced(time.perf_counter() - start))
+            found[name][size] = statistics.median(times[1:])
+    return found
+
+
+def posting(repeats: int, device: torch.device, elements: int = 1024) -> tuple[float, float]:
+    """Host seconds to post communication as the engine's transports do (one batch_isend_irecv per post), and the
+    seconds of each message more in one post: rank 1 posts 1, then 8 recvs from rank 0 in one post, rank 0 each send
+    to them in a post of its own (their recvs posted first, as gloo's programs post every recv at a step's start);
+    the medians of ``repeats``; the other ranks wait."""
+    rank = dist.get_rank()
+    one: list[float] = []
+    many: list[float] = []
+    sends: list[float] = []
+    for count in [1, 8] * repeats:
+        buffers = [torch.zeros(elements, device=device) for _ in range(count)]
+        handles = []
+        if rank == 1:
+            start = time.perf_counter()
+            handles = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, 0) for b in buffers])
+            (one if count == 1 else many).append(time.perf_counter() - start)
+        dist.barrier()
+        if rank == 0:
+            for b in buffers:
+                start = time.perf_counter()
+                handles += dist.batch_isend_irecv([dist.P2POp(dist.isend, b, 1)])
+                sends.append(time.perf_counter() - start)
+        for handle in handles:
+            handle.wait()
+        dist.barrier()
+    found = torch.zeros(3, dtype=torch.float64)
+    if rank < 2:
+        found[rank] = statistics.median(sends) if rank == 0 else statistics.median(one)
+        found[2] = statistics.median(many) if rank == 1 else 0.0
+    dist.all_reduce(found)
+    per_message = max(float(found[2] - found[1]) / 7, 0.0)
+    return (float(found[0]) + float(found[1])) / 2, per_message
+
+
+def copying(repeats: int, device: torch.device, elements: int = 2**20) -> float:
+    """Host seconds per byte a gradient sync copies (its gradients flattened into one buffer, or back): the median
+    of ``repeats`` flattenings of 16 tensors of ``elements`` floats in all, on this rank alone (the others wait)."""
+    pieces = [torch.ones(elements // 16, device=device) for _ in range(16)]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        torch.cat([p.reshape(-1) for p in pieces])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / (elements * 4)
+
+
+def processors(repeats: int) -> float | None:
+    """How many of the ranks compute at full speed at once: each rank times the same CPU work alone (the others
+    wait in a barrier, which sleeps), then all run it at once. On each machine (the ranks of one share its monotonic
+    clock) the slowdown is (last end - first start) / its ranks' mean time alone (the median of ``repeats``); the
+    answer is world / the largest. None if the ranks do not slow each other (within 10%: a core each)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    a = torch.randn(192, 192)
+
+    def work() -> None:  # about 0.1 s on one core of the 2-core machine: long beside the barrier's exit skew
+        for _ in range(200):
+            torch.mm(a, a)
+
+    alone, together = [], []
+    for _ in range(repeats):
+        for turn in range(world):
+            dist.barrier()
+            if turn == rank:
+                start = time.perf_counter()
+                work()
+                alone.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        together.append((start, time.perf_counter()))
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, (socket.gethostname(), statistics.median(alone), together))
+    return sharing(found)
+
+
+def sharing(found: Sequence[tuple[str, float, Sequence[tuple[float, float]]]]) -> float | None:
+    """Processors from each rank's (host, time alone, [(start, end) of each run all at once]): on each host the
+    median span of a run over its ranks' mean time alone is its slowdown; world / the largest, or None within 10% of
+    one processor a rank."""
+    slowdowns = []
+    for host in {name for name, _, _ in found}:
+        mine = [(time_alone, marks) for name, time_alone, marks in found if name == host]
+        runs = range(min(len(marks) for _, marks in mine))
+        spans = [max(marks[i][1] for _, marks in mine) - min(marks[i][0] for _, marks in mine) for i in runs]
+        slowdowns.append(statistics.median(spans) / statistics.fmean(time_alone for time_alone, _ in mine))
+    found_processors = len(found) / max(slowdowns)
+    return None if found_processors > len(found) / 1.1 else found_processors
+
+
+def host(build: Callable[..., Any], price: Callable[[Any, float, float], float], repeats: int
+         ) -> tuple[float, float]:  # fmt: skip
+    """Host seconds per compute and the latency of a message between stages, as the engine runs them, from two of
+    its steps on tiny Linear(4, 4) layers against the simulator's (``price(program, overhead, latency)``: a simulated
+    step at those prices): a pipeline of one rank (8 micro-batches, no message: the computes' host cost; each rank
+    on a group of its own, one at a time, the others waiting), then GPipe with one micro-batch over a layer a rank
+    (a chain: each compute waits for a message), each solved by bisection (each simulated step grows with its
+    unknown). A ping between two ranks alone misses what a rank pays to take a message up in a step."""
+    from torch import nn
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    alone = [dist.new_group([r]) for r in range(world)]
+
+    def timed(engine: Any, micro: int, mine: bool = True) -> float:
+        batch, target = torch.randn(micro, 4), torch.randn(micro, 4)
+        times = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            start = time.perf_counter()
+            if mine:
+                engine.train_step(batch, target)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2:])
+
+    def solve(measured: float, step: Callable[[float], float]) -> float:
+        low, high = 0.0, measured
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if step(middle) < measured else (low, middle)
+        return (low + high) / 2
+
+    torch.manual_seed(0)
+    single = build(nn.Sequential(nn.Linear(4, 4)), nn.functional.mse_loss, num_microbatches=8, schedule="gpipe",
+                   group=alone[rank])  # fmt: skip
+    steps = [timed(single, 8, turn == rank) for turn in range(world)]
+    overhead = solve(synced(steps[rank]), lambda o: price(single.schedule, o, 0.0))
+    chain = build(nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)]), nn.functional.mse_loss,
+                  num_microbatches=1, schedule="gpipe")  # fmt: skip
+    measured = synced(timed(chain, 1))
+    return overhead, solve(measured, lambda latency: price(chain.schedule, overhead, latency))
