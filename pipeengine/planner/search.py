@@ -11,12 +11,14 @@ every candidate is priced by the simulator, time and bytes, without running it: 
 into dp x pp x tp (tp only with a tp_plan whose splits it divides), FSDP on and off (dp > 1), each registered
 schedule, each micro-batch count that divides a replica's batch, each chunk count the schedule runs, the exact
 min-max partition by time, by memory, by parameters and uniform, and each checkpoint choice. Its price
-(pipeengine.planner.costmodel) holds the layers' computes, the host cost per compute, the messages between stages,
-tensor parallelism's collectives inside the computes, the replicas' all-reduce (or FSDP's reduce-scatter) after
-each stage's last backward and FSDP's all-gather before its first forward, at the machine's prices
+(pipeengine.planner.costmodel) holds the layers' computes, the host cost per compute and per post, the messages
+between stages, tensor parallelism's collectives inside the computes, the replicas' all-reduce (or FSDP's
+reduce-scatter) after each stage's last backward and FSDP's all-gather before its first forward, and the step's
+frame around its program (the header and the loss shared), at the machine's prices
 (pipeengine.planner.calibration: measured by ``python -m pipeengine.tune --calibrate``, else built-in constants,
-and the result says which). Candidates whose peak passes ``memory_limit`` on any rank are dropped; the result says
-how many and what the limit cost, and why each layout it could not build was refused.
+and the result says which), on this machine's processors (pipeengine.planner.pricing). Candidates whose peak
+passes ``memory_limit`` on any rank are dropped; the result says how many and what the limit cost, and why each
+layout it could not build was refused.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from pipeengine.planner.costmodel import LayerCosts, LayerProfile
 from pipeengine.planner.elsewhere import one_process
 from pipeengine.planner.measure import profile_layers
 from pipeengine.planner.partition import method_costs, solve
+from pipeengine.planner.pricing import Spec, in_parallel, price
 from pipeengine.planner.result import Candidate, TuneResult
-from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, simulate, with_gradient_sync
+from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, with_gradient_sync
 
 __all__ = ["Candidate", "TuneResult", "choose", "layouts", "tune"]
 
@@ -76,6 +79,7 @@ def tune(
     reuse_memory: bool = True,
     allocator: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
+    workers: int | None = None,
 ) -> TuneResult:
     """Price every way to lay ``model`` out on ``world_size`` ranks; see the module docstring.
 
@@ -96,6 +100,8 @@ def tune(
     allocator sees, not only what the step keeps between computes: ``memory_limit`` guards that figure.
     ``progress(done, layers, sizes)``: called as the layers are measured, with done=0 first, then after each layer
     at each micro-batch size and degree (of layers x sizes); ``progress_printer()`` writes it to stderr.
+    ``workers``: the processes that price the candidates (pipeengine.planner.pricing; default: this machine's
+    processors, where there are enough candidates and the platform forks).
     """
     _check_problem(model, sample, target)
     for label, value in (("world_size", world_size), ("data_parallel", 1 if data_parallel is None else data_parallel),
@@ -174,15 +180,18 @@ def tune(
     measured = time.perf_counter() - started
 
     started = time.perf_counter()
-    candidates: list[Candidate] = []
+    specs: list[tuple[Spec, Candidate]] = []  # each candidate to price, and what it is
     programs: dict[tuple[str, int, int, int, bool], Schedule | str] = {}  # shared by the layouts of one pipeline size
     cuts: dict[tuple[int, int, str, int], list[tuple[int, int]]] = {}  # (rows, tp, method, stages) -> bounds
     for layout in found:
         dp, pp, tp = layout
         for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
-            candidates += _layout_candidates(
+            specs += _layout_candidates(
                 model, layout, sharded, names, counts[dp], per_replica[dp], profiles, methods, checkpoint,
-                transport, buffered, optimizer_copies, rates, tp_plan, refused, programs, cuts)  # fmt: skip
+                transport, refused, programs, cuts, tp_plan)  # fmt: skip
+    priced = in_parallel(len(specs), lambda i: price(specs[i][0], rates, optimizer_copies, buffered), workers)
+    candidates = [dataclasses.replace(candidate, step_time=step, bubble=bubble, peak_memory=peaks)
+                  for (_, candidate), (step, bubble, peaks) in zip(specs, priced, strict=True)]  # fmt: skip
     if not candidates:
         why = "; ".join(f"{layout}: {reason}" for layout, reason in refused.items())
         raise ValueError(
@@ -237,13 +246,13 @@ def _illegal(model: nn.Sequential, layout: Layout, batch: int, data_parallel: in
 def _layout_candidates(
     model: nn.Sequential, layout: Layout, sharded: bool, names: Sequence[str], counts: Sequence[int], rows: int,
     profiles: Mapping[tuple[int, int], LayerProfile], methods: Sequence[str], checkpoint: Sequence[str],
-    transport: object, buffered: bool, optimizer_copies: int, prices: Prices, tp_plan: object, refused: dict[str, str],
-    programs: dict[tuple[str, int, int, int, bool], Schedule | str],
-    cuts: dict[tuple[int, int, str, int], list[tuple[int, int]]],
-) -> list[Candidate]:  # fmt: skip
-    """Every candidate of one layout: schedule, chunks, micro-batches, partition and checkpointing, priced.
-    ``programs``: each program as the transport runs it (with the replicas' ARs), or why it cannot be built;
-    ``cuts``: each partition by (rows, tp, method, stages); both kept across layouts and FSDP on and off."""
+    transport: object, refused: dict[str, str], programs: dict[tuple[str, int, int, int, bool], Schedule | str],
+    cuts: dict[tuple[int, int, str, int], list[tuple[int, int]]], tp_plan: object,
+) -> list[tuple[Spec, Candidate]]:  # fmt: skip
+    """Every candidate of one layout (schedule, chunks, micro-batches, partition and checkpointing), to be priced:
+    what it is priced from, and the candidate (unpriced). ``programs``: each program as the transport runs it (with
+    the replicas' ARs), or why it cannot be built; ``cuts``: each partition by (rows, tp, method, stages); both kept
+    across layouts and FSDP on and off."""
     dp, ranks, tp = layout
     layers = len(model)
     if sharded:
@@ -255,7 +264,7 @@ def _layout_candidates(
             refused[_named(layout, True)] = str(error)
             return []
     seen: dict[tuple[object, ...], int] = {}
-    found: list[Candidate] = []
+    found: list[tuple[Spec, Candidate]] = []
     why: dict[str, str] = {}  # schedule -> why it gave this layout nothing
     for name in names:
         record = registration(name)
@@ -285,12 +294,13 @@ def _layout_candidates(
                             continue  # the same as never
                         key = (name, m, chunks, partition, option)
                         if key in seen:  # another method cut it the same way
-                            old = found[seen[key]]
-                            found[seen[key]] = dataclasses.replace(old, methods=(*old.methods, method))
+                            spec, old = found[seen[key]]
+                            found[seen[key]] = (spec, dataclasses.replace(old, methods=(*old.methods, method)))
                             continue
                         seen[key] = len(found)
-                        found.append(_price(name, m, chunks, method, bounds, program, profile, buffered,
-                                            optimizer_copies, prices, layout, sharded, option, tp_plan))  # fmt: skip
+                        found.append((Spec(program, profile, bounds, dp, sharded, option),
+                                      Candidate(name, m, chunks, (method,), partition, 0.0, 0.0, (), dp, sharded, tp,
+                                                option, tp_plan if tp > 1 else None)))  # type: ignore[arg-type]  # fmt: skip
     if not found:
         refused[_named(layout, sharded)] = (
             f"no schedule of {list(names)} runs {ranks} pipeline ranks with m in {list(counts)} on {layers} layers"
@@ -307,22 +317,6 @@ def _program(transport: object, name: str, ranks: int, m: int, chunks: int, sync
         return str(error)
     program = transport.program(schedule)  # type: ignore[attr-defined]
     return with_gradient_sync(program) if synced else program
-
-
-def _price(
-    name: str, m: int, chunks: int, method: str, bounds: list[tuple[int, int]], program: Schedule,
-    profile: LayerProfile, buffered: bool, optimizer_copies: int, prices: Prices, layout: Layout, fsdp: bool,
-    checkpoint: str, tp_plan: object,
-) -> Candidate:  # fmt: skip
-    dp, _, tp = layout
-    costs = profile.stage_costs(bounds, prices=prices, optimizer_copies=optimizer_copies, buffered_sends=buffered,
-                                placement=program.placement, data_parallel=dp, fsdp=fsdp,
-                                checkpoint=checkpoint)  # fmt: skip
-    timeline = simulate(program, costs)
-    step = timeline.makespan + prices.frame_of(dp, program.num_ranks)  # with what the step runs around its program
-    return Candidate(name, m, chunks, (method,), tuple(b - a for a, b in bounds), step,
-                     timeline.bubble_fraction, tuple(timeline.required_memory), dp, fsdp, tp, checkpoint,
-                     tp_plan if tp > 1 else None)  # type: ignore[arg-type]  # fmt: skip
 
 
 def _named(layout: Layout, fsdp: bool = False) -> str:

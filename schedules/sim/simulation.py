@@ -16,7 +16,7 @@ from schedules.sim.perstage import PerStage, expand
 from schedules.sim.sharing import shared
 from schedules.sim.timeline import Span, Timeline
 
-__all__ = ["Costs", "replay", "simulate"]
+__all__ = ["Costs", "Summary", "replay", "simulate", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,36 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         timeline.sizes = costs.memory
         timeline.optimizer_peak = costs.memory.optimizer_peak(schedule.placement)
     return timeline
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a search keeps of a simulated step (``simulate``'s timeline without its spans): the makespan, the idle
+    share of all ranks together, and per rank what must fit in memory (empty without ``Costs.memory``)."""
+
+    makespan: float
+    bubble_fraction: float
+    required_memory: tuple[float, ...]
+
+
+def summarize(schedule: Schedule, costs: Costs) -> Summary:
+    """``simulate(schedule, costs)``'s makespan, bubble fraction and required memory, without building its spans (a
+    search prices thousands of candidates; call it inside ``gc_paused()``)."""
+    times = run(schedule, costs)
+    start = min((t[0] for rank in times for t in rank), default=0.0)
+    end = max((t[1] for rank in times for t in rank), default=0.0)
+    makespan = end - start
+    busy = 0.0
+    for stream, rank in zip(schedule.instructions, times, strict=True):
+        for action, (began, ended) in zip(stream, rank, strict=True):
+            if isinstance(action, Instruction) and action.kind.is_compute:
+                busy += ended - began
+    bubble = 1.0 - busy / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
+    if costs.memory is None:
+        return Summary(makespan, bubble, ())
+    peaks = [max((b for _, b, _ in samples), default=0.0) for samples in track(schedule, times, costs.memory)]
+    after = costs.memory.optimizer_peak(schedule.placement)
+    return Summary(makespan, bubble, tuple(max(a, b) for a, b in zip(peaks, after, strict=True)))
 
 
 @gc_paused()

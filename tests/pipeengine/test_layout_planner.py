@@ -275,6 +275,31 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
         calibration.load(tmp_path / "old.json")
 
 
+def test_candidates_are_priced_on_forked_workers_in_order_and_as_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pricing.in_parallel splits the work round-robin over forked processes and gives it back in order; too little
+    work is done here. The search's rows are the same priced on 2 workers as on 1 (the layers measured once)."""
+    from pipeengine.planner import pricing
+
+    def work(i: int) -> pricing.Priced:
+        return float(i), 0.5, (float(os.getpid()),)
+
+    forked = pricing.in_parallel(pricing.WORTH * 2, work, workers=2)
+    assert [row[0] for row in forked] == list(range(pricing.WORTH * 2))
+    pids = {row[2][0] for row in forked}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert {row[2][0] for row in pricing.in_parallel(10, work, workers=2)} == {os.getpid()}
+    import pipeengine.planner.search as search
+
+    measured: dict[tuple[int, int], object] = {}
+    monkeypatch.setattr(search, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
+        (rows, kw["tensor_parallel"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
+    monkeypatch.setattr(pricing, "WORTH", 8)
+    x, y = data()
+    rows = [tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, microbatches=[1, 2], repeats=1, allocator=False,
+                 workers=workers).rows for workers in (1, 2)]  # fmt: skip
+    assert len(rows[0]) > 16 and rows[0] == rows[1]
+
+
 def test_a_collective_is_priced_along_the_sizes_it_was_measured_at(tmp_path: Path) -> None:
     """A Curve: between two measured sizes the line through them, below the smallest its time, past the largest the
     last slope; noise that makes a larger size cheaper is pooled to the mean of the sizes out of order; kept in the
