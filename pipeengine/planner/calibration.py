@@ -46,7 +46,9 @@ LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (
 # 4 gloo ranks of the 2-core machine of the benchmarks (python -m pipeengine.tune --calibrate --world-size 4)
 FRAME = {"pipeline": {2: 1.5e-3, 4: 3.5e-3}, "replicas": {2: 1.5e-3, 4: 1.0e-3}}
 POST, POST_MESSAGE, COPY = 8e-5, 1.5e-5, 1.6e-10
-FORMAT = 2  # of the calibration file: 1 (no version written) had no frame, posting or copying
+# FSDP2 per unit: host seconds in a forward and a backward; beyond the raw collective, its gather and reduce-scatter
+FSDP = {"hooks": [1.0e-4, 9.0e-5], "gather": {2: 9.0e-4, 4: 6.0e-4}, "reduce": {2: 2.2e-3, 4: 1.6e-3}}
+FORMAT = 2  # of the calibration file: 1 (no version written) had no frame, posting, copying or FSDP's extras
 BUILT_IN = "built-in constants (measured on the benchmarks' 2-core machine, not this one: run python -m " \
            "pipeengine.tune --calibrate)"  # fmt: skip
 SIZES = (2**12, 2**16, 2**20, 2**24)  # bytes each message is timed at: up to a model's gradients
@@ -134,7 +136,8 @@ class Prices:
     measured; None: each rank its own (a GPU each, or not measured). ``frame[name][group]``: the seconds a training
     step spends outside its program ("pipeline": the header its ranks gather first and the loss broadcast last,
     "replicas": the loss summed over them), ``post`` and ``post_message`` a post's host seconds and each message's
-    more in it, ``copy`` host seconds per byte a gradient sync copies."""
+    more in it, ``copy`` host seconds per byte a gradient sync copies. ``fsdp``: what FSDP2 adds per unit: "hooks"
+    (host seconds in a forward, a backward), "gather" and "reduce" (seconds beyond the raw collective, by group)."""
 
     overhead: float = OVERHEAD
     p2p: Link = field(default_factory=lambda: Link(LATENCY, PER_BYTE))
@@ -147,6 +150,15 @@ class Prices:
     post: float = POST
     post_message: float = POST_MESSAGE
     copy: float = COPY
+    fsdp: Mapping[str, Any] = field(default_factory=lambda: FSDP)
+
+    def fsdp_extra(self, name: str, group: int) -> float:
+        """Seconds FSDP2 adds per unit to its all-gather ("gather") or reduce-scatter ("reduce") over ``group`` ranks
+        beyond the raw collective (the nearest group size measured; none measured: 0)."""
+        measured = self.fsdp.get(name, {})
+        if group <= 1 or not measured:
+            return 0.0
+        return float(measured[min(measured, key=lambda g: (abs(g - group), g))])
 
     def frame_of(self, data_parallel: int, pipeline: int) -> float:
         """Seconds a training step of ``pipeline`` ranks a pipeline and ``data_parallel`` replicas spends outside its
@@ -178,6 +190,9 @@ class Prices:
     def to_json(self) -> dict[str, object]:
         return {"format": FORMAT, "overhead": self.overhead, "p2p": [self.p2p.latency, self.p2p.per_byte],
                 "processors": self.processors, "post": [self.post, self.post_message], "copy": self.copy,
+                "fsdp": {"hooks": list(self.fsdp.get("hooks", [0.0, 0.0])),
+                         **{name: {str(g): s for g, s in self.fsdp.get(name, {}).items()}
+                            for name in ("gather", "reduce")}},
                 "frame": {name: {str(g): s for g, s in sizes.items()} for name, sizes in self.frame.items()},
                 "collectives": {op: {str(g): [list(p) for p in link.points] if isinstance(link, Curve) else
                                      [link.latency, link.per_byte] for g, link in groups.items()}
@@ -189,21 +204,25 @@ class Prices:
         number >= 0 (processors > 0), or the file is of an earlier format."""
         if data.get("format", 1) != FORMAT:
             raise ValueError(f"it is of format {data.get('format', 1)}, written by an earlier pipeengine (this one "
-                             f"reads {FORMAT}, which also prices a step's frame, posting and copying)")  # fmt: skip
-        p2p = data["p2p"]
-        collectives = data.get("collectives", {})
-        processors = None if data.get("processors") is None else float(data["processors"])
-        found = cls(float(data["overhead"]), Link(*map(float, p2p)),  # type: ignore[call-arg]
-                    {op: {int(g): Curve.of(v) if v and isinstance(v[0], list) else Link(*map(float, v))
-                          for g, v in groups.items()} for op, groups in collectives.items()},
-                    source, True, processors,
+                             f"reads {FORMAT}, which also prices a step's frame, posting, copying and FSDP2's "
+                             "extras)")  # fmt: skip
+        collectives = {op: {int(g): Curve.of(v) if v and isinstance(v[0], list) else Link(*map(float, v))
+                            for g, v in groups.items()} for op, groups in data.get("collectives", {}).items()}
+        post, post_message = map(float, data["post"])
+        hooks = [float(h) for h in data["fsdp"]["hooks"]]
+        by_group = {name: _by_group(data["fsdp"][name]) for name in ("gather", "reduce")}
+        fsdp: dict[str, Any] = {"hooks": hooks, **by_group}
+        found = cls(float(data["overhead"]), Link(*map(float, data["p2p"])), collectives, source, True,
+                    None if data.get("processors") is None else float(data["processors"]),
                     None if data.get("world_size") is None else int(data["world_size"]),
-                    {name: {int(g): float(s) for g, s in sizes.items()} for name, sizes in data["frame"].items()},
-                    *map(float, data["post"]), float(data["copy"]))  # fmt: skip
+                    frame={name: _by_group(sizes) for name, sizes in data["frame"].items()}, post=post,
+                    post_message=post_message, copy=float(data["copy"]), fsdp=fsdp)  # fmt: skip
         seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte,
-                   "post": found.post, "post_message": found.post_message, "copy": found.copy}
-        for name, sizes in found.frame.items():
-            seconds |= {f"{name} frame over {group}": value for group, value in sizes.items()}
+                   "post": found.post, "post_message": found.post_message, "copy": found.copy,
+                   "fsdp hooks forward": hooks[0], "fsdp hooks backward": hooks[1]}
+        for label, table in [*(("frame " + n, t) for n, t in found.frame.items()),
+                             *(("fsdp " + n, t) for n, t in by_group.items())]:  # fmt: skip
+            seconds |= {f"{label} over {group}": value for group, value in table.items()}
         for op, groups in found.collectives.items():
             for group, link in groups.items():
                 points = link.points if isinstance(link, Curve) else ((0.0, link.latency),)
@@ -212,9 +231,14 @@ class Prices:
         for name, value in seconds.items():
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} is {value}, not a number of seconds >= 0")
-        if processors is not None and (not math.isfinite(processors) or processors <= 0):
-            raise ValueError(f"processors is {processors}, not a positive number of ranks")
+        if found.processors is not None and (not math.isfinite(found.processors) or found.processors <= 0):
+            raise ValueError(f"processors is {found.processors}, not a positive number of ranks")
         return found
+
+
+def _by_group(table: Mapping[str, Any]) -> dict[int, float]:
+    """A file's {"group size": seconds} as {size: seconds}."""
+    return {int(group): float(value) for group, value in table.items()}
 
 
 def default_path() -> Path:
@@ -275,7 +299,7 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
                      f"measured just now on {socket.gethostname()}", True,
                      None if device.type == "cuda" else probes.processors(repeats), None,
                      probes.frame(groups, 4 * repeats, device), *probes.posting(2 * repeats, device),
-                     probes.copying(repeats, device))  # fmt: skip
+                     probes.copying(repeats, device), probes.fsdp(groups, repeats, device))  # fmt: skip
     overhead, latency = probes.host(engine, _stepper(partial), repeats)
     found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte))
     shared: list[object] = [found if rank == 0 else None]

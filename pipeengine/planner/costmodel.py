@@ -47,7 +47,7 @@ from schedules import Costs, Memory, state_bytes
 __all__ = ["FREE", "LayerCosts", "LayerProfile"]
 
 FREE = Prices(0.0, Link(0.0, 0.0), {}, "free: no host cost, no message or collective time", frame={}, post=0.0,
-              post_message=0.0, copy=0.0)
+              post_message=0.0, copy=0.0, fsdp={})
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -144,6 +144,11 @@ class LayerProfile:
             gather = [self._per_unit("all_gather", a, b, prices, data_parallel) + prices.copy * p
                       for (a, b), p in zip(bounds, params, strict=True)]  # fmt: skip
             sync_host = [prices.copy * p * (1 + 1 / data_parallel) for p in params]
+            hooks = [sum(1 for size in self.parameter_bytes[a:b] if size) for a, b in bounds]  # units per stage
+            forward_hooks, backward_hooks = prices.fsdp.get("hooks", (0.0, 0.0))
+            forward = [f + n * forward_hooks for f, n in zip(forward, hooks, strict=True)]
+            backward = [b + n * backward_hooks for b, n in zip(backward, hooks, strict=True)]
+            grad_input = [i + n * backward_hooks for i, n in zip(grad_input, hooks, strict=True)]
         else:  # flattened at the AR, copied back (and divided) once it is done, at the step's end
             reduce = [prices.collective("all_reduce", data_parallel, p) + 2 * prices.copy * p * synced for p in params]
             gather, sync_host = [0.0] * len(bounds), [prices.copy * p * synced for p in params]
@@ -166,8 +171,11 @@ class LayerProfile:
         return prices.processors / (data_parallel * self.tensor_parallel)
 
     def _per_unit(self, op: str, a: int, b: int, prices: Prices, data_parallel: int) -> float:
-        """Seconds of one FSDP collective per layer of [a, b) that holds parameters, on that layer's bytes."""
-        return sum(prices.collective(op, data_parallel, float(size)) for size in self.parameter_bytes[a:b] if size)
+        """Seconds of one FSDP collective per layer of [a, b) that holds parameters, on that layer's bytes, with what
+        FSDP2 adds to each."""
+        extra = prices.fsdp_extra("gather" if op == "all_gather" else "reduce", data_parallel)
+        return sum(prices.collective(op, data_parallel, float(size)) + extra
+                   for size in self.parameter_bytes[a:b] if size)  # fmt: skip
 
     def _collectives(self, compute: str, a: int, b: int, prices: Prices) -> float:
         """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B")."""

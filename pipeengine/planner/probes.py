@@ -4,6 +4,7 @@ and the host cost and message latency as the engine's own steps take them."""
 
 from __future__ import annotations
 
+import copy
 import socket
 import statistics
 import time
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective", "copying", "frame", "host", "ping", "posting", "processors", "sharing"]
+__all__ = ["collective", "copying", "frame", "fsdp", "host", "ping", "posting", "processors", "sharing"]
 
 HEADER = 86  # int64s in a step's header row (pipeengine.comm.calls: _ROW)
 
@@ -147,6 +148,70 @@ def copying(repeats: int, device: torch.device, elements: int = 2**20) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) / (elements * 4)
+
+
+def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: int = 256, units: int = 3
+         ) -> dict[str, Any]:  # fmt: skip
+    """What FSDP2 adds to a stage as the engine shards one (pipeengine.parallel.fsdp: each layer a unit, gradients
+    accumulated whole between syncs), on ``units`` Linear(width, width) layers against the same unsharded: "hooks",
+    host seconds per unit in a forward and in a backward once gathered (each rank in turn, the others waiting); and
+    over each group size (``groups``: size -> this rank's group, all the world's groups of that size at once),
+    seconds per unit beyond the raw collective at the unit's bytes, "gather" in the forward that gathers it and
+    "reduce" in the backward that reduce-scatters it. The medians of ``repeats``."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipeengine.parallel.fsdp import ShardedReduce, shard_stage
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)]).to(device)
+    x = torch.randn(4, width, device=device)
+    unit = (width * width + width) * 4
+    rank = dist.get_rank()
+
+    def passes(module: nn.Module, sync: bool = False) -> tuple[float, float]:
+        start = time.perf_counter()
+        out = module(x)
+        middle = time.perf_counter()
+        if sync:
+            module.set_requires_gradient_sync(True)  # type: ignore[operator]
+            module.set_is_last_backward(True)  # type: ignore[operator]
+            module.set_reshard_after_backward(True)  # type: ignore[operator]
+        out.sum().backward()
+        module.zero_grad(set_to_none=True)
+        return middle - start, time.perf_counter() - middle
+
+    found: dict[str, Any] = {"gather": {}, "reduce": {}}
+    for size, group in groups.items():
+        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+        sharded = shard_stage(copy.deepcopy(plain), 0, mesh, False)
+        timings = []
+        for _ in range(repeats + 1):
+            sharded.reshard()  # type: ignore[operator]
+            ShardedReduce.accumulate(sharded)
+            dist.barrier()
+            timings.append(passes(sharded, sync=True))
+        alone = [passes(plain) for _ in range(repeats)]
+        extra = [statistics.median(t[k] for t in timings[1:]) - statistics.median(t[k] for t in alone)
+                 for k in (0, 1)]  # fmt: skip
+        extra[0] -= units * collective("all_gather", unit // 4, group, size, repeats, device)
+        extra[1] -= units * collective("reduce_scatter", unit // 4, group, size, repeats, device)
+        seconds = torch.tensor(extra, dtype=torch.float64) / units
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        found["gather"][size], found["reduce"][size] = max(float(seconds[0]), 0.0), max(float(seconds[1]), 0.0)
+        if size == dist.get_world_size():  # the hooks, once gathered, with no collective
+            ShardedReduce.accumulate(sharded)
+            passes(sharded)
+            hooks = torch.zeros(2, dtype=torch.float64)
+            for turn in range(size):
+                dist.barrier()
+                if turn == rank:
+                    mine = [passes(sharded) for _ in range(repeats)]
+                    hooks += torch.tensor([max(statistics.median(t[k] for t in mine) - statistics.median(
+                        t[k] for t in alone), 0.0) / units for k in (0, 1)], dtype=torch.float64)  # fmt: skip
+            dist.all_reduce(hooks)
+            found["hooks"] = [float(h) / size for h in hooks]
+    return found
 
 
 def processors(repeats: int) -> float | None:

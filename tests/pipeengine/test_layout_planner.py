@@ -93,7 +93,7 @@ def train_each(rows: list[dict[str, object]], prices: str) -> None:
 
 PRICES = Prices(0.0, Link(0.0, 0.0), {"all_reduce": {2: Link(1.0, 1e-3)}, "all_gather": {2: Link(0.5, 0.0)},
                                       "reduce_scatter": {2: Link(0.25, 0.0)}}, "injected", frame={}, post=0.0,
-                post_message=0.0, copy=0.0)  # fmt: skip
+                post_message=0.0, copy=0.0, fsdp={})  # fmt: skip
 
 
 def test_the_replicas_collectives_sit_on_the_timeline_where_the_runtime_runs_them() -> None:
@@ -251,6 +251,14 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     sharded = profile.stage_costs([(0, 2)], prices=priced, data_parallel=2, fsdp=True)
     assert sharded.sync_blocking and sharded.sync_host == [pytest.approx(1e-3 * params[0] * 1.5)]
     assert sharded.gather == [pytest.approx(2 * 0.5 + 1e-3 * params[0])]
+    # what FSDP2 adds per unit (2 here): its hooks on each compute, and beyond each raw gather and reduce-scatter
+    plain = profile.stage_costs([(0, 2)], prices=PRICES, data_parallel=2, fsdp=True)
+    hooked = dataclasses.replace(PRICES, fsdp={"hooks": [0.5, 0.25], "gather": {2: 1.0}, "reduce": {4: 2.0}})
+    extra = profile.stage_costs([(0, 2)], prices=hooked, data_parallel=2, fsdp=True)
+    assert extra.forward == [pytest.approx(plain.forward[0] + 2 * 0.5)]  # type: ignore[index]
+    assert extra.backward_input == [pytest.approx(plain.backward_input[0] + 2 * 0.25)]  # type: ignore[index]
+    assert extra.gather == [pytest.approx(plain.gather[0] + 2 * 1.0)]  # type: ignore[index]
+    assert extra.all_reduce == [pytest.approx(plain.all_reduce[0] + 2 * 2.0)]  # type: ignore[index]  # nearest: 4
     # the search's step is the simulated program's makespan and the frame around it: the same layers (measured once)
     # priced without a frame and with one over a pipeline of 2 take 7 s more each
     x, y = data()
@@ -269,7 +277,7 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
         steps.append([c.step_time for c in result.rows])
     assert len(steps[0]) == 1 and steps[1] == [pytest.approx(t + 7.0) for t in steps[0]]
     # a file from an earlier pipeengine (no frame, posting or copying: format 1) is refused, saying so
-    old = {k: v for k, v in record.items() if k not in ("format", "frame", "post", "copy")}
+    old = {k: v for k, v in record.items() if k not in ("format", "frame", "post", "copy", "fsdp")}
     (tmp_path / "old.json").write_text(json.dumps(old))
     with pytest.raises(ValueError, match=r"old.json cannot be read .*format 1, written by an earlier pipeengine"):
         calibration.load(tmp_path / "old.json")
@@ -340,6 +348,7 @@ def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, mon
     assert set(prices.frame) == {"pipeline", "replicas"} and all(set(g) == {2} for g in prices.frame.values())
     assert min(prices.frame["pipeline"][2], prices.frame["replicas"][2], prices.post, prices.copy) > 0
     assert prices.post_message >= 0 and record["post"] == [prices.post, prices.post_message]
+    assert len(prices.fsdp["hooks"]) == 2 and set(prices.fsdp["gather"]) == set(prices.fsdp["reduce"]) == {2}
     shared = calibration.save(dataclasses.replace(prices, processors=1.25), tmp_path / "shared.json")
     assert calibration.load(shared).processors == 1.25
     x, y = data()
