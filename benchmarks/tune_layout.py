@@ -40,7 +40,7 @@ from pipeengine.planner.calibration import load, measure_machine
 from pipeengine.planner.result import Candidate, TuneResult
 from pipeengine.planner.search import tune
 
-RANKS, THREADS, WIDTH, BLOCKS, BATCH, LAYOUTS, ROUNDS, STEPS, WARMUP, REPEATS = 4, 1, 256, 6, 64, 14, 3, 5, 2, 3
+RANKS, THREADS, WIDTH, BLOCKS, BATCH, LAYOUTS, ROUNDS, STEPS, WARMUP, REPEATS = 4, 1, 256, 6, 64, 14, 3, 15, 2, 3
 QUICK = {"width": 32, "blocks": 4, "batch": 8, "layouts": 2, "rounds": 1, "steps": 1, "warmup": 1, "repeats": 1,
          "microbatches": 1,
          "wider": []}  # fmt: skip

@@ -200,6 +200,31 @@ class ShardedReduce(GradientSync):
             reshard(module, self.reshard_after_forward)
 
 
+def probe_stage(module: nn.Module, group: object, device_type: str) -> nn.Module:
+    """``module`` sharded over ``group`` as shard_stage shards a stage, its gradients accumulated whole between
+    syncs as ShardedReduce keeps them: what the planner's calibration times (pipeengine.planner.probes). Its
+    parameters are gathered by its next forward after ``regather(module)``; ``sync_next(module)`` makes its next
+    backward reduce-scatter."""
+    from pipeengine.parallel.tensor import group_mesh
+
+    sharded = shard_stage(module, 0, group_mesh(group, device_type, "dp"), False)
+    ShardedReduce.accumulate(sharded)
+    return sharded
+
+
+def regather(module: nn.Module) -> None:
+    """A probe_stage's parameters freed to their shards, gathered again by its next forward; no sync until asked."""
+    module.reshard()  # type: ignore[operator]
+    ShardedReduce.accumulate(module)
+
+
+def sync_next(module: nn.Module) -> None:
+    """A probe_stage's next backward reduce-scatters its gradients into the shards and frees the gathered parameters."""
+    module.set_requires_gradient_sync(True)  # type: ignore[operator]
+    module.set_is_last_backward(True)  # type: ignore[operator]
+    module.set_reshard_after_backward(True)  # type: ignore[operator]
+
+
 def priced(memory: Memory, state: list[float], optimizer_copies: float, data_parallel: int, allocations: bool
            ) -> Memory:  # fmt: skip
     """The planner's memory model of a layout with fsdp=True: each stage's state sharded over the replicas, its

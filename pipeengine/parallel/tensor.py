@@ -33,7 +33,8 @@ from pipeengine.core.ties import Ties
 if TYPE_CHECKING:
     from pipeengine.planner.costmodel import LayerCosts
 
-__all__ = ["agree_on_ties", "apply", "device_mesh", "fake_mesh", "plan_matches", "retie", "shard_costs", "shard_layer"]
+__all__ = ["agree_on_ties", "apply", "device_mesh", "fake_mesh", "group_mesh", "plan_matches", "retie", "shard_costs",
+           "shard_layer"]
 
 
 def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
@@ -54,6 +55,13 @@ def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | No
             "build the engine on the default group (no group=) to use parallelize=, tensor_parallel or fsdp"
         )
     return DeviceMesh(world.device.type, grid.nested(), mesh_dim_names=DIMS)
+
+
+def group_mesh(group: object, device_type: str, name: str) -> object:
+    """A one-dim DeviceMesh over an existing process group, its dim named ``name`` (the planner's probes)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))  # type: ignore[arg-type]
 
 
 def plan_matches(model: nn.Module, plan: Mapping[str, object], degree: int = 1) -> dict[str, object]:

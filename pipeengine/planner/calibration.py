@@ -131,13 +131,15 @@ class Prices:
     """What the planner charges: ``overhead`` seconds of host time per compute; ``p2p`` a message between stages;
     ``collectives[op][group]`` an op over a group of that many ranks, on the whole tensor's bytes (an all-gather's
     output, a reduce-scatter's input). A group size not measured is scaled from the nearest measured one as a ring
-    scales; an op never measured is a ring of ``p2p`` messages. ``source`` says where they come from. ``processors``:
-    how many ranks of the machine compute at full speed at once (CPU ranks share its cores: 2 for 4 ranks on 2 cores),
-    measured; None: each rank its own (a GPU each, or not measured). ``frame[name][group]``: the seconds a training
-    step spends outside its program ("pipeline": the header its ranks gather first and the loss broadcast last,
-    "replicas": the loss summed over them), ``post`` and ``post_message`` a post's host seconds and each message's
-    more in it, ``copy`` host seconds per byte a gradient sync copies. ``fsdp``: what FSDP2 adds per unit: "hooks"
-    (host seconds in a forward, a backward), "gather" and "reduce" (seconds beyond the raw collective, by group)."""
+    scales; an op never measured is a ring of ``p2p`` messages. ``crowded[op][group]``: the same with every group of
+    that size in the world running it at once (where smaller than the world). ``source`` says where they come from.
+    ``processors``: how many ranks of the machine compute at full speed at once (CPU ranks share its cores: 2 for 4
+    ranks on 2 cores), measured; None: each rank its own (a GPU each, or not measured). ``frame[name][group]``: the
+    seconds a training step spends outside its program ("pipeline": the header its ranks gather first and the loss
+    broadcast last, "replicas": the loss summed over them), ``post`` and ``post_message`` a post's host seconds and
+    each message's more in it, ``copy`` host seconds per byte a gradient sync copies. ``fsdp``: what FSDP2 adds per
+    unit: "hooks" (host seconds in a forward, a backward), "gather" and "reduce" (seconds beyond the raw collective,
+    by group)."""
 
     overhead: float = OVERHEAD
     p2p: Link = field(default_factory=lambda: Link(LATENCY, PER_BYTE))
@@ -151,6 +153,7 @@ class Prices:
     post_message: float = POST_MESSAGE
     copy: float = COPY
     fsdp: Mapping[str, Any] = field(default_factory=lambda: FSDP)
+    crowded: Mapping[str, Mapping[int, Link | Curve]] = field(default_factory=dict)
 
     def fsdp_extra(self, name: str, group: int) -> float:
         """Seconds FSDP2 adds per unit to its all-gather ("gather") or reduce-scatter ("reduce") over ``group`` ranks
@@ -171,11 +174,16 @@ class Prices:
                 total += measured[near] * (size - 1) / (near - 1)
         return total
 
-    def collective(self, op: str, group: int, nbytes: float) -> float:
+    def collective(self, op: str, group: int, nbytes: float, crowded: bool = False) -> float:
+        """Seconds of ``op`` on a whole tensor of ``nbytes`` over ``group`` ranks: the group's ranks alone, or
+        (``crowded``) with every group of that size in the world running it at once, as the replicas of each pipeline
+        rank do (where measured)."""
         if op not in COLLECTIVES:
             raise ValueError(f"no price for collective {op!r}: the planner prices {', '.join(COLLECTIVES)}")
         if group <= 1 or nbytes <= 0:
             return 0.0
+        if crowded and group in self.crowded.get(op, {}):
+            return self.crowded[op][group].time(nbytes)
         fitted = self.collectives.get(op, {})
         if group in fitted:
             return fitted[group].time(nbytes)
@@ -194,9 +202,7 @@ class Prices:
                          **{name: {str(g): s for g, s in self.fsdp.get(name, {}).items()}
                             for name in ("gather", "reduce")}},
                 "frame": {name: {str(g): s for g, s in sizes.items()} for name, sizes in self.frame.items()},
-                "collectives": {op: {str(g): [list(p) for p in link.points] if isinstance(link, Curve) else
-                                     [link.latency, link.per_byte] for g, link in groups.items()}
-                                for op, groups in self.collectives.items()}}  # fmt: skip
+                "collectives": _curves(self.collectives), "crowded": _curves(self.crowded)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Prices:
@@ -206,8 +212,7 @@ class Prices:
             raise ValueError(f"it is of format {data.get('format', 1)}, written by an earlier pipeengine (this one "
                              f"reads {FORMAT}, which also prices a step's frame, posting, copying and FSDP2's "
                              "extras)")  # fmt: skip
-        collectives = {op: {int(g): Curve.of(v) if v and isinstance(v[0], list) else Link(*map(float, v))
-                            for g, v in groups.items()} for op, groups in data.get("collectives", {}).items()}
+        collectives, crowded = _read_curves(data.get("collectives", {})), _read_curves(data.get("crowded", {}))
         post, post_message = map(float, data["post"])
         hooks = [float(h) for h in data["fsdp"]["hooks"]]
         by_group = {name: _by_group(data["fsdp"][name]) for name in ("gather", "reduce")}
@@ -216,14 +221,14 @@ class Prices:
                     None if data.get("processors") is None else float(data["processors"]),
                     None if data.get("world_size") is None else int(data["world_size"]),
                     frame={name: _by_group(sizes) for name, sizes in data["frame"].items()}, post=post,
-                    post_message=post_message, copy=float(data["copy"]), fsdp=fsdp)  # fmt: skip
+                    post_message=post_message, copy=float(data["copy"]), fsdp=fsdp, crowded=crowded)  # fmt: skip
         seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte,
                    "post": found.post, "post_message": found.post_message, "copy": found.copy,
                    "fsdp hooks forward": hooks[0], "fsdp hooks backward": hooks[1]}
         for label, table in [*(("frame " + n, t) for n, t in found.frame.items()),
                              *(("fsdp " + n, t) for n, t in by_group.items())]:  # fmt: skip
             seconds |= {f"{label} over {group}": value for group, value in table.items()}
-        for op, groups in found.collectives.items():
+        for op, groups in [*found.collectives.items(), *((f"{op} crowded", g) for op, g in crowded.items())]:
             for group, link in groups.items():
                 points = link.points if isinstance(link, Curve) else ((0.0, link.latency),)
                 seconds |= {f"{op} over {group} at {b:.0f} bytes": t for b, t in points}
@@ -234,6 +239,18 @@ class Prices:
         if found.processors is not None and (not math.isfinite(found.processors) or found.processors <= 0):
             raise ValueError(f"processors is {found.processors}, not a positive number of ranks")
         return found
+
+
+def _curves(table: Mapping[str, Mapping[int, Link | Curve]]) -> dict[str, dict[str, list[Any]]]:
+    """Collectives' prices as a file keeps them: a Curve as its [bytes, seconds] points, a Link as [latency,
+    per_byte]."""
+    return {op: {str(g): [list(p) for p in link.points] if isinstance(link, Curve) else [link.latency, link.per_byte]
+                 for g, link in groups.items()} for op, groups in table.items()}  # fmt: skip
+
+
+def _read_curves(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[int, Link | Curve]]:
+    return {op: {int(g): Curve.of(v) if v and isinstance(v[0], list) else Link(*map(float, v))
+                 for g, v in groups.items()} for op, groups in table.items()}  # fmt: skip
 
 
 def _by_group(table: Mapping[str, Any]) -> dict[int, float]:
@@ -289,22 +306,37 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     p2p = Link.fit([(size, probes.ping(size // 4, repeats, device)) for size in SIZES])
     groups = {g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
               for g in range(2, world + 1) if world % g == 0}  # fmt: skip
+    crowded: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in COLLECTIVES}
     for group_size, group in groups.items():
         for op in COLLECTIVES:
             for size in sizes:
-                samples[op].setdefault(group_size, []).append(
-                    (size, probes.collective(op, size // 4, group, group_size, repeats if size < 2**22 else 2, device,
-                                             rounds=repeats)))  # fmt: skip
+                count = repeats if size < 2**22 else 2
+                samples[op].setdefault(group_size, []).append((size, probes.collective(
+                    op, size // 4, group, group_size, count, device, rounds=repeats, active=rank < group_size)))
+                if group_size < world:  # every group of the size at once, as the replicas of each pipeline rank
+                    crowded[op].setdefault(group_size, []).append((size, probes.collective(
+                        op, size // 4, group, group_size, count, device, rounds=repeats)))  # fmt: skip
     partial = Prices(0.0, p2p, {op: {g: Curve.of(s) for g, s in found.items()} for op, found in samples.items()},
                      f"measured just now on {socket.gethostname()}", True,
                      None if device.type == "cuda" else probes.processors(repeats), None,
                      probes.frame(groups, 4 * repeats, device), *probes.posting(2 * repeats, device),
-                     probes.copying(repeats, device), probes.fsdp(groups, repeats, device))  # fmt: skip
+                     probes.copying(repeats, device), {},
+                     {op: {g: Curve.of(s) for g, s in found.items()} for op, found in crowded.items()})  # fmt: skip
+    partial = dataclasses.replace(partial, fsdp=_fsdp(partial, probes.fsdp(groups, 2 * repeats, device)))
     overhead, latency = probes.host(engine, _stepper(partial), repeats)
     found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte))
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]  # type: ignore[return-value]
+
+
+def _fsdp(prices: Prices, measured: Mapping[str, Any]) -> dict[str, Any]:
+    """What FSDP2 adds per unit beyond the raw collectives: probes.fsdp's seconds per unit over each group size less
+    the calibrated collective at the unit's bytes (every group at once, as the probe ran it), at least 0."""
+    unit = float(measured["unit"])
+    return {"hooks": measured["hooks"], **{name: {g: max(0.0, t - prices.collective(op, g, unit, crowded=True))
+                                                  for g, t in measured[name].items()}
+                                           for name, op in (("gather", "all_gather"), ("reduce", "reduce_scatter"))}}
 
 
 def _stepper(prices: Prices) -> Callable[[Any, float, float], float]:

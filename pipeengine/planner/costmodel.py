@@ -27,8 +27,12 @@ output between F and B and runs its forward again in the backward.
 Ranks that share a machine's processors (CPU ranks, more than its cores: ``Prices.processors``, measured) compute
 slower together than alone: the simulator shares them among the computes running at each moment
 (schedules.sim.sharing), each simulated rank standing for the data_parallel x tensor_parallel ranks that compute
-beside it; a compute's tensor-parallel collectives and FSDP's gather wait on other ranks and are not shared (their
-calibrated times were measured with every rank running them).
+beside it. There gloo's tensor-parallel collectives are work too (their calibrated time over a group, measured with
+that group's ranks alone, is brought to full speed where the group outnumbers the processors), slowed like a
+compute's by what runs beside them, and so is the replicas' asynchronous all-reduce (gloo's threads reduce on the
+same cores; priced with every replica group running it at once); FSDP's gather waits on other ranks and is not
+shared. Ranks with processors of
+their own (GPUs) wait on each other through every collective.
 """
 
 from __future__ import annotations
@@ -124,11 +128,13 @@ class LayerProfile:
             memory = self._allocated(memory, bounds, placement, params, data_parallel)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
             memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations))
-        forward_wait = [self._collectives("F", a, b, prices) for a, b in bounds]  # waits on the other TP ranks
-        backward_wait = [self._collectives("B", a, b, prices) for a, b in bounds]
-        forward = [total(self.forward, a, b) + w for (a, b), w in zip(bounds, forward_wait, strict=True)]
-        backward = [total(self.backward, a, b) + w for (a, b), w in zip(bounds, backward_wait, strict=True)]
-        grad_input = [total(self.backward_input, a, b) + w for (a, b), w in zip(bounds, backward_wait, strict=True)]
+        world = data_parallel * self.tensor_parallel * (max(placement) + 1 if placement else len(bounds))
+        tp_forward = [self._collectives("F", a, b, prices, world) for a, b in bounds]  # (work, wait) each
+        tp_backward = [self._collectives("B", a, b, prices, world) for a, b in bounds]
+        forward = [total(self.forward, a, b) + sum(c) for (a, b), c in zip(bounds, tp_forward, strict=True)]
+        backward = [total(self.backward, a, b) + sum(c) for (a, b), c in zip(bounds, tp_backward, strict=True)]
+        grad_input = [total(self.backward_input, a, b) + sum(c) for (a, b), c in zip(bounds, tp_backward, strict=True)]
+        forward_wait, backward_wait = [c[1] for c in tp_forward], [c[1] for c in tp_backward]
         weight = [total(self.backward_weight, a, b) for a, b in bounds]
         checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
                         for s in range(len(bounds))]  # fmt: skip
@@ -150,7 +156,11 @@ class LayerProfile:
             backward = [b + n * backward_hooks for b, n in zip(backward, hooks, strict=True)]
             grad_input = [i + n * backward_hooks for i, n in zip(grad_input, hooks, strict=True)]
         else:  # flattened at the AR, copied back (and divided) once it is done, at the step's end
-            reduce = [prices.collective("all_reduce", data_parallel, p) + 2 * prices.copy * p * synced for p in params]
+            # where ranks share processors the all-reduce is work beside the computes: its time with every rank of the
+            # world running one, brought to full speed where they outnumber the processors
+            speed = 1.0 if prices.processors is None else min(1.0, prices.processors / world)
+            reduce = [(prices.collective("all_reduce", data_parallel, p, crowded=True) + 2 * prices.copy * p) * speed
+                      * synced for p in params]  # fmt: skip
             gather, sync_host = [0.0] * len(bounds), [prices.copy * p * synced for p in params]
         return Costs(
             forward=[f + prices.overhead for f in forward],
@@ -174,15 +184,32 @@ class LayerProfile:
         """Seconds of one FSDP collective per layer of [a, b) that holds parameters, on that layer's bytes, with what
         FSDP2 adds to each."""
         extra = prices.fsdp_extra("gather" if op == "all_gather" else "reduce", data_parallel)
-        return sum(prices.collective(op, data_parallel, float(size)) + extra
+        return sum(prices.collective(op, data_parallel, float(size), crowded=True) + extra
                    for size in self.parameter_bytes[a:b] if size)  # fmt: skip
 
-    def _collectives(self, compute: str, a: int, b: int, prices: Prices) -> float:
-        """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B")."""
-        if not self.collectives:
-            return 0.0
-        return sum(prices.collective(op, self.tensor_parallel, size)
-                   for layer in self.collectives[a:b] for when, op, size in layer if when == compute)  # fmt: skip
+    def _collectives(self, compute: str, a: int, b: int, prices: Prices, world: int) -> tuple[float, float]:
+        """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B"):
+        (work, wait). Ranks with processors of their own wait through all of it. Where ranks share processors, of each
+        collective's time over its group (timed with the group's ranks alone) the share that is processor work is
+        what slowed it when every group of the world ran it at once (crowded), against the slowdown of pure work:
+        that share is work at full speed (brought down by tp / processors where the group outnumbers them), the rest
+        a wait."""
+        work = wait = 0.0
+        tp, processors = self.tensor_parallel, prices.processors
+        for layer in self.collectives[a:b] if self.collectives else ():
+            for when, op, size in layer:
+                if when != compute:
+                    continue
+                alone = prices.collective(op, tp, size)
+                if processors is None:
+                    wait += alone
+                    continue
+                slower = min(1.0, processors / tp) / min(1.0, processors / world)  # pure work, all groups at once
+                crowded = prices.collective(op, tp, size, crowded=True)
+                share = 1.0 if slower <= 1.0 or alone <= 0 else min(1.0, max(0.0, (crowded / alone - 1) / (slower - 1)))
+                work += share * alone * min(1.0, processors / tp)
+                wait += (1 - share) * alone
+        return work, wait
 
     def _allocated(
         self, memory: Memory, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None,

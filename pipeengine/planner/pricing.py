@@ -2,9 +2,9 @@
 processors.
 
 A search prices thousands of candidates, each a pure-Python replay of its program (no torch): ``in_parallel`` splits
-them over forked worker processes where the platform forks (Linux) and there are enough to be worth the fork, and
-prices them here otherwise. The work reaches the workers through the fork (a module global set just before), and
-only numbers come back.
+them between this process and forked ones where the platform forks (Linux) and there are enough to be worth the
+fork, and prices them all here otherwise. The work reaches the workers through the fork (a module global set just
+before), and only numbers come back, each worker's through a pipe of its own.
 """
 
 from __future__ import annotations
@@ -62,19 +62,39 @@ def processors() -> int:
 
 
 def in_parallel(count: int, work: Callable[[int], Priced], workers: int | None = None) -> list[Priced]:
-    """``work(i)`` for each i < ``count``, in order: split round-robin over ``workers`` forked processes (default: this
-    process's processors), or here where there is one worker, too few items or no fork."""
+    """``work(i)`` for each i < ``count``, in order: split round-robin over ``workers`` (default: this process's
+    processors), this process and forked ones, or all here where there is one worker, too few items or no fork.
+    A failure in a worker is raised here, with its traceback."""
     workers = min(workers or processors(), max(1, count // (WORTH // 2)))
     if workers < 2 or count < WORTH or sys.platform != "linux":
         with gc_paused():  # thousands of small simulations: no cycles to collect
             return [work(i) for i in range(count)]
     global _WORK
     _WORK = (work, count, workers)
+    context = multiprocessing.get_context("fork")
+    children = []
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_share, range(workers))
+        for worker in range(1, workers):
+            receiver, sender = context.Pipe(duplex=False)
+            child = context.Process(target=_share, args=(worker, sender), daemon=True)
+            child.start()
+            sender.close()
+            children.append((child, receiver))
+        parts = [_shared(0)]
+        for child, receiver in children:
+            try:
+                failure, part = receiver.recv()
+            except EOFError:
+                failure, part = f"the worker pricing share {len(parts)} died (exit code {child.exitcode})", []
+            if failure:
+                raise RuntimeError(f"pricing the candidates on {workers} workers failed: {failure}")
+            parts.append(part)
     finally:
         _WORK = None
+        for child, _ in children:
+            child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
     found: list[Any] = [None] * count
     for worker, part in enumerate(parts):
         found[worker::workers] = part
@@ -84,7 +104,19 @@ def in_parallel(count: int, work: Callable[[int], Priced], workers: int | None =
 _WORK: tuple[Callable[[int], Priced], int, int] | None = None  # set for the forked workers to read
 
 
-def _share(worker: int) -> list[Priced]:
+def _shared(worker: int) -> list[Priced]:
     work, count, workers = _WORK  # type: ignore[misc]
     with gc_paused():
         return [work(i) for i in range(worker, count, workers)]
+
+
+def _share(worker: int, sender: Any) -> None:
+    """A forked worker: its share of the work, or the failure, back through ``sender``."""
+    try:
+        sender.send(("", _shared(worker)))
+    except BaseException:  # noqa: BLE001  (the parent raises it)
+        import traceback
+
+        sender.send((traceback.format_exc(), []))
+    finally:
+        sender.close()

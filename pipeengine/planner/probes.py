@@ -43,11 +43,11 @@ def ping(elements: int, repeats: int, device: torch.device) -> float:
 
 
 def collective(op: str, elements: int, group: Any, size: int, repeats: int, device: torch.device,
-               rounds: int = 1) -> float:  # fmt: skip
+               rounds: int = 1, active: bool = True) -> float:  # fmt: skip
     """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group``: ``repeats`` back to back after
     one barrier, as a step runs them, the slowest rank's time over their count (once warm); with ``rounds``, the
     median of that many. Timed one by one from a barrier each, an op also took the barrier's exit skew, milliseconds
-    when ranks share cores."""
+    when ranks share cores. Every rank calls it; those not ``active`` (not of the group timed) only wait."""
     whole = torch.ones(elements - elements % size, device=device)
     shard = torch.empty(whole.numel() // size, device=device)
 
@@ -59,16 +59,17 @@ def collective(op: str, elements: int, group: Any, size: int, repeats: int, devi
         else:
             dist.reduce_scatter_tensor(shard, whole, group=group)
 
-    once()
+    if active:
+        once()
     found = []
     for _ in range(rounds):
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(repeats if active else 0):
             once()
         if whole.is_cuda:
             torch.cuda.synchronize()
-        found.append(synced(time.perf_counter() - start) / repeats)
+        found.append(synced(time.perf_counter() - start if active else 0.0) / repeats)
     return statistics.median(found)
 
 
@@ -156,12 +157,11 @@ def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: i
     accumulated whole between syncs), on ``units`` Linear(width, width) layers against the same unsharded: "hooks",
     host seconds per unit in a forward and in a backward once gathered (each rank in turn, the others waiting); and
     over each group size (``groups``: size -> this rank's group, all the world's groups of that size at once),
-    seconds per unit beyond the raw collective at the unit's bytes, "gather" in the forward that gathers it and
-    "reduce" in the backward that reduce-scatters it. The medians of ``repeats``."""
+    seconds per unit a forward that gathers it takes more ("gather") and a backward that reduce-scatters it
+    ("reduce"), the slowest rank's; "unit", its bytes. The medians of ``repeats``."""
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
 
-    from pipeengine.parallel.fsdp import ShardedReduce, shard_stage
+    from pipeengine.parallel import fsdp as sharding
 
     torch.manual_seed(0)
     plain = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)]).to(device)
@@ -174,33 +174,27 @@ def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: i
         out = module(x)
         middle = time.perf_counter()
         if sync:
-            module.set_requires_gradient_sync(True)  # type: ignore[operator]
-            module.set_is_last_backward(True)  # type: ignore[operator]
-            module.set_reshard_after_backward(True)  # type: ignore[operator]
+            sharding.sync_next(module)
         out.sum().backward()
         module.zero_grad(set_to_none=True)
         return middle - start, time.perf_counter() - middle
 
-    found: dict[str, Any] = {"gather": {}, "reduce": {}}
+    found: dict[str, Any] = {"gather": {}, "reduce": {}, "unit": unit}
     for size, group in groups.items():
-        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
-        sharded = shard_stage(copy.deepcopy(plain), 0, mesh, False)
+        sharded = sharding.probe_stage(copy.deepcopy(plain), group, device.type)
         timings = []
         for _ in range(repeats + 1):
-            sharded.reshard()  # type: ignore[operator]
-            ShardedReduce.accumulate(sharded)
+            sharding.regather(sharded)
             dist.barrier()
             timings.append(passes(sharded, sync=True))
         alone = [passes(plain) for _ in range(repeats)]
         extra = [statistics.median(t[k] for t in timings[1:]) - statistics.median(t[k] for t in alone)
                  for k in (0, 1)]  # fmt: skip
-        extra[0] -= units * collective("all_gather", unit // 4, group, size, repeats, device)
-        extra[1] -= units * collective("reduce_scatter", unit // 4, group, size, repeats, device)
         seconds = torch.tensor(extra, dtype=torch.float64) / units
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         found["gather"][size], found["reduce"][size] = max(float(seconds[0]), 0.0), max(float(seconds[1]), 0.0)
         if size == dist.get_world_size():  # the hooks, once gathered, with no collective
-            ShardedReduce.accumulate(sharded)
+            sharding.regather(sharded)
             passes(sharded)
             hooks = torch.zeros(2, dtype=torch.float64)
             for turn in range(size):

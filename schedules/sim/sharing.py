@@ -8,11 +8,15 @@ rank is free and its input has arrived (as in schedules.sim.simulation.run) and 
 change whenever one starts or ends. Of a compute's price, the seconds it waits on other ranks (a tensor-parallel
 collective inside it, FSDP's gather before a first forward: its entry's hold) take no processor: the compute holds its
 rank that long after its work, beside the running ones. Communication is posted when the rank reaches it: its host
-time (schedules.sim.entries) is work like a compute's, and a blocking collective then holds the rank until done.
+time (schedules.sim.entries) is work like a compute's, and a blocking collective then holds the rank until done. An
+asynchronous collective (a gradient all-reduce) is work too, beside the rank's computes: each rank runs its own one
+at a time, in program order, from their posts, sharing the processors with whatever else runs (gloo's threads reduce
+on the same cores).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,8 +32,10 @@ def shared(
     done: Callable[[Any, float], None],
     post: Callable[[Any, float], None],
     stuck: Callable[[list[tuple[int, int]]], Exception],
+    ended: dict[tuple[int, int], float] | None = None,
 ) -> list[list[tuple[float, float]]]:
-    """(start, end) of every action of every rank, in program order, the computes sharing ``processors``.
+    """(start, end) of every action of every rank, in program order, the computes sharing ``processors``; each
+    asynchronous collective's end in ``ended`` ((rank, index) -> when it was done).
 
     ``programs``: each rank's entries (schedules.sim.entries: entry[0] None: communication, entry[2]: a compute's
     price, entry[7]: host seconds, entry[8]: what of it waits on other ranks). ``ready(entry, free)``: when a
@@ -44,15 +50,33 @@ def shared(
     mark: list[float | None] = [None] * ranks
     hold: list[float | None] = [None] * ranks  # a compute past its work, waiting on other ranks until then
     start: list[float | None] = [None] * ranks
+    queued: list[deque[int]] = [deque() for _ in range(ranks)]  # each rank's asynchronous collectives waiting
+    channel: list[float | None] = [None] * ranks  # the work mark of the one running, and which it is
+    carrying = [0] * ranks
+    ended = ended if ended is not None else {}
     work = now = 0.0
     running, changed = 0, True
+
+    def posted(rank: int, index: int, at: float) -> None:
+        """Communication posted at ``at``: an asynchronous collective queues on its rank's channel, and starts now if
+        the channel is idle."""
+        nonlocal running
+        entry = programs[rank][index]
+        post(entry, at)
+        if entry[2] > 0 and not entry[8]:
+            queued[rank].append(index)
+            if channel[rank] is None:
+                carrying[rank] = queued[rank].popleft()
+                channel[rank] = work + programs[rank][carrying[rank]][2]
+                running += 1
+
     while True:
         if changed:  # a rank went idle: its posts first (a compute's input may be one posted now), then who can start
             for rank in range(ranks):
                 if mark[rank] is None and hold[rank] is None and start[rank] is None:
                     program, pc = programs[rank], pcs[rank]
                     while pc < len(program) and program[pc][0] is None and not program[pc][7] and not program[pc][8]:
-                        post(program[pc], free[rank])
+                        posted(rank, pc, free[rank])
                         times[rank].append((free[rank], free[rank]))
                         pc += 1
                     pcs[rank] = pc
@@ -73,6 +97,9 @@ def shared(
                 first = held
             if end is not None and end < lowest:
                 lowest = end
+            end = channel[rank]
+            if end is not None and end < lowest:
+                lowest = end
         rate = processors / running if running > processors else 1.0
         finish = now + (lowest - work) / rate if running else infinity
         if first == finish == infinity:
@@ -84,6 +111,13 @@ def shared(
         work += (then - now) * rate
         now = then
         for rank in range(ranks):
+            end = channel[rank]
+            if end is not None and end <= work + _EPSILON * (1.0 + work):  # its collective is done: the next
+                ended[rank, carrying[rank]], channel[rank], running = now, None, running - 1
+                if queued[rank]:
+                    carrying[rank] = queued[rank].popleft()
+                    channel[rank] = work + programs[rank][carrying[rank]][2]
+                    running += 1
             end, held = mark[rank], hold[rank]
             if end is not None and end <= work + _EPSILON * (1.0 + work):  # its work is done
                 mark[rank], running = None, running - 1
@@ -94,7 +128,10 @@ def shared(
             elif held is None or held > now:
                 continue
             entry = programs[rank][pcs[rank]]
-            (post if entry[0] is None else done)(entry, now)
+            if entry[0] is None:
+                posted(rank, pcs[rank], now)
+            else:
+                done(entry, now)
             times[rank].append((began[rank], now))
             pcs[rank] += 1
             free[rank], hold[rank] = now, None

@@ -220,8 +220,9 @@ def run(
                 for rank, skeleton in enumerate(shapes)]  # fmt: skip
     ready, done, post, stuck = _rules(schedule, (forward_end, input_end, made, sent, received), has_recv, message)
     if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
-        return _collectives(programs, shared(programs, costs.processors, ready, done, post, stuck), sent, received,
-                            message, M)  # fmt: skip
+        ended: dict[tuple[int, int], float] = {}  # the asynchronous collectives, run sharing them too
+        spans = shared(programs, costs.processors, ready, done, post, stuck, ended)
+        return _collectives(programs, spans, sent, received, message, M, ended)
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     pcs, clocks, channels = [0] * p, [0.0] * p, [0.0] * p
     remaining = sum(len(program) for program in programs)
@@ -323,11 +324,12 @@ def _rules(
 
 def _collectives(
     programs: list[list[Entry]], times: list[list[tuple[float, float]]], sent: list[float | None],
-    received: list[float | None], message: list[float], M: int,
+    received: list[float | None], message: list[float], M: int, ended: dict[tuple[int, int], float] | None = None,
 ) -> list[list[tuple[float, float]]]:  # fmt: skip
     """Each communication's end: a message when it has arrived, a rank's collectives one at a time in program order
-    from their post (asynchronous: no rank waits on them; a blocking one ended where the replay put it)."""
-    for program, out in zip(programs, times, strict=True):
+    from their post (asynchronous: no rank waits on them; a blocking one ended where the replay put it; ``ended``:
+    where the shared-processor replay ran the asynchronous ones)."""
+    for rank, (program, out) in enumerate(zip(programs, times, strict=True)):
         channel = 0.0  # a rank's collectives run one at a time, in program order
         for index, entry in enumerate(program):
             if entry[0] is not None:
@@ -336,7 +338,7 @@ def _collectives(
             if entry[8]:  # blocking: done when the rank went on
                 channel = max(channel, posted_at)
             elif entry[2] > 0:  # an asynchronous collective with a price
-                channel = max(posted_at, channel) + entry[2]
+                channel = ended[rank, index] if ended is not None else max(posted_at, channel) + entry[2]
                 out[index] = (began, channel)
             else:
                 end = posted_at

@@ -284,8 +284,9 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
 
 
 def test_candidates_are_priced_on_forked_workers_in_order_and_as_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """pricing.in_parallel splits the work round-robin over forked processes and gives it back in order; too little
-    work is done here. The search's rows are the same priced on 2 workers as on 1 (the layers measured once)."""
+    """pricing.in_parallel splits the work round-robin between this process and forked ones and gives it back in
+    order; too little work is done here; a worker's failure is raised here. The search's rows are the same priced on
+    2 workers as on 1 (the layers measured once)."""
     from pipeengine.planner import pricing
 
     def work(i: int) -> pricing.Priced:
@@ -293,9 +294,16 @@ def test_candidates_are_priced_on_forked_workers_in_order_and_as_here(monkeypatc
 
     forked = pricing.in_parallel(pricing.WORTH * 2, work, workers=2)
     assert [row[0] for row in forked] == list(range(pricing.WORTH * 2))
-    pids = {row[2][0] for row in forked}
-    assert len(pids) == 2 and os.getpid() not in pids
+    assert [row[2][0] == os.getpid() for row in forked[:4]] == [True, False, True, False]  # here, the fork, ...
     assert {row[2][0] for row in pricing.in_parallel(10, work, workers=2)} == {os.getpid()}
+
+    def broken(i: int) -> pricing.Priced:
+        if i % 2:
+            raise ZeroDivisionError(f"candidate {i}")
+        return work(i)
+
+    with pytest.raises(RuntimeError, match=r"(?s)on 2 workers failed: Traceback.*ZeroDivisionError: candidate 1"):
+        pricing.in_parallel(pricing.WORTH * 2, broken, workers=2)
     import pipeengine.planner.search as search
 
     measured: dict[tuple[int, int], object] = {}

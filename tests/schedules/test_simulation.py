@@ -195,6 +195,13 @@ def test_a_gradient_sync_takes_its_host_time_then_runs_beside_or_holds_the_rank_
         assert (beside.makespan, blocking.makespan) == (pytest.approx(7), pytest.approx(9))
         syncs = [(s.rank, s.start, s.end) for s in blocking.spans if str(s.action).endswith("AR0")]
         assert sorted(syncs) == [(0, pytest.approx(6.5), pytest.approx(9)), (1, pytest.approx(3), pytest.approx(5.5))]
+    # on one processor the collective beside is work that shares it: 0F0 [0, 1], 1F0 [1, 2], 1B0 [2, 3]; 1AR0 from 3
+    # beside 0B0, each at half speed: 0B0 [3, 5]; then both ARs at half speed to 7 (1AR0's second half), 0AR0 alone
+    # to 8. Unshared: 0B0 [3, 4], 0AR0 [4, 6]
+    one = simulate(schedule, Costs(forward=1, backward=1, all_reduce=2, processors=1))
+    spans = {f"{s.action}": (s.start, s.end) for s in one.spans if s.is_compute or str(s.action).endswith("AR0")}
+    assert spans == {"0F0": (0, 1), "1F0": (1, 2), "1B0": (2, 3), "0B0": (3, 5), "1AR0": (3, 7), "0AR0": (5, 8)}
+    assert simulate(schedule, Costs(forward=1, backward=1, all_reduce=2)).makespan == 6
 
 
 GRID = [(name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v")
@@ -238,12 +245,13 @@ def test_ranks_on_one_processor_take_the_sum_of_their_work(name: str, p: int, m:
 @pytest.mark.parametrize("name, p, m", GRID)
 def test_enough_processors_for_every_rank_replay_as_unshared(name: str, p: int, m: int) -> None:
     """The event-by-event replay of shared processors (schedules.sim.sharing) follows the same rules as the
-    unshared one: with all but a hair of a processor per rank, every span is where the unshared replay puts it."""
+    unshared one: with all but a hair of a processor for each rank and one for its asynchronous collectives (work
+    too), every span is where the unshared replay puts it."""
     schedule, costs = _priced(name, p, m, seed=p + m)
     costs.update(latency=0.3, per_byte=0.01, message_bytes=10.0, all_reduce=2.0, post=0.05, post_message=0.02,
                  sync_host=0.1, sync_blocking=p == 4)  # fmt: skip
     alone = simulate(schedule, Costs(**costs))  # type: ignore[arg-type]
-    nearly = simulate(schedule, Costs(**costs, processors=p - 1e-9))  # type: ignore[arg-type]
+    nearly = simulate(schedule, Costs(**costs, processors=2 * p - 1e-9))  # type: ignore[arg-type]
     assert [(s.rank, s.action) for s in nearly.spans] == [(s.rank, s.action) for s in alone.spans]
     assert [t for s in nearly.spans for t in (s.start, s.end)] == pytest.approx(
         [t for s in alone.spans for t in (s.start, s.end)], rel=1e-6)  # fmt: skip
