@@ -230,8 +230,15 @@ def priced(memory: Memory, state: list[float], optimizer_copies: float, data_par
     """The planner's memory model of a layout with fsdp=True: each stage's state sharded over the replicas, its
     parameters and gradients gathered whole during the step, no flat all-reduce buffer."""
     whole = [s / (2 + optimizer_copies) for s in state]  # each stage's parameters, gathered
+    first = None
+    if allocations:  # the first backward of a step makes every unit's whole gradient before it ends (FSDP2 keeps
+        # each to accumulate into): at least that much on top while it runs (measured by the engine's traced steps)
+        stages = len(whole)
+        table = memory.per_stage(stages)
+        first = [max(t, w) for t, w in zip(table["first_transient"], whole, strict=True)]
     return dataclasses.replace(
         memory, state=[s / data_parallel for s in state], gathered=whole, gathered_grads=whole, sync=0.0,
         grads_late=[g / data_parallel for g in whole] if allocations else 0.0,
         optimizer=[o / data_parallel for o in memory.optimizer] if allocations else 0.0,  # type: ignore[union-attr]
+        first_transient=first if first is not None else memory.first_transient,
     )  # fmt: skip

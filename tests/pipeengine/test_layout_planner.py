@@ -251,6 +251,12 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     sharded = profile.stage_costs([(0, 2)], prices=priced, data_parallel=2, fsdp=True)
     assert sharded.sync_blocking and sharded.sync_host == [pytest.approx(1e-3 * params[0] * 1.5)]
     assert sharded.gather == [pytest.approx(2 * 0.5 + 1e-3 * params[0])]
+    # FSDP2's first backward of a step makes every unit's whole gradient before it ends: at least that on top
+    watched = profile_layers(blocks(2, 16), torch.randn(BATCH, 16), 4, repeats=1, device=torch.device("cpu"),
+                             allocator=True)  # fmt: skip
+    firsts = [watched.stage_costs([(0, 2)], prices=PRICES, data_parallel=2, fsdp=sharding).memory.per_stage(1)[  # type: ignore[union-attr]
+        "first_transient"][0] for sharding in (False, True)]  # fmt: skip
+    assert firsts[1] == max(firsts[0], float(sum(watched.parameter_bytes))) > firsts[0]
     # what FSDP2 adds per unit (2 here): its hooks on each compute, and beyond each raw gather and reduce-scatter
     plain = profile.stage_costs([(0, 2)], prices=PRICES, data_parallel=2, fsdp=True)
     hooked = dataclasses.replace(PRICES, fsdp={"hooks": [0.5, 0.25], "gather": {2: 1.0}, "reduce": {4: 2.0}})
