@@ -38,16 +38,17 @@ from pipeengine.planner import probes
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # priced on the whole tensor's bytes
-# host seconds per compute beyond its kernels, on CPU/gloo: its span 0.13 ms, a post 0.08 ms, 0.05 ms between
-# instructions (a traced 2-rank 1F1B of Linear(8) layers, m=32, on the 2-core machine of the benchmarks)
-OVERHEAD = 3e-4
-LATENCY, PER_BYTE = 1e-4, 1e-9  # a message on loopback gloo: ~0.1 ms, ~1 GB/s (benchmarks/vs_torch.py probes)
-# a step's frame over pipelines and replicas of 2 and 4 ranks, posting (per post, per message more), copying a byte:
-# 4 gloo ranks of the 2-core machine of the benchmarks (python -m pipeengine.tune --calibrate --world-size 4)
-FRAME = {"pipeline": {2: 1.5e-3, 4: 3.5e-3}, "replicas": {2: 1.5e-3, 4: 1.0e-3}}
-POST, POST_MESSAGE, COPY = 8e-5, 1.5e-5, 1.6e-10
+# The built-in constants: what python -m pipeengine.tune --calibrate --world-size 4 measured on 4 gloo ranks of the
+# 2-core machine of the benchmarks (2026-11-27, the middle of 5 runs where they spread): host seconds per compute
+# beyond its layers' measured time (0.05-0.09 ms), a message's latency as a step takes it up (0-0.7 ms: fitted after
+# the frame, which it trades off against) and per byte; a training step's frame over pipelines and replicas of 2 and
+# 4 ranks; posting (per post, per message more); copying a byte of gradients
+OVERHEAD = 6e-5
+LATENCY, PER_BYTE = 1e-4, 3e-10
+FRAME = {"pipeline": {2: 3.4e-3, 4: 4.5e-3}, "replicas": {2: 4e-4, 4: 4.5e-4}}
+POST, POST_MESSAGE, COPY = 2.2e-5, 1.3e-5, 4e-11
 # FSDP2 per unit: host seconds in a forward and a backward; beyond the raw collective, its gather and reduce-scatter
-FSDP = {"hooks": [1.0e-4, 9.0e-5], "gather": {2: 9.0e-4, 4: 6.0e-4}, "reduce": {2: 2.2e-3, 4: 1.6e-3}}
+FSDP = {"hooks": [9e-5, 7.5e-5], "gather": {2: 1e-3, 4: 1.3e-3}, "reduce": {2: 5e-4, 4: 1.5e-3}}
 FORMAT = 2  # of the calibration file: 1 (no version written) had no frame, posting, copying or FSDP's extras
 BUILT_IN = "built-in constants (measured on the benchmarks' 2-core machine, not this one: run python -m " \
            "pipeengine.tune --calibrate)"  # fmt: skip

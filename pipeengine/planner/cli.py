@@ -103,8 +103,11 @@ def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = 
         path, prices = measure_machine(args.world_size, engine, args.backend)
         sharing = ("each rank computes at full speed" if prices.processors is None else
                    f"{prices.processors:.2f} ranks compute at full speed at once")  # fmt: skip
-        print(f"wrote {path}: host {prices.overhead * 1e3:.3f} ms per compute, a message "
-              f"{prices.p2p.latency * 1e3:.3f} ms + {prices.p2p.per_byte * 2**30:.3f} s/GiB; {sharing}")  # fmt: skip
+        frame = ", ".join(f"{name} of {group} {seconds * 1e3:.2f} ms" for name, sizes in prices.frame.items()
+                          for group, seconds in sorted(sizes.items()))  # fmt: skip
+        print(f"wrote {path}: host {prices.overhead * 1e3:.3f} ms per compute, a post {prices.post * 1e3:.3f} ms, a "
+              f"message {prices.p2p.latency * 1e3:.3f} ms + {prices.p2p.per_byte * 2**30:.3f} s/GiB; a step's frame: "
+              f"{frame}; {sharing}")  # fmt: skip
         return 0
     if args.problem is None:
         parser.error("give the problem (module:function), or --calibrate")
