@@ -149,7 +149,8 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
     assert sharded.gather == [pytest.approx(2 * 0.5)] and sharded.all_reduce == [pytest.approx(2 * 0.25)]
     # an unmeasured group size scales as a ring from the nearest measured one; an unmeasured op is a ring of p2p
     assert PRICES.collective("all_reduce", 4, 1000.0) == pytest.approx(1.0 * 6 / 2 + 1e-3 * 1000 * 0.75 / 0.5)
-    assert Prices().collective("all_gather", 4, 1e6) == pytest.approx(3 * 1e-4 + 0.75 * 1e-9 * 1e6)
+    built_in = 3 * calibration.LATENCY + 0.75 * calibration.PER_BYTE * 1e6  # a ring of the built-in messages
+    assert Prices().collective("all_gather", 4, 1e6) == pytest.approx(built_in)
 
 
 def test_each_timed_run_of_a_layer_starts_with_the_caches_flushed() -> None:
