@@ -4,10 +4,11 @@ The partitioner (pipeengine.planner.partition: LayerCosts, ``measure``) and the 
 both read it, through the cost model (pipeengine.planner.costmodel), so both count time and bytes alike.
 Parameters are timed and counted on copies, the random state forked: the model is left as it was.
 
-On the CPU each timed run starts with the processor's caches flushed (a buffer the size of its last-level cache
-written over): a rank meets its stage's weights cold, since between two of its computes other layers, other
-micro-batches, communication and the ranks sharing the machine run (the same layer timed back to back, its weights
-still cached, ran 20-50% faster than in a pipeline's step on the 2-core machine of the benchmarks).
+On the CPU each timed run starts with the processor's caches flushed (pipeengine.planner.caches: a buffer the size
+of its last-level cache written over): a rank meets its stage's weights cold, since between two of its computes
+other layers, other micro-batches, communication and the ranks sharing the machine run (the same layer timed back
+to back, its weights still cached, ran 20-50% faster than in a pipeline's step on the 2-core machine of the
+benchmarks).
 
 Under tensor parallelism each layer is measured as one tensor-parallel rank runs it: a copy parallelized by the
 plan (torch's parallelize_module) on a process group of torch's fake backend, whose collectives do nothing, so
@@ -33,6 +34,7 @@ from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.observe.ledger import Ledger
 from pipeengine.parallel import tensor
 from pipeengine.planner import transients
+from pipeengine.planner.caches import flusher
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
 from pipeengine.planner.elsewhere import elsewhere
 from pipeengine.runtime.backward import backward_input
@@ -158,7 +160,7 @@ def _profile(
     }  # fmt: skip
     allocations: list[transients.Allocation] = []
     collectives, probes = [], list[list[int]]()
-    flush = _flusher(device) if repeats else (lambda: None)
+    flush = flusher(device) if repeats else (lambda: None)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index, layer in enumerate(model):
             probe = copy.deepcopy(layer).to(device)
@@ -243,32 +245,6 @@ def _time(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: 
     weight_time = time.perf_counter() - start
     layer.zero_grad(set_to_none=True)
     return forward_time, backward_time, input_time, weight_time
-
-
-def _flusher(device: torch.device) -> Callable[[], None]:
-    """On the CPU, what writes over a buffer the size of the processor's last-level cache (what runs next reads
-    from memory); elsewhere nothing."""
-    if device.type != "cpu":
-        return lambda: None
-    buffer = torch.zeros(_last_level_cache() // 4)
-
-    def flush() -> None:
-        buffer.add_(1.0)
-
-    return flush
-
-
-def _last_level_cache() -> int:
-    """Bytes of this processor's largest cache (Linux's sysfs), else 32 MiB."""
-    from pathlib import Path
-
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = entry.read_text().strip()
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        if text[:-1].isdigit() and text[-1] in units:
-            sizes.append(int(text[:-1]) * units[text[-1]])
-    return max(sizes, default=32 * 2**20)
 
 
 def _bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) -> dict[str, int | bool]:
