@@ -70,12 +70,12 @@ def priced(
     skeleton: list[Skeleton],
     table: dict[Kind, list[float]],
     durations: Iterator[float] | None,
-    prices: Prices,
+    charges: Charges,
 ) -> list[Entry]:
     """A rank's skeleton with its prices (``durations``: its computes' measured times in place of ``table``'s, no
     waits). A gradient sync (AR) carries its price and host time (a TR is free); a stage's first forward on the rank
-    carries its gather, which waits on other ranks."""
-    reduce, gather, waits, post, per_message, sync_host, blocking = prices
+    carries its gather, which waits on other ranks. ``charges``: what simulation._charges expanded per stage."""
+    reduce, gather, waits, post, per_message, sync_host, blocking = charges
     program: list[Entry] = []
     for kind, stage, index, needs, crosses, makes, extra in skeleton:
         if kind is None:
@@ -101,4 +101,4 @@ def priced(
 # what priced() charges beyond the compute table: per stage the AR's price and the first F's gather, per kind and
 # stage the seconds a compute waits on other ranks, a post's host seconds and those per message in it, per stage an
 # AR's host seconds, and whether an AR holds its rank until it is done
-Prices = tuple[Sequence[float], Sequence[float], dict[Kind, list[float]], float, float, Sequence[float], bool]
+Charges = tuple[Sequence[float], Sequence[float], dict[Kind, list[float]], float, float, Sequence[float], bool]

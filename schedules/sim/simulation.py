@@ -10,7 +10,7 @@ from schedules.ir.dataflow import Dataflow
 from schedules.ir.gcpause import gc_paused
 from schedules.ir.instructions import Instruction, Kind
 from schedules.ir.schedule import Schedule
-from schedules.sim.entries import Entry, priced, skeletons
+from schedules.sim.entries import Charges, Entry, priced, skeletons
 from schedules.sim.memory_model import Memory, track
 from schedules.sim.perstage import PerStage, expand
 from schedules.sim.sharing import shared
@@ -257,9 +257,8 @@ def run(
     return _collectives(programs, times, sent, received, message, M)
 
 
-def _charges(costs: Costs, stages: int) -> tuple[list[float], list[float], dict[Kind, list[float]], float, float,
-                                                  list[float], bool]:  # fmt: skip
-    """What entries.priced charges beyond the compute table (its Prices), checked and expanded per stage."""
+def _charges(costs: Costs, stages: int) -> Charges:
+    """What entries.priced charges beyond the compute table (its Charges), checked and expanded per stage."""
     forward = expand("Costs.forward_wait", costs.forward_wait, stages)
     backward = expand("Costs.backward_wait", costs.backward_wait, stages)
     waits = {_F: forward, Kind.BACKWARD: backward, Kind.BACKWARD_INPUT: backward, _W: [0.0] * stages}
