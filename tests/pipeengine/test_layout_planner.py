@@ -21,6 +21,7 @@ from pipeengine.planner.calibration import Link, Prices
 from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import tune
 from schedules import Costs, Instruction, Kind, build_schedule, simulate, with_gradient_sync
+from schedules.sim.simulation import summarize
 from tests.pipeengine import ranks
 from tests.pipeengine.models import SEEDED, mse
 from tests.pipeengine.parity import OneProcess, train_like_one_process
@@ -268,6 +269,17 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     assert extra.backward_input == [pytest.approx(plain.backward_input[0] + 2 * 0.25)]  # type: ignore[index]
     assert extra.gather == [pytest.approx(plain.gather[0] + 2 * 1.0)]  # type: ignore[index]
     assert extra.all_reduce == [pytest.approx(plain.all_reduce[0] + 2 * 2.0)]  # type: ignore[index]  # nearest: 4
+    # a rank's peak holds one more of its largest transfer or tensor-parallel tensor (gloo may free one late)
+    cut = [(0, 1), (1, 2)]
+    assert profile.in_flight(cut) == profile.output[0] and profile.in_flight([(0, 2)]) == 0.0
+    from pipeengine.planner import pricing
+
+    program = build_schedule("1f1b", 2, 2)
+    spec = pricing.Spec(program, profile, cut, 1, False, "never")
+    plain_peaks = summarize(program, profile.stage_costs(cut, prices=PRICES, placement=program.placement))
+    for buffered, late in ((True, profile.output[0]), (False, 0.0)):
+        peaks = pricing.price(spec, PRICES, 2, buffered)[2]
+        assert list(peaks) == [pytest.approx(p + late) for p in plain_peaks.required_memory]
     # the search's step is the simulated program's makespan and the frame around it: the same layers (measured once)
     # priced without a frame and with one over a pipeline of 2 take 7 s more each
     x, y = data()
