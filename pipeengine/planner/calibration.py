@@ -50,8 +50,8 @@ POST, POST_MESSAGE, COPY = 2.2e-5, 1.3e-5, 4e-11
 # FSDP2 per unit: host seconds in a forward and a backward; beyond the raw collective, its gather and reduce-scatter
 FSDP = {"hooks": [9e-5, 7.5e-5], "gather": {2: 1e-3, 4: 1.3e-3}, "reduce": {2: 5e-4, 4: 1.5e-3}}
 FORMAT = 2  # of the calibration file: 1 (no version written) had no frame, posting, copying or FSDP's extras
-BUILT_IN = "built-in constants (measured on the benchmarks' 2-core machine, not this one: run python -m " \
-           "pipeengine.tune --calibrate)"  # fmt: skip
+CALIBRATE = "python -m pipeengine.tune --calibrate --world-size N (N: the ranks you will run)"
+BUILT_IN = f"built-in constants (measured on the benchmarks' 2-core machine, not this one: run {CALIBRATE})"
 SIZES = (2**12, 2**16, 2**20, 2**24)  # bytes each message is timed at: up to a model's gradients
 # bytes each collective is timed at: a micro-batch's activations (tensor parallelism) to a stage's gradients
 COLLECTIVE_SIZES = (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24)
@@ -283,7 +283,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
     source = Path(path) if path is not None else default_path()
     if not source.exists():
         if path is not None:
-            raise FileNotFoundError(f"no calibration file at {source}: run python -m pipeengine.tune --calibrate")
+            raise FileNotFoundError(f"no calibration file at {source}: run {CALIBRATE}")
         return Prices()
     try:
         data = json.loads(source.read_text())
@@ -291,7 +291,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
     except (ValueError, KeyError, TypeError, OSError) as error:
         raise ValueError(
             f"calibration file {source} cannot be read ({type(error).__name__}: {error}); delete it and run "
-            "python -m pipeengine.tune --calibrate again"
+            f"{CALIBRATE} again"
         ) from error
 
 

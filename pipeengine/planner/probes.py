@@ -8,6 +8,7 @@ import copy
 import socket
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,12 +53,14 @@ def collective(op: str, elements: int, group: Any, size: int, repeats: int, devi
     shard = torch.empty(whole.numel() // size, device=device)
 
     def once() -> None:
-        if op == "all_reduce":
-            dist.all_reduce(whole, group=group)
-        elif op == "all_gather":
-            dist.all_gather_into_tensor(whole, shard, group=group)
-        else:
-            dist.reduce_scatter_tensor(shard, whole, group=group)
+        with warnings.catch_warnings():  # torch 2.13 deprecates the *_tensor names FSDP2 itself still calls
+            warnings.simplefilter("ignore", FutureWarning)
+            if op == "all_reduce":
+                dist.all_reduce(whole, group=group)
+            elif op == "all_gather":
+                dist.all_gather_into_tensor(whole, shard, group=group)
+            else:
+                dist.reduce_scatter_tensor(shard, whole, group=group)
 
     if active:
         once()

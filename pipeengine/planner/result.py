@@ -83,7 +83,8 @@ class TuneResult:
         if not self.dropped:
             return "no candidate was dropped for memory"
         faster = [c for c in self.dropped if not self.rows or c.step_time < self.rows[0].step_time]
-        text = f"memory_limit={_mb(self.memory_limit)} per rank dropped {len(self.dropped)} candidates"
+        count = len(self.dropped)
+        text = f"memory_limit={_mb(self.memory_limit)} per rank dropped {count} candidate{'s' if count != 1 else ''}"
         if faster:
             top = min(faster, key=lambda c: c.step_time)
             rank = top.peak_memory.index(max(top.peak_memory))

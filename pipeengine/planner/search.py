@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -383,6 +384,9 @@ def _live_prices(world: Transport, engine: Callable[..., object]) -> Prices | No
     kept = calibration.default_path().exists()
     processes = world.name != "loopback" and dist.is_initialized() and world.size == dist.get_world_size() > 1
     if not all(world.all_gather_object(kept or not processes, "whether this machine's prices are kept")):
+        if world.rank == 0:
+            print(f"schedule='auto': no prices kept for this machine ({calibration.default_path()}): measuring them on "
+                  f"the {world.size} ranks first (about 10 s for 4 CPU ranks), once", file=sys.stderr, flush=True)
         prices = calibration.calibrate(engine)
         if world.rank == 0:
             calibration.save(prices, backend=world.name, world_size=world.size)

@@ -218,7 +218,7 @@ def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: 
                              ("overhead", float("nan"), "overhead is nan")):  # fmt: skip
         path = tmp_path / f"{key}.json"
         path.write_text(json.dumps({**record, key: value}))
-        with pytest.raises(ValueError, match=rf"{path.name} cannot be read .*{said}.*--calibrate again"):
+        with pytest.raises(ValueError, match=rf"{path.name} cannot be read .*{said}.*--world-size N .* again"):
             calibration.load(path)
     with pytest.raises(ValueError, match=r"cannot be read \(IsADirectoryError"):
         calibration.load(tmp_path)
@@ -386,7 +386,7 @@ def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, mon
     assert result.prices == prices.source and str(kept) in str(result)
     monkeypatch.setenv("PIPEENGINE_CALIBRATION", str(tmp_path / "none.json"))  # none kept: the built-in constants
     assert not calibration.load().calibrated and calibration.load().source.startswith("built-in constants")
-    with pytest.raises(FileNotFoundError, match="run python -m pipeengine.tune --calibrate"):
+    with pytest.raises(FileNotFoundError, match="run python -m pipeengine.tune --calibrate --world-size N"):
         calibration.load(tmp_path / "none.json")
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="broken.json cannot be read"):
