@@ -254,6 +254,11 @@ def _read_curves(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[int, 
                  for g, v in groups.items()} for op, groups in table.items()}  # fmt: skip
 
 
+def _curved(samples: Mapping[str, Mapping[int, Sequence[tuple[float, float]]]]) -> dict[str, dict[int, Link | Curve]]:
+    """Each op's (bytes, seconds) samples by group size as a Curve through them."""
+    return {op: {g: Curve.of(s) for g, s in found.items()} for op, found in samples.items()}
+
+
 def _by_group(table: Mapping[str, Any]) -> dict[int, float]:
     """A file's {"group size": seconds} as {size: seconds}."""
     return {int(group): float(value) for group, value in table.items()}
@@ -317,12 +322,11 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
                 if group_size < world:  # every group of the size at once, as the replicas of each pipeline rank
                     crowded[op].setdefault(group_size, []).append((size, probes.collective(
                         op, size // 4, group, group_size, count, device, rounds=repeats)))  # fmt: skip
-    partial = Prices(0.0, p2p, {op: {g: Curve.of(s) for g, s in found.items()} for op, found in samples.items()},
-                     f"measured just now on {socket.gethostname()}", True,
+    post, post_message = probes.posting(2 * repeats, device)
+    partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True,
                      None if device.type == "cuda" else probes.processors(repeats), None,
-                     probes.frame(groups, 4 * repeats, device), *probes.posting(2 * repeats, device),
-                     probes.copying(repeats, device), {},
-                     {op: {g: Curve.of(s) for g, s in found.items()} for op, found in crowded.items()})  # fmt: skip
+                     frame=probes.frame(groups, 4 * repeats, device), post=post, post_message=post_message,
+                     copy=probes.copying(repeats, device), fsdp={}, crowded=_curved(crowded))  # fmt: skip
     partial = dataclasses.replace(partial, fsdp=_fsdp(partial, probes.fsdp(groups, 2 * repeats, device)))
     overhead, latency = probes.host(engine, _stepper(partial), repeats)
     found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte))

@@ -196,6 +196,8 @@ class LayerProfile:
         a wait."""
         work = wait = 0.0
         tp, processors = self.tensor_parallel, prices.processors
+        # how much slower pure work runs with every group of the world at once than with one group alone
+        slower = 1.0 if processors is None else min(1.0, processors / tp) / min(1.0, processors / world)
         for layer in self.collectives[a:b] if self.collectives else ():
             for when, op, size in layer:
                 if when != compute:
@@ -204,7 +206,6 @@ class LayerProfile:
                 if processors is None:
                     wait += alone
                     continue
-                slower = min(1.0, processors / tp) / min(1.0, processors / world)  # pure work, all groups at once
                 crowded = prices.collective(op, tp, size, crowded=True)
                 share = 1.0 if slower <= 1.0 or alone <= 0 else min(1.0, max(0.0, (crowded / alone - 1) / (slower - 1)))
                 work += share * alone * min(1.0, processors / tp)

@@ -183,6 +183,7 @@ def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: i
         return middle - start, time.perf_counter() - middle
 
     found: dict[str, Any] = {"gather": {}, "reduce": {}, "unit": unit}
+    alone = [passes(plain) for _ in range(repeats)]  # the unsharded layers, the baseline of each
     for size, group in groups.items():
         sharded = sharding.probe_stage(copy.deepcopy(plain), group, device.type)
         timings = []
@@ -190,7 +191,6 @@ def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: i
             sharding.regather(sharded)
             dist.barrier()
             timings.append(passes(sharded, sync=True))
-        alone = [passes(plain) for _ in range(repeats)]
         extra = [statistics.median(t[k] for t in timings[1:]) - statistics.median(t[k] for t in alone)
                  for k in (0, 1)]  # fmt: skip
         seconds = torch.tensor(extra, dtype=torch.float64) / units

@@ -51,24 +51,29 @@ def shared(
     hold: list[float | None] = [None] * ranks  # a compute past its work, waiting on other ranks until then
     start: list[float | None] = [None] * ranks
     queued: list[deque[int]] = [deque() for _ in range(ranks)]  # each rank's asynchronous collectives waiting
-    channel: list[float | None] = [None] * ranks  # the work mark of the one running, and which it is
-    carrying = [0] * ranks
+    channel: list[float | None] = [None] * ranks  # the work mark of the one running
+    carrying = [0] * ranks  # which one that is
     ended = ended if ended is not None else {}
     work = now = 0.0
     running, changed = 0, True
 
+    def next_collective(rank: int) -> None:
+        """The rank's channel takes up the next queued collective, if any, from now."""
+        nonlocal running
+        if queued[rank]:
+            carrying[rank] = queued[rank].popleft()
+            channel[rank] = work + programs[rank][carrying[rank]][2]
+            running += 1
+
     def posted(rank: int, index: int, at: float) -> None:
         """Communication posted at ``at``: an asynchronous collective queues on its rank's channel, and starts now if
         the channel is idle."""
-        nonlocal running
         entry = programs[rank][index]
         post(entry, at)
         if entry[2] > 0 and not entry[8]:
             queued[rank].append(index)
             if channel[rank] is None:
-                carrying[rank] = queued[rank].popleft()
-                channel[rank] = work + programs[rank][carrying[rank]][2]
-                running += 1
+                next_collective(rank)
 
     while True:
         if changed:  # a rank went idle: its posts first (a compute's input may be one posted now), then who can start
@@ -110,16 +115,14 @@ def shared(
         then = finish if finish < first else first
         work += (then - now) * rate
         now = then
+        reached = work + _EPSILON * (1.0 + work)  # a mark at or below it is done
         for rank in range(ranks):
             end = channel[rank]
-            if end is not None and end <= work + _EPSILON * (1.0 + work):  # its collective is done: the next
+            if end is not None and end <= reached:  # its collective is done: the next
                 ended[rank, carrying[rank]], channel[rank], running = now, None, running - 1
-                if queued[rank]:
-                    carrying[rank] = queued[rank].popleft()
-                    channel[rank] = work + programs[rank][carrying[rank]][2]
-                    running += 1
+                next_collective(rank)
             end, held = mark[rank], hold[rank]
-            if end is not None and end <= work + _EPSILON * (1.0 + work):  # its work is done
+            if end is not None and end <= reached:  # its work is done
                 mark[rank], running = None, running - 1
                 wait = programs[rank][pcs[rank]][8]
                 if wait > 0:
