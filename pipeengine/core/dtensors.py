@@ -1,6 +1,7 @@
 """Tensors that may be DTensors (a stage parallelized on its tensor-parallel mesh): this rank's part, and the whole.
 
     local(t)    the tensor this rank holds (a DTensor's local shard, an async collective's result; a plain tensor)
+    settle(ts)  wait for the collectives still writing any of these tensors
     whole(t)    the full tensor (a DTensor gathered over its mesh: every rank of the mesh calls it)
     spread(t, like)   a full tensor cut as ``like`` is (its mesh and placements), with no communication
     tensor_parallel_numel(t)   the elements of this rank's shard along the mesh's "tp" dim alone
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["is_dtensor", "local", "local_bytes", "spread", "tensor_parallel_numel", "whole"]
+__all__ = ["is_dtensor", "local", "local_bytes", "settle", "spread", "tensor_parallel_numel", "whole"]
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -22,16 +24,26 @@ def is_dtensor(tensor: object) -> bool:
     return module is not None and isinstance(tensor, module.DTensor)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
+def local(tensor: torch.Tensor, wait: bool = True) -> torch.Tensor:
     """This rank's tensor: a DTensor's shard; the tensor inside an AsyncCollectiveTensor (what RowwiseParallel's
     output is until first used), whose own storage cannot be read, once its collective completed (a gradient's
-    shard is then scaled or reduced in place: before the wait, that would race the collective)."""
+    shard is then scaled or reduced in place: before the wait, that would race the collective). ``wait=False``: that
+    tensor as it is, the collective maybe still writing it: its storage's address and size, never its values."""
     if is_dtensor(tensor):  # its shard may itself be an AsyncCollectiveTensor (RowwiseParallel's output, as the
         tensor = tensor.to_local()  # type: ignore[attr-defined]  # next ColwiseParallel saves it for backward)
     module = sys.modules.get("torch.distributed._functional_collectives")  # not imported: none of them exists
     if module is not None and isinstance(tensor, module.AsyncCollectiveTensor):
-        return tensor.trigger_wait()  # type: ignore[no-any-return]  # its result, complete: read or written now
+        return tensor.trigger_wait() if wait else tensor.elem  # type: ignore[no-any-return]
     return tensor
+
+
+def settle(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Wait for the collectives still writing any of these tensors (tensor parallel's, asynchronous until used).
+    A compute watched by the allocator (pipeengine.observe.allocator) settles what it made before its watch closes:
+    gloo runs a collective on its own thread, which reports to the profiler that was on when it was launched."""
+    for tensor in tensors:
+        if tensor is not None:
+            local(tensor)
 
 
 def settled(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,7 +72,7 @@ def spread(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds of a tensor."""
-    mine = local(tensor)
+    mine = local(tensor, wait=False)
     return mine.numel() * mine.element_size()
 
 

@@ -10,6 +10,8 @@ first such free of the process and every 1000th after); ``AllocatorWatch(device,
 drops that line from what the block writes to fd 2 and passes the rest on when the block ends
 (the planner's watches: one layer's compute each).
 
+A collective launched in the block must be waited on in it (on CPU: see ``__exit__``'s error).
+
 On CPU the profiler sees one process: in-process (loopback) ranks share one, so there it cannot
 tell ranks apart (``AllocatorWatch.available`` says where it works). ``live_bytes`` is what a set
 of tensors holds (each storage once): the level a watch's deltas sit on.
@@ -18,6 +20,7 @@ of tensors holds (each storage once): the level a watch's deltas sit on.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import tempfile
@@ -71,12 +74,29 @@ def _dropping(noise: bytes) -> Iterator[None]:
                 kept = kept[os.write(2, kept):]
 
 
+def _unwaited() -> int:
+    """Functional collectives (DTensor's) launched and not yet waited on: c10d's work registry; 0 before any exists."""
+    count = getattr(torch._C, "_distributed_c10d", None)
+    if "torch.distributed._functional_collectives" not in sys.modules or count is None:
+        return 0
+    return int(count._get_work_registry_size())
+
+
+def _wait_every_unwaited() -> None:
+    """Wait for every asynchronous collective's tensor alive in the process and not yet waited on (found by the
+    garbage collector: slow, the watch's way out of a caller's bug, never its way)."""
+    module = sys.modules["torch.distributed._functional_collectives"]
+    for found in gc.get_objects():
+        if isinstance(found, module.AsyncCollectiveTensor) and not found.completed:
+            found.trigger_wait()
+
+
 def live_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind these tensors (None and empty ones skipped)."""
     sizes: dict[int, int] = {}
     for tensor in tensors:
         if tensor is not None and tensor.numel():
-            storage = local(tensor).untyped_storage()
+            storage = local(tensor, wait=False).untyped_storage()
             sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 
@@ -91,6 +111,7 @@ class AllocatorWatch:
         self.end = 0
         self._profile: torch.profiler.profile | None = None
         self._start = 0
+        self._unwaited = 0
         self._filter = contextlib.ExitStack()
 
     @staticmethod
@@ -104,6 +125,7 @@ class AllocatorWatch:
             self._start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            self._unwaited = _unwaited()
             self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True)  # fmt: skip
             if self.quiet:
@@ -124,10 +146,20 @@ class AllocatorWatch:
             return
         if self._profile is None:
             raise RuntimeError("AllocatorWatch exited without being entered")
+        left = _unwaited() - self._unwaited
+        if left > 0:  # wait for them before the profiler stops, found as they can be (a bug of the caller's: below)
+            _wait_every_unwaited()
         with self._filter, _quiet():
             self._profile.__exit__(kind, value, trace)
         if kind is not None:
             return
+        if left > 0:
+            raise RuntimeError(
+                f"AllocatorWatch: {left} collective(s) launched in the watched block were still unwaited when it "
+                "ended. Gloo runs a collective on its own thread, which reports to the profiler that was on when it "
+                "was launched: stopping the profiler first corrupts memory (a crash, at random), so they were waited "
+                "for here. Wait for what the block made inside it: pipeengine.core.dtensors.settle(outputs and "
+                "gradients).")  # fmt: skip
         events = [e for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
         events.sort(key=lambda e: e.start_ns())
         level = peak = 0

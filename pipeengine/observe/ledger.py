@@ -27,7 +27,7 @@ __all__: list[str] = []
 
 def storage(tensor: torch.Tensor) -> tuple[int, int]:
     """A tensor's storage: (its address, its bytes); what the ledger counts once (a DTensor's: its shard's)."""
-    storage = local(tensor).untyped_storage()
+    storage = local(tensor, wait=False).untyped_storage()  # sampling must not wait: the step runs as untraced
     return storage.data_ptr(), storage.nbytes()
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeengine.core.dtensors import settled
+from pipeengine.core.dtensors import settle, settled
 from pipeengine.core.specs import Tensors, unpack
 from pipeengine.observe.allocator import AllocatorWatch
 from pipeengine.runtime.backward import backward_input
@@ -60,6 +60,10 @@ def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, de
             out = unpack(layer(inputs if packed else inputs[0]))
         return inputs, tuple(settled(o) for o in out if o.requires_grad)
 
+    def made(inputs: Tensors) -> list[torch.Tensor | None]:
+        """The gradients a backward made: a tensor-parallel layer's may be its collectives' (waited inside a watch)."""
+        return [*(t.grad for t in inputs), *(p.grad for p in params)]
+
     with AllocatorWatch(device, quiet=True) as f:
         inputs, outputs = forward()  # what it keeps stays referenced here: the watch's end counts it
     grads = tuple(torch.ones_like(o) for o in outputs)
@@ -70,14 +74,17 @@ def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, de
         with AllocatorWatch(device, quiet=True) as watches["B" if steady else "first B"]:
             if outputs:
                 torch.autograd.backward(outputs, grads)
+            settle(made(inputs))
     layer.zero_grad(set_to_none=True)
     for steady in (False, True):
         inputs, outputs = forward()
         with AllocatorWatch(device, quiet=True) as watches["I"]:
             weight_pass = backward_input(outputs, grads, inputs, params)[1] if outputs else None
+            settle(made(inputs))
         with AllocatorWatch(device, quiet=True) as watches["W" if steady else "first W"]:
             if weight_pass is not None:
                 weight_pass.run()
+            settle(made(inputs))
         del weight_pass
     layer.zero_grad(set_to_none=True)
     size = [p.numel() * p.element_size() for p in params]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeengine.core.dtensors import settle
 from pipeengine.core.specs import Boundary, Tensors
 from pipeengine.observe.allocator import AllocatorWatch
 from pipeengine.observe.ledger import Ledger, StageSizes, storage
@@ -64,6 +65,8 @@ def stage_sizes(
             return
         with AllocatorWatch(device) as watch:
             yield
+            saved = worker.saved.get(-1)  # what it made, its collectives waited on inside the watch
+            settle([*(saved[1] if saved else ()), *(t.grad for t in inputs), *(p.grad for p in params)])
         transients[kind] = float(watch.peak)
 
     try:

@@ -12,7 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.core.dtensors import whole
+from pipeengine.core.dtensors import settle, whole
+from pipeengine.observe.allocator import AllocatorWatch
+from pipeengine.observe.ledger import storage
 from schedules import Costs, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.gpt import WIDTH
@@ -98,6 +100,7 @@ def around_the_engine(plain: str, sharded: str) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     every_schedule()
+    collectives_in_a_watch()
     apart = {**plan(tied=True), "0.tokens": ColwiseParallel(), "*.out": ColwiseParallel(use_local_output=False)}
     with pytest.raises(ValueError, match=r"the weight tied as '0.tokens.weight' \(with \['5.out.weight'\]\) was "
                                          r"parallelized differently on the ranks that hold it: "
@@ -133,6 +136,31 @@ def around_the_engine(plain: str, sharded: str) -> None:
     gathered = ranks.all_gather_object(engine.state_dict())
     if ranks.rank() == 0:  # what the tp=1 ranks that load it must hold
         torch.save({"engine": {k: v for s in gathered for k, v in s.items()}}, Path(sharded) / "state.pt")
+
+
+def collectives_in_a_watch() -> None:
+    """The allocator's watch on CPU (torch's profiler): a collective launched in it is waited for in it. Gloo runs it
+    on its own thread, which reports to the profiler on when it was launched: one still running when the profiler
+    stopped corrupted memory (RowwiseParallel's output, in a traced step's first forward: 1 CI run in ~15 crashed).
+    Left running, the watch waits for it and then says the caller's bug; settled, it is waited for inside. The
+    ledger reads an unwaited tensor's storage without waiting (a traced step waits where an untraced one does)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    ones = torch.ones(64)
+    said = r"AllocatorWatch: 1 collective\(s\) launched in the watched block were still unwaited when it ended\."
+    with pytest.raises(RuntimeError, match=said + r".*settle\(outputs and gradients\)"):
+        with AllocatorWatch(torch.device("cpu")):
+            left = funcol.all_reduce(ones, "sum", dist.group.WORLD)
+    assert left.completed and torch.equal(left.elem, torch.full((64,), 4.0)), "waited by the watch: the sum of 4"
+    with AllocatorWatch(torch.device("cpu")) as watch:
+        settled = funcol.all_reduce(ones * 2, "sum", dist.group.WORLD)
+        assert not settled.completed
+        storage(settled)  # the ledger's read: no wait
+        assert not settled.completed
+        settle([settled])
+    assert settled.completed and torch.equal(settled.elem, torch.full((64,), 8.0))
+    assert watch.peak >= 2 * 64 * 4, "the doubled input and the collective's output, as the allocator saw them"
 
 
 def traced_row_then_column() -> None:
