@@ -132,6 +132,9 @@ class StageSizes:
     optimizer: float = 0.0  # the optimizer step's temporaries over the stage's parameters
     gathered: float = 0.0  # FSDP: the stage's parameters gathered whole (from its first F to its AR)
     gathered_grads: float = 0.0  # FSDP: its whole gradients (from its first B or W to its AR)
+    reduce_held: float = 0.0  # FSDP: what its AR leaves held to the step's end (a unit's reduce-scatter input)
+    reduce_transient: float = 0.0  # FSDP: the most its AR holds above its start
+    gather_transient: float = 0.0  # FSDP: the most its first compute holds above the parameters it gathers
 
 
 def optimizer_copies(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]) -> float:

@@ -125,7 +125,8 @@ class Tracer:
 
     def _state_change(self, action: Instruction) -> float:
         """What the step-long state gained with this instruction: the gradients a stage's first B or W made; with
-        FSDP the parameters its first compute gathered, and at its AR the shards for the whole tensors."""
+        FSDP the parameters its first compute gathered, and at its AR the shards (and a reduce-scatter input kept) for
+        the whole tensors."""
         s, kind, change = action.stage, action.kind, 0.0
         if kind.is_compute and s in self.ungathered:
             self.ungathered.discard(s)
@@ -137,7 +138,8 @@ class Tracer:
                 self.grads_made.add(s)
                 change += self.sizes[s].gathered_grads
         if kind is Kind.ALL_REDUCE and s in self.sharded:
-            change += self.late.pop(s, 0.0) - self.sizes[s].gathered - self.sizes[s].gathered_grads
+            size = self.sizes[s]
+            change += self.late.pop(s, 0.0) + size.reduce_held - size.gathered - size.gathered_grads
         return change
 
     def mark(self) -> Mark:
@@ -229,6 +231,8 @@ def _sizes(
         sync=[s.sync for s in table], tie_sync=tuple(tie_sync), optimizer=[s.optimizer for s in table],
         grads_late=[s.grads_late for s in table], first_transient=[s.first_transient for s in table],
         gathered=[s.gathered for s in table], gathered_grads=[s.gathered_grads for s in table],
+        reduce_held=[s.reduce_held for s in table], reduce_transient=[s.reduce_transient for s in table],
+        gather_transient=[s.gather_transient for s in table],
     )  # fmt: skip
 
 

@@ -17,15 +17,16 @@ import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from torch import nn
 
+from pipeengine.core.dtensors import tensor_parallel_numel
 from pipeengine.core.ties import Ties
 from pipeengine.observe.trace import Tracer
-from pipeengine.parallel.gradsync import GradientSync, SyncBytes
+from pipeengine.parallel.gradsync import Gathered, GradientSync, SyncBytes
 from schedules import Action, Instruction, Kind, Memory
 
 __all__ = ["ShardedReduce", "check_shardable", "gather", "priced", "refuse_shared_units", "reshard", "shard_stage",
@@ -178,14 +179,17 @@ class ShardedReduce(GradientSync):
                 reshard(root)
 
     def bytes(self, stream: tuple[Action, ...], into: SyncBytes) -> None:
-        """Whole: gathered from the first F, gradients from the first B or W; the AR's flat input (the whole
-        gradients) comes after FSDP2 reshards the parameters, so it never tops the level before the AR.
-        reshard_after_forward frees them between a forward and the next backward (then gathered again): the model
-        holds them from the first F to the AR as without it (an upper bound, by at most their size)."""
+        """Whole: gathered from the first F (which holds them once more while it gathers), gradients from the first
+        B or W; the AR reshards the parameters and reduce-scatters unit by unit, each unit's shards made before its
+        whole gradients go (the AR's rise), and FSDP2 keeps a unit's reduce-scatter input to the step's end (the
+        largest unit's, a bound). reshard_after_forward frees them between a forward and the next backward (then
+        gathered again): the model holds them from the first F to the AR as without it (an upper bound, by at most
+        their size)."""
         for stage, root in self.roots.items():
             params = list(dict.fromkeys(root.parameters()))
-            grads = float(sum(p.numel() * p.element_size() for p in params if p.requires_grad))
-            into.gathered[stage] = (float(sum(p.numel() * p.element_size() for p in params)), grads)
+            unit = max(_unit_gradients(root))  # FSDP2 keeps the last unit's reduce-scatter input (the largest, bound)
+            into.gathered[stage] = Gathered(_whole_bytes(params, trainable=False), _whole_bytes(params), unit,
+                                            unit / self.replicas)  # fmt: skip
 
     def gathered(self) -> list[nn.Parameter]:
         return [p for root in self.roots.values() for p in root.parameters()]
@@ -198,6 +202,19 @@ class ShardedReduce(GradientSync):
             yield
         finally:
             reshard(module, self.reshard_after_forward)
+
+
+def _whole_bytes(params: Iterable[nn.Parameter], trainable: bool = True) -> float:
+    """Bytes of these parameters gathered over the replicas (a tensor-parallel rank's part of each)."""
+    return float(sum(tensor_parallel_numel(p) * p.element_size() for p in params if p.requires_grad or not trainable))
+
+
+def _unit_gradients(root: nn.Module) -> list[float]:
+    """Each FSDP unit's own whole gradients (bytes): shard_stage's layer units, then the root's other parameters."""
+    inner = [unit for unit in units(root) if unit is not root]
+    owned = {id(p) for unit in inner for p in unit.parameters()}
+    rest = [p for p in dict.fromkeys(root.parameters()) if id(p) not in owned]
+    return [*(_whole_bytes(dict.fromkeys(unit.parameters())) for unit in inner), _whole_bytes(rest)]
 
 
 def probe_stage(module: nn.Module, group: object, device_type: str) -> nn.Module:
@@ -225,19 +242,26 @@ def sync_next(module: nn.Module) -> None:
     module.set_reshard_after_backward(True)  # type: ignore[operator]
 
 
-def priced(memory: Memory, state: list[float], optimizer_copies: float, data_parallel: int, allocations: bool
-           ) -> Memory:  # fmt: skip
+def priced(memory: Memory, state: list[float], optimizer_copies: float, data_parallel: int, allocations: bool,
+           units: Sequence[float]) -> Memory:  # fmt: skip
     """The planner's memory model of a layout with fsdp=True: each stage's state sharded over the replicas, its
-    parameters and gradients gathered whole during the step, no flat all-reduce buffer."""
+    parameters and gradients gathered whole during the step, no flat all-reduce buffer. ``units``: each stage's
+    largest layer's parameter bytes (a unit: its reduce-scatter input is what the AR leaves held, as
+    ShardedReduce.bytes says of a built stage)."""
     whole = [s / (2 + optimizer_copies) for s in state]  # each stage's parameters, gathered
+    table = memory.per_stage(len(whole))
+    # a unit's backward makes all its parameters' gradients before FSDP2's hook adds them to the whole ones (without
+    # FSDP each is added as it is made): a B or W holds at least the largest unit's gradients while it runs
+    backward, weight = ([max(t, u) for t, u in zip(table[name], units, strict=True)]
+                        for name in ("backward_transient", "weight_transient"))  # fmt: skip
     first = None
     if allocations:  # the first backward of a step makes every unit's whole gradient before it ends (FSDP2 keeps
         # each to accumulate into): at least that much on top while it runs (measured by the engine's traced steps)
-        stages = len(whole)
-        table = memory.per_stage(stages)
         first = [max(t, w) for t, w in zip(table["first_transient"], whole, strict=True)]
     return dataclasses.replace(
         memory, state=[s / data_parallel for s in state], gathered=whole, gathered_grads=whole, sync=0.0,
+        reduce_held=list(units), reduce_transient=[u / data_parallel for u in units], gather_transient=whole,
+        backward_transient=backward, weight_transient=weight,
         grads_late=[g / data_parallel for g in whole] if allocations else 0.0,
         optimizer=[o / data_parallel for o in memory.optimizer] if allocations else 0.0,  # type: ignore[union-attr]
         first_transient=first if first is not None else memory.first_transient,

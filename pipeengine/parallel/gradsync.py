@@ -49,13 +49,25 @@ from schedules import Action, Instruction, Kind
 __all__ = ["GradientSync", "SyncBytes", "Syncs"]
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """What FSDP holds of a stage beyond its shards (bytes): its parameters and gradients whole, and what its AR
+    leaves held to the step's end (a unit's reduce-scatter input) and holds above its start while it runs."""
+
+    parameters: float
+    gradients: float
+    reduce_held: float
+    reduce_transient: float
+
+
 @dataclass
 class SyncBytes:
     """What a rank's gradient syncs hold, in bytes, for the memory trace."""
 
     flat: dict[int, float] = field(default_factory=dict)  # stage -> its AR's flat buffers, from its start to the end
     ties: dict[int, float] = field(default_factory=dict)  # tie group -> its TR's flat buffers
-    gathered: dict[int, tuple[float, float]] = field(default_factory=dict)  # stage -> (parameters, gradients) whole
+    gathered: dict[int, Gathered] = field(default_factory=dict)  # stage -> what FSDP gathers of it
+
 
 
 @dataclass

@@ -132,8 +132,10 @@ class Tracing:
         held = syncs.bytes(program.instructions[executor.rank])
         for s, flat in held.flat.items():
             sizes[s] = dataclasses.replace(sizes[s], sync=flat)
-        for s, (whole, grads) in held.gathered.items():
-            sizes[s] = dataclasses.replace(sizes[s], gathered=whole, gathered_grads=grads)
+        for s, whole in held.gathered.items():
+            sizes[s] = dataclasses.replace(sizes[s], gathered=whole.parameters, gathered_grads=whole.gradients,
+                                           reduce_held=whole.reduce_held, reduce_transient=whole.reduce_transient,
+                                           gather_transient=whole.parameters)  # fmt: skip
         self._tracer.tie_sync = held.ties
         self._sizes[key] = sizes
         return sizes

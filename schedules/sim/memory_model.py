@@ -26,6 +26,12 @@ Per stage (bytes; one number for every stage, or one per stage)::
                  F until its AR reshards them (state then counts each replica's shards)
     gathered_grads   FSDP: the stage's whole (unsharded) gradients, made by its first B or W and added
                  to until its AR reduce-scatters them; its grads_late (the shards) arrive at that AR
+    reduce_held  FSDP: what the stage's AR leaves held until the step's end (FSDP2 keeps a unit's
+                 reduce-scatter input, its whole gradients, until the root's final callback)
+    reduce_transient   FSDP: the most the AR holds above its start while it runs (a unit's shards, made
+                 before its whole gradients go)
+    gather_transient   FSDP: what the stage's first compute, which gathers its parameters, holds above
+                 them while it runs (FSDP2's all-gather output, copied out into the parameters)
 
 A sent gradient is freed when the send completes: where the transport takes the bytes at once
 (``buffered_sends``: gloo, the in-process loopback), as its rank goes on to its next action
@@ -81,13 +87,17 @@ class Memory:
     optimizer: PerStage = 0.0
     gathered: PerStage = 0.0
     gathered_grads: PerStage = 0.0
+    reduce_held: PerStage = 0.0
+    reduce_transient: PerStage = 0.0
+    gather_transient: PerStage = 0.0
     output_after_input: PerStage = 1.0  # 1: a split backward's I leaves the stage's output held until W; 0: lets go
     input_after_input: PerStage = 1.0  # the same for the stage's input
     buffered_sends: bool = False
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
         names = ("state", "activation", "boundary", "gradient", "transient", "output_after_input", "input_after_input",
-                 "sync", "optimizer", "grads_late", "gathered", "gathered_grads")  # fmt: skip
+                 "sync", "optimizer", "grads_late", "gathered", "gathered_grads", "reduce_held",
+                 "reduce_transient", "gather_transient")  # fmt: skip
         table = {name: expand(f"Memory.{name}", getattr(self, name), num_stages) for name in names}
         after = self.activation if self.after_input is None else self.after_input
         table["after_input"] = expand("Memory.after_input", after, num_stages)
@@ -100,7 +110,8 @@ class Memory:
     def without_transients(self) -> Memory:
         """What the engine's ledger sees: the sizes between computes, without the peaks inside them."""
         return dataclasses.replace(self, transient=0.0, backward_transient=None, input_transient=None,
-                                   weight_transient=None, first_transient=None)  # fmt: skip
+                                   weight_transient=None, first_transient=None, reduce_transient=0.0,
+                                   gather_transient=0.0)  # fmt: skip
 
     def optimizer_peak(self, placement: tuple[int, ...]) -> list[float]:
         """Per rank, what the optimizer step holds at its peak: the state of its stages and their temporaries."""
@@ -160,14 +171,18 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
                                                            else 0.0)  # fmt: skip
                 if flat:
                     events.append((start, order, flat, action))
-                if is_reduce and s in sharded:  # FSDP: reduce-scattered, resharded
-                    events.append((end, order, late.pop(s, 0.0) - gathered[s] - gathered_grads[s], action))
+                if is_reduce and s in sharded:  # FSDP: reduce-scattered, resharded; a unit's reduce-scatter input held
+                    rise = table["reduce_transient"][s]
+                    events += [(start, order, rise, action), (end, order, -rise, action)]
+                    held_after = table["reduce_held"][s] - gathered[s] - gathered_grads[s]
+                    events.append((end, order, late.pop(s, 0.0) + held_after, action))
             if compute is None:
                 continue
             s, mb, kind, needed, made = compute
-            if s in ungathered:  # FSDP: the first compute gathers the stage's parameters
+            if s in ungathered:  # FSDP: the first compute gathers the stage's parameters (into a buffer, copied out)
                 ungathered.discard(s)
-                events.append((start, order, gathered[s], action))
+                rise = table["gather_transient"][s]
+                events += [(start, order, gathered[s] + rise, action), (end, order, -rise, action)]
             transient = table[_TRANSIENT[kind]][s]
             if kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT) and s in unmade:
                 unmade.discard(s)

@@ -139,3 +139,24 @@ def test_each_computes_transient_counts_once_over_its_own_run_by_hand() -> None:
         ("0I1", 410), ("0I1", 110), ("0I1", 104), ("0W1", 134), ("0W1", 104), ("0W1", 100),
     ]  # fmt: skip
     assert gpipe.peak_memory == [5120] and zb.peak_memory == [5104]
+
+
+def test_what_fsdp_gathers_and_reduce_scatters_by_hand() -> None:
+    """One rank, GPipe m=2, unit times, its gradients reduce-scattered (AR). Shards 100 (of which 5 gradients, made
+    at the AR), activation 10; gathered 40 (held once more while the first F gathers them), whole gradients 40 from
+    the first B; the AR holds 10 above its start, frees the whole tensors and keeps a unit's input (20) to the end.
+
+    95 | F0 95+40+40 = 175, 135, +10 | F1 +10 | B0 +40-10 = 185 | B1 -10 | AR 175+10, 175, 175+5+20-80 = 120
+    """
+    from schedules import with_gradient_sync
+
+    memory = Memory(state=100, activation=10, grads_late=5, gathered=40, gathered_grads=40, reduce_held=20,
+                    reduce_transient=10, gather_transient=40)  # fmt: skip
+    schedule = with_gradient_sync(build_schedule("gpipe", 1, 2))
+    timeline = simulate(schedule, Costs(memory=memory, all_reduce=1))
+    assert [(str(a), b) for _, b, a in timeline.memory[0]] == [  # type: ignore[index]
+        ("None", 95), ("0F0", 175), ("0F0", 135), ("0F0", 145), ("0F1", 155), ("0B0", 185), ("0B1", 175),
+        ("0AR1", 185), ("0AR1", 175), ("0AR1", 120),
+    ]  # fmt: skip
+    ledger = simulate(schedule, Costs(memory=memory.without_transients(), all_reduce=1))  # what a traced step sees
+    assert [b for _, b, _ in ledger.memory[0]] == [95, 135, 135, 145, 155, 185, 175, 175, 175, 120]  # type: ignore[index]
