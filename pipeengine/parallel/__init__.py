@@ -31,7 +31,8 @@ def gradient_syncs(ties: Ties, schedule: Schedule, topology: Topology, stages: d
     tied weights' sum (after the reduce-scatter with fsdp: it adds reduced shards)."""
     syncs: list[GradientSync] = []
     if topology.data is not None and fsdp:
-        syncs.append(ShardedReduce(stages, topology.data.size, sum_only=topology.world.device.type != "cuda",
+        on_gloo = topology.world.device.type != "cuda"
+        syncs.append(ShardedReduce(stages, topology.data.size, sum_only=on_gloo, late_buffers=on_gloo,
                                    reshard_after_forward=reshard_after_forward))  # fmt: skip
     elif topology.data is not None:
         syncs.append(ReplicaMean(topology.data, stages))

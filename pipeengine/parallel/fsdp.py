@@ -137,6 +137,7 @@ class ShardedReduce(GradientSync):
     replicas: int  # FSDP2 divides by this unless the step sums (a global token count)
     sum_only: bool = False  # the backend reduces with SUM alone (gloo): FSDP2 divides after, not in the collective
     reshard_after_forward: bool = False  # the units free their gathered parameters after each forward
+    late_buffers: bool = False  # gloo: a unit's reduce-scatter lets its buffers go late, on gloo's thread (priced)
     _begun: list[nn.Module] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -188,8 +189,9 @@ class ShardedReduce(GradientSync):
         for stage, root in self.roots.items():
             params = list(dict.fromkeys(root.parameters()))
             unit = max(_unit_gradients(root))  # FSDP2 keeps the last unit's reduce-scatter input (the largest, bound)
-            into.gathered[stage] = Gathered(_whole_bytes(params, trainable=False), _whole_bytes(params), unit,
-                                            unit / self.replicas)  # fmt: skip
+            grads = _whole_bytes(params)  # late buffers: the AR may hold every earlier unit's (fsdp.priced)
+            rise = unit / self.replicas + (grads if self.late_buffers else 0.0)
+            into.gathered[stage] = Gathered(_whole_bytes(params, trainable=False), grads, unit, rise)
 
     def gathered(self) -> list[nn.Parameter]:
         return [p for root in self.roots.values() for p in root.parameters()]
@@ -243,11 +245,13 @@ def sync_next(module: nn.Module) -> None:
 
 
 def priced(memory: Memory, state: list[float], optimizer_copies: float, data_parallel: int, allocations: bool,
-           units: Sequence[float]) -> Memory:  # fmt: skip
+           units: Sequence[float], buffered: bool) -> Memory:  # fmt: skip
     """The planner's memory model of a layout with fsdp=True: each stage's state sharded over the replicas, its
     parameters and gradients gathered whole during the step, no flat all-reduce buffer. ``units``: each stage's
     largest layer's parameter bytes (a unit: its reduce-scatter input is what the AR leaves held, as
-    ShardedReduce.bytes says of a built stage)."""
+    ShardedReduce.bytes says of a built stage). ``buffered`` (gloo): a unit's reduce-scatter lets its buffers go
+    late, on gloo's thread, so the AR may hold the earlier units' while the next ones reduce: its rise is priced
+    with the stage's whole gradients more (measured on 4 gloo ranks: 0 to 2 units' more from step to step)."""
     whole = [s / (2 + optimizer_copies) for s in state]  # each stage's parameters, gathered
     table = memory.per_stage(len(whole))
     # a unit's backward makes all its parameters' gradients before FSDP2's hook adds them to the whole ones (without
@@ -260,7 +264,8 @@ def priced(memory: Memory, state: list[float], optimizer_copies: float, data_par
         first = [max(t, w) for t, w in zip(table["first_transient"], whole, strict=True)]
     return dataclasses.replace(
         memory, state=[s / data_parallel for s in state], gathered=whole, gathered_grads=whole, sync=0.0,
-        reduce_held=list(units), reduce_transient=[u / data_parallel for u in units], gather_transient=whole,
+        reduce_held=list(units), gather_transient=whole,
+        reduce_transient=[u / data_parallel + (w if buffered else 0.0) for u, w in zip(units, whole, strict=True)],
         backward_transient=backward, weight_transient=weight,
         grads_late=[g / data_parallel for g in whole] if allocations else 0.0,
         optimizer=[o / data_parallel for o in memory.optimizer] if allocations else 0.0,  # type: ignore[union-attr]

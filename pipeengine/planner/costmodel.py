@@ -128,7 +128,8 @@ class LayerProfile:
             memory = self._allocated(memory, bounds, placement, params, data_parallel)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
             units = [float(max(self.parameter_bytes[a:b], default=0)) for a, b in bounds]
-            memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations), units)
+            memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations), units,
+                            buffered_sends)  # fmt: skip
         world = data_parallel * self.tensor_parallel * (max(placement) + 1 if placement else len(bounds))
         tp_forward = [self._collectives("F", a, b, prices, world) for a, b in bounds]  # (work, wait) each
         tp_backward = [self._collectives("B", a, b, prices, world) for a, b in bounds]
