@@ -82,6 +82,9 @@ class LayerProfile:
     # per layer, the collectives its computes ran over the tensor-parallel group: (compute "F" or "B", op, bytes of
     # the whole tensor), as pipeengine.planner.calibration prices them
     collectives: tuple[tuple[tuple[str, str, int], ...], ...] = ()
+    # per layer, whether its output under tensor parallelism is a rank's shard of the whole one (ColwiseParallel's, and
+    # what follows it until a RowwiseParallel): a stage cannot end there (the engine refuses to send a shard)
+    shards_output: tuple[bool, ...] = ()
 
     def stage_costs(
         self, bounds: Sequence[tuple[int, int]], *, prices: Prices = FREE, optimizer_copies: int = 2,

@@ -159,7 +159,8 @@ def _profile(
                     "other_freed", "saved")
     }  # fmt: skip
     allocations: list[transients.Allocation] = []
-    collectives, probes = [], list[list[int]]()
+    collectives, probes, shards_output = [], list[list[int]](), list[bool]()
+    whole = value  # under tensor parallelism: the unsharded layers' outputs, to tell a shard from the whole
     flush = flusher(device) if repeats else (lambda: None)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for index, layer in enumerate(model):
@@ -181,13 +182,18 @@ def _profile(
                                                       isinstance(value, tuple), device))  # fmt: skip
             with torch.no_grad():
                 value = map_tensors(probe(value), local)
+                if shard is not None:
+                    whole = unpack(copy.deepcopy(layer).to(device)(whole))
+                    shapes = [tuple(t.shape) for t in unpack(value)], [tuple(t.shape) for t in whole]
+                    shards_output.append(shapes[0] != shapes[1])
+                    whole = whole if isinstance(value, tuple) else whole[0]
             del probe
             if progress is not None:
                 progress()
     profile = LayerProfile(rows, **{key: tuple(values) for key, values in columns.items()})  # type: ignore[arg-type]
     keys = parameter_keys(model, probes) if probes else ()  # the shards' sizes, each tie once as in the model
     return dataclasses.replace(profile, allocations=tuple(allocations), collectives=tuple(collectives),
-                               parameters=keys)  # fmt: skip
+                               parameters=keys, shards_output=tuple(shards_output))  # fmt: skip
 
 
 def _compiled(probe: nn.Module, layer: nn.Module, compile: bool | Mapping[str, object]) -> nn.Module:

@@ -17,17 +17,26 @@ from pipeengine.core.specs import Tensors
 from pipeengine.planner.costmodel import LayerCosts
 from pipeengine.planner.measure import measure
 
-__all__ = ["METHODS", "Partition", "plan", "solve"]
+__all__ = ["METHODS", "Partition", "cut_points", "plan", "solve"]
 
 
-def solve(costs: Sequence[float], num_stages: int) -> Bounds:
+def solve(costs: Sequence[float], num_stages: int, joined: Sequence[bool] = ()) -> Bounds:
     """Split layers into ``num_stages`` contiguous non-empty stages minimising the largest stage cost, exactly.
+    ``joined[k]``: layer k stays in the stage of layer k + 1 (no stage may end on it): solved over the runs of
+    joined layers, each one unit.
 
     ``best[k][i] = min over j of max(best[k-1][j], S[i] - S[j])``, S the prefix sums: the first
     term never falls and the second never rises as j grows (costs >= 0), so the optimal j
     form one interval around their crossing, found by binary search: O(stages x layers x log).
     Among optimal j the last stage gets the count of layers closest to an even share.
     """
+    if any(joined):
+        units = cut_points(len(costs), joined)
+        if num_stages > len(units):
+            raise ValueError(f"{num_stages} stages, but the model can be cut into {len(units)} at most (a stage cannot "
+                             "end on a layer whose output is a tensor-parallel shard): use fewer stages")
+        merged = solve([sum(costs[a:b]) for a, b in units], num_stages)
+        return [(units[i][0], units[j - 1][1]) for i, j in merged]
     n = len(costs)
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
@@ -76,6 +85,16 @@ def solve(costs: Sequence[float], num_stages: int) -> Bounds:
         end = start
     bounds.append((0, end))
     return bounds[::-1]
+
+
+def cut_points(layers: int, joined: Sequence[bool]) -> list[tuple[int, int]]:
+    """The runs of layers a cut may not split: [start, end) each, a run ending on a layer not ``joined`` to the next."""
+    units, start = [], 0
+    for k in range(layers):
+        if k == layers - 1 or not (k < len(joined) and joined[k]):
+            units.append((start, k + 1))
+            start = k + 1
+    return units
 
 
 def _first(lo: int, hi: int, predicate: Callable[[int], bool]) -> int:

@@ -43,7 +43,7 @@ from pipeengine.planner.calibration import Prices
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
 from pipeengine.planner.elsewhere import one_process
 from pipeengine.planner.measure import profile_layers
-from pipeengine.planner.partition import method_costs, solve
+from pipeengine.planner.partition import cut_points, method_costs, solve
 from pipeengine.planner.pricing import Spec, in_parallel, price
 from pipeengine.planner.result import Candidate, TuneResult
 from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, with_gradient_sync
@@ -284,11 +284,17 @@ def _layout_candidates(
                 profile = profiles.get((rows // m, tp))
                 if profile is None:
                     continue
+                joined = profile.shards_output[:-1]  # no stage ends on a tensor-parallel shard
+                most = len(cut_points(layers, joined))
+                if stages > most:
+                    why[name] = (f"{stages} stages, but with tp={tp} the tp_plan lets the model be cut into {most} at "
+                                 "most (a stage cannot end on a layer whose output is a shard)")  # fmt: skip
+                    continue
                 for method in methods:
                     bounds = cuts.get((rows // m, tp, method, stages))
                     if bounds is None:
                         bounds = cuts[rows // m, tp, method, stages] = solve(
-                            method_costs(method, LayerCosts.of(profile, model)), stages)  # fmt: skip
+                            method_costs(method, LayerCosts.of(profile, model)), stages, joined)  # fmt: skip
                     partition = tuple(b - a for a, b in bounds)
                     for option in checkpoint:
                         if option == "except_last" and stages == 1:

@@ -117,6 +117,23 @@ def test_the_replicas_collectives_sit_on_the_timeline_where_the_runtime_runs_the
     assert gathered.makespan == pytest.approx(7.25)
 
 
+def test_no_candidate_ends_a_stage_on_a_tensor_parallel_shard() -> None:
+    """A plan over the model's own layers (ColwiseParallel, GELU, RowwiseParallel: three layers a block): a stage
+    ending after the Colwise or the GELU would send a shard, which the engine refuses (a new user's probe: auto
+    picked one). The profile says which layers' outputs are shards; every tensor-parallel cut falls after a Rowwise,
+    and 4 stages of 6 layers (2 places to cut) are left out, saying why."""
+    flat = nn.Sequential(*[layer for block in blocks(2) for layer in block])
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
+    x, y = data()
+    profile = profile_layers(flat, x, 4, repeats=0, device=torch.device("cpu"), tensor_parallel=2, tp_plan=plan)
+    assert profile.shards_output == (True, True, False, True, True, False)
+    result = tune(flat, mse, x, 4, target=y, tp_plan=plan, schedules=["1f1b", "interleaved"], microbatches=[2],
+                  repeats=1, allocator=False, methods=("uniform", "time"))  # fmt: skip
+    tensor_parallel = [row for row in result.rows if row.tensor_parallel > 1]
+    assert tensor_parallel and all(row.partition in ((6,), (3, 3)) for row in tensor_parallel), tensor_parallel
+    assert any(len(row.partition) == 4 for row in result.rows if row.tensor_parallel == 1)  # 4 stages: tp=1 only
+
+
 def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_the_computes() -> None:
     """A TP rank's profile of each block: its shard's parameters, and one all-reduce of the block's output in the
     forward and one of its input's gradient in the backward (Megatron's pair), each the size of a (rows, width)

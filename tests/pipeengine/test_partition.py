@@ -53,6 +53,30 @@ def test_known_cases(costs: list[float], stages: int, bounds: list[tuple[int, in
     assert solve(costs, stages) == bounds
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_joined_layers_stay_in_one_stage_and_the_rest_is_optimal(seed: int) -> None:
+    """``joined[k]``: no stage ends on layer k (tensor parallelism's shards); the best split over the cuts left,
+    against brute force over those cuts."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    joined = [rng.random() < 0.4 for _ in range(n - 1)]
+    allowed = [k + 1 for k in range(n - 1) if not joined[k]]  # where a stage may end
+    stages = rng.randint(1, len(allowed) + 1)
+    costs = [rng.random() * 10 for _ in range(n)]
+    bounds = solve(costs, stages, joined)
+    assert check_bounds(bounds, n) == bounds and len(bounds) == stages
+    assert all(not joined[b - 1] for _, b in bounds[:-1]), (joined, bounds)
+    best = min(max(sum(costs[a:b]) for a, b in itertools.pairwise([0, *cuts, n]))
+               for cuts in itertools.combinations(allowed, stages - 1))  # fmt: skip
+    assert max(sum(costs[a:b]) for a, b in bounds) == pytest.approx(best, rel=1e-12)
+
+
+def test_more_stages_than_cuts_left_says_what_to_do() -> None:
+    assert solve([1.0] * 6, 3, [True, False, True, False, True]) == [(0, 2), (2, 4), (4, 6)]
+    with pytest.raises(ValueError, match="4 stages, but the model can be cut into 3 at most .* use fewer stages"):
+        solve([1.0] * 6, 4, [True, False, True, False, True])
+
+
 def test_more_stages_than_layers_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="5 stages but the model has 4 layers: .* use at most 4 ranks x chunks"):
         solve([1.0] * 4, 5)
