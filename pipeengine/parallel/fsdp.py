@@ -189,9 +189,9 @@ class ShardedReduce(GradientSync):
         for stage, root in self.roots.items():
             params = list(dict.fromkeys(root.parameters()))
             unit = max(_unit_gradients(root))  # FSDP2 keeps the last unit's reduce-scatter input (the largest, bound)
-            grads = _whole_bytes(params)  # late buffers: the AR may hold every earlier unit's (fsdp.priced)
-            rise = unit / self.replicas + (grads if self.late_buffers else 0.0)
-            into.gathered[stage] = Gathered(_whole_bytes(params, trainable=False), grads, unit, rise)
+            grads = _whole_bytes(params)
+            into.gathered[stage] = Gathered(_whole_bytes(params, trainable=False), grads, unit,
+                                            _reduce_rise(unit, grads, self.replicas, self.late_buffers))  # fmt: skip
 
     def gathered(self) -> list[nn.Parameter]:
         return [p for root in self.roots.values() for p in root.parameters()]
@@ -204,6 +204,13 @@ class ShardedReduce(GradientSync):
             yield
         finally:
             reshard(module, self.reshard_after_forward)
+
+
+def _reduce_rise(unit: float, gradients: float, replicas: int, late_buffers: bool) -> float:
+    """The most a stage's AR holds above its start (bytes): its largest unit's shards, made before that unit's whole
+    gradients go; where gloo lets a reduce-scatter's buffers go late, on its thread (``late_buffers``), the earlier
+    units' too, up to the stage's whole gradients (measured on 4 gloo ranks: 0 to 2 units' more from step to step)."""
+    return unit / replicas + (gradients if late_buffers else 0.0)
 
 
 def _whole_bytes(params: Iterable[nn.Parameter], trainable: bool = True) -> float:
@@ -249,9 +256,8 @@ def priced(memory: Memory, state: list[float], optimizer_copies: float, data_par
     """The planner's memory model of a layout with fsdp=True: each stage's state sharded over the replicas, its
     parameters and gradients gathered whole during the step, no flat all-reduce buffer. ``units``: each stage's
     largest layer's parameter bytes (a unit: its reduce-scatter input is what the AR leaves held, as
-    ShardedReduce.bytes says of a built stage). ``buffered`` (gloo): a unit's reduce-scatter lets its buffers go
-    late, on gloo's thread, so the AR may hold the earlier units' while the next ones reduce: its rise is priced
-    with the stage's whole gradients more (measured on 4 gloo ranks: 0 to 2 units' more from step to step)."""
+    ShardedReduce.bytes says of a built stage). ``buffered`` (gloo): the AR's rise holds the stage's whole gradients
+    more (_reduce_rise)."""
     whole = [s / (2 + optimizer_copies) for s in state]  # each stage's parameters, gathered
     table = memory.per_stage(len(whole))
     # a unit's backward makes all its parameters' gradients before FSDP2's hook adds them to the whole ones (without
@@ -265,7 +271,7 @@ def priced(memory: Memory, state: list[float], optimizer_copies: float, data_par
     return dataclasses.replace(
         memory, state=[s / data_parallel for s in state], gathered=whole, gathered_grads=whole, sync=0.0,
         reduce_held=list(units), gather_transient=whole,
-        reduce_transient=[u / data_parallel + (w if buffered else 0.0) for u, w in zip(units, whole, strict=True)],
+        reduce_transient=[_reduce_rise(u, w, data_parallel, buffered) for u, w in zip(units, whole, strict=True)],
         backward_transient=backward, weight_transient=weight,
         grads_late=[g / data_parallel for g in whole] if allocations else 0.0,
         optimizer=[o / data_parallel for o in memory.optimizer] if allocations else 0.0,  # type: ignore[union-attr]
