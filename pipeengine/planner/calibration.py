@@ -5,8 +5,9 @@
 ``calibrate()`` measures them on the live ranks of the default process group (every rank calls it), in seconds
 (pipeengine.planner.probes): a message between two ranks (fitted to latency + bytes x per_byte) and each
 collective FSDP, data and tensor parallelism run (all-reduce, all-gather, reduce-scatter) at 1 KiB to 16 MiB on
-every group size that divides the world (a Curve through the sizes measured); a training step's frame (the header
-a pipeline's ranks agree on before its program, the loss shared after it) over each group size; posting a message;
+every group size that divides the world, each after a compute on every rank as a step runs it (a Curve through
+the sizes measured); a training step's frame (the header a pipeline's ranks agree on before its program, the loss
+shared after it) over each group size; posting a message;
 copying a byte of gradients (a sync flattens them); how many ranks compute at full speed at once (CPU ranks share
 the machine's cores: each times the same work alone and all together); and the host cost of one pipeline
 instruction and the latency of a message between stages as the engine takes it up, fitted so that the simulator's
@@ -316,12 +317,13 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     for group_size, group in groups.items():
         for op in COLLECTIVES:
             for size in sizes:
-                count = repeats if size < 2**22 else 2
+                # a small op's time varies with when each rank is scheduled: many of them, in few rounds
+                count, rounds = (4 * repeats, 3) if size < 2**20 else (repeats, repeats) if size < 2**22 else (2, 3)
                 samples[op].setdefault(group_size, []).append((size, probes.collective(
-                    op, size // 4, group, group_size, count, device, rounds=repeats, active=rank < group_size)))
+                    op, size // 4, group, group_size, count, device, rounds=rounds, active=rank < group_size)))
                 if group_size < world:  # every group of the size at once, as the replicas of each pipeline rank
                     crowded[op].setdefault(group_size, []).append((size, probes.collective(
-                        op, size // 4, group, group_size, count, device, rounds=repeats)))  # fmt: skip
+                        op, size // 4, group, group_size, count, device, rounds=rounds)))  # fmt: skip
     post, post_message = probes.posting(2 * repeats, device)
     partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True,
                      None if device.type == "cuda" else probes.processors(repeats), None,

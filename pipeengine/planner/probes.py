@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective", "copying", "frame", "fsdp", "host", "ping", "posting", "processors", "sharing"]
+__all__ = ["busy", "collective", "copying", "frame", "fsdp", "host", "ping", "posting", "processors", "sharing"]
 
 HEADER = 86  # int64s in a step's header row (pipeengine.comm.calls: _ROW)
 
@@ -48,9 +48,17 @@ def collective(op: str, elements: int, group: Any, size: int, repeats: int, devi
     """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group``: ``repeats`` back to back after
     one barrier, as a step runs them, the slowest rank's time over their count (once warm); with ``rounds``, the
     median of that many. Timed one by one from a barrier each, an op also took the barrier's exit skew, milliseconds
-    when ranks share cores. Every rank calls it; those not ``active`` (not of the group timed) only wait."""
+    when ranks share cores. Every rank calls it; those not ``active`` (not of the group timed) only wait.
+
+    On CPU each op follows a compute on every rank of the world, as in a step (a layer's matmul before a
+    tensor-parallel all-reduce, the other stages' layers beside it; ``busy``), those not ``active`` computing too, and
+    its price is what it adds to that compute's time (each round timed both ways, the compute alone first): with
+    its ranks' processors busy a collective takes a fraction of what it takes from idle ones (measured on 4 gloo
+    ranks of 2 cores, a 16 KiB all-reduce over 2: 1.0 ms in a step's rhythm; 1.2 ms back to back with the other
+    two asleep, 2.5 ms with them in a barrier), and the tensor-parallel steps measured took the former."""
     whole = torch.ones(elements - elements % size, device=device)
     shard = torch.empty(whole.numel() // size, device=device)
+    work = busy(device)
 
     def once() -> None:
         with warnings.catch_warnings():  # torch 2.13 deprecates the *_tensor names FSDP2 itself still calls
@@ -62,18 +70,36 @@ def collective(op: str, elements: int, group: Any, size: int, repeats: int, devi
             else:
                 dist.reduce_scatter_tensor(shard, whole, group=group)
 
+    def timed(with_op: bool) -> float:
+        dist.barrier()
+        once() if active else None  # the group leaves together: the barrier's exit skew is not the op's
+        start = time.perf_counter()
+        for _ in range(repeats):
+            work()
+            if with_op:
+                once()
+        if whole.is_cuda:
+            torch.cuda.synchronize()
+        return synced(time.perf_counter() - start if active else 0.0) / repeats
+
     if active:
         once()
     found = []
     for _ in range(rounds):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats if active else 0):
-            once()
-        if whole.is_cuda:
-            torch.cuda.synchronize()
-        found.append(synced(time.perf_counter() - start if active else 0.0) / repeats)
+        alone = timed(False) if whole.device.type == "cpu" else 0.0
+        found.append(max(0.0, timed(active) - alone))
     return statistics.median(found)
+
+
+def busy(device: torch.device) -> Callable[[], object]:
+    """The compute collective() puts before each op on CPU (a layer's matmul: 128 x 1024 by 1024 x 256 floats, about
+    half a millisecond on one thread); nothing on an accelerator, whose ranks wait on each other through a
+    collective whatever runs."""
+    if device.type != "cpu":
+        return lambda: None
+    generator = torch.Generator().manual_seed(0)
+    left, right = torch.randn(128, 1024, generator=generator), torch.randn(1024, 256, generator=generator)
+    return lambda: torch.mm(left, right)
 
 
 def frame(groups: Mapping[int, Any], repeats: int, device: torch.device) -> dict[str, dict[int, float]]:

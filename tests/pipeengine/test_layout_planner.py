@@ -379,6 +379,20 @@ def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -
     assert probes.sharing([("a", 1.0, [(0.0, 1.05)])] * 2) is None  # a core each
 
 
+def test_a_collective_is_priced_by_what_it_adds_to_the_compute_before_it() -> None:
+    """calibration times each collective after a compute, as a step runs it, and prices what it adds: with a 20 ms
+    compute before each all-reduce, the price is the all-reduce's, not the 20 ms beside it."""
+    launch(_after_a_slow_compute, 2, timeout=120)
+
+
+def _after_a_slow_compute() -> None:
+    import time
+
+    probes.busy = lambda device: (lambda: time.sleep(0.02))  # type: ignore[assignment]  # this rank's module only
+    price = probes.collective("all_reduce", 256, None, 2, 3, torch.device("cpu"), rounds=2)
+    assert 0.0 <= price < 0.02, price
+
+
 def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kept = tmp_path / "machine.json"
     path, prices = calibration.measure_machine(2, PipelineEngine, "gloo", kept)
