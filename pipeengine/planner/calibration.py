@@ -327,10 +327,10 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     post, post_message = probes.posting(2 * repeats, device)
     partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True,
                      None if device.type == "cuda" else probes.processors(repeats), None,
-                     frame=probes.frame(groups, 4 * repeats, device), post=post, post_message=post_message,
+                     frame=probes.frame(groups, 12 * repeats, device), post=post, post_message=post_message,
                      copy=probes.copying(repeats, device), fsdp={}, crowded=_curved(crowded))  # fmt: skip
     partial = dataclasses.replace(partial, fsdp=_fsdp(partial, probes.fsdp(groups, 2 * repeats, device)))
-    overhead, latency = probes.host(engine, _stepper(partial), repeats)
+    overhead, latency = probes.host(engine, _stepper(partial), 4 * repeats)
     found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte))
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
