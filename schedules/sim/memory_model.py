@@ -51,13 +51,14 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
+from itertools import accumulate
 
 from schedules.ir.dataflow import Dataflow, Message
 from schedules.ir.instructions import Action, Instruction, Kind, ops_of
 from schedules.sim.memo import ByIdentity
 from schedules.sim.perstage import PerStage, expand
 
-__all__ = ["Memory", "state_bytes", "track"]
+__all__ = ["Memory", "peaks", "state_bytes", "track"]
 
 ADAMW = 2  # optimizer copies of each parameter: AdamW's two moments
 
@@ -95,6 +96,16 @@ class Memory:
     buffered_sends: bool = False
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
+        """Every field expanded to one float per stage (checked): made once per Memory and stage count (a search
+        reads it several times a candidate), so the table is shared: copy a list before changing it."""
+        kept = self.__dict__.get("_table")
+        if kept is not None and kept[0] == num_stages:
+            return kept[1]  # type: ignore[no-any-return]
+        table = self._expanded(num_stages)
+        object.__setattr__(self, "_table", (num_stages, table))  # frozen: a cache beside the fields, not one of them
+        return table
+
+    def _expanded(self, num_stages: int) -> dict[str, list[float]]:
         names = ("state", "activation", "boundary", "gradient", "transient", "output_after_input", "input_after_input",
                  "sync", "optimizer", "grads_late", "gathered", "gathered_grads", "reduce_held",
                  "reduce_transient", "gather_transient")  # fmt: skip
@@ -131,6 +142,28 @@ Sample = tuple[float, float, Action | None]  # (time, bytes held after it, the a
 def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memory) -> list[list[Sample]]:
     """Each rank's bytes over a simulated step: one sample per change, in time order (at equal times, in
     program order). ``times`` are run()'s (start, end) of every action."""
+    tracks = []
+    for events in _changes(schedule, times, memory):
+        samples: list[Sample] = []
+        total = 0.0
+        for time, _, delta, cause in events:
+            total += delta
+            samples.append((time, total, cause))
+        tracks.append(samples)
+    return tracks
+
+
+def peaks(schedule: object, times: list[list[tuple[float, float]]], memory: Memory) -> list[float]:
+    """Each rank's most bytes over a simulated step: the highest of ``track``'s samples (a search wants only
+    these)."""
+    return [max(accumulate(delta for _, _, delta, _ in events), default=0.0)
+            for events in _changes(schedule, times, memory)]  # fmt: skip
+
+
+def _changes(
+    schedule: object, times: list[list[tuple[float, float]]], memory: Memory
+) -> list[list[tuple[float, int, float, Action | None]]]:
+    """Each rank's changes of bytes, (time, order, delta, the action that made it), sorted by (time, order)."""
     S = schedule.num_stages  # type: ignore[attr-defined]
     table = memory.per_stage(S)
     placement = schedule.placement  # type: ignore[attr-defined]
@@ -220,12 +253,7 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
                     events.append((max(end, sent_at.get(key, end)), len(stream), -size, send))
             events.append((end, order, delta + extra.get(order, 0.0), action))
         events.sort(key=_WHEN)
-        samples: list[Sample] = []
-        total = 0.0
-        for time, _, delta, cause in events:
-            total += delta
-            samples.append((time, total, cause))
-        tracks.append(samples)
+        tracks.append(events)
     return tracks
 
 

@@ -90,8 +90,14 @@ def shared(
                 if idle and pcs[rank] < len(programs[rank]):
                     entry = programs[rank][pcs[rank]]
                     at = free[rank] if entry[0] is None else ready(entry, free[rank])
-                    if at is not None:
-                        start[rank] = at if at > now else now
+                    if at is None:
+                        continue
+                    if at > now:
+                        start[rank] = at
+                    else:  # it starts now, at this work clock
+                        mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
+                        began[rank] = now
+                        running += 1
             changed = False
         first = lowest = infinity
         for rank in range(ranks):
@@ -116,33 +122,35 @@ def shared(
         work += (then - now) * rate
         now = then
         reached = work + _EPSILON * (1.0 + work)  # a mark at or below it is done
-        for rank in range(ranks):
-            end = channel[rank]
-            if end is not None and end <= reached:  # its collective is done: the next
-                ended[rank, carrying[rank]], channel[rank], running = now, None, running - 1
-                next_collective(rank)
-            end, held = mark[rank], hold[rank]
-            if end is not None and end <= reached:  # its work is done
-                mark[rank], running = None, running - 1
-                wait = programs[rank][pcs[rank]][8]
-                if wait > 0:
-                    hold[rank] = now + wait
+        if lowest <= reached or first <= now:  # something ended (a hold ends at or before now: first <= now)
+            for rank in range(ranks):
+                end = channel[rank]
+                if end is not None and end <= reached:  # its collective is done: the next
+                    ended[rank, carrying[rank]], channel[rank], running = now, None, running - 1
+                    next_collective(rank)
+                end, held = mark[rank], hold[rank]
+                if end is not None and end <= reached:  # its work is done
+                    mark[rank], running = None, running - 1
+                    wait = programs[rank][pcs[rank]][8]
+                    if wait > 0:
+                        hold[rank] = now + wait
+                        continue
+                elif held is None or held > now:
                     continue
-            elif held is None or held > now:
-                continue
-            entry = programs[rank][pcs[rank]]
-            if entry[0] is None:
-                posted(rank, pcs[rank], now)
-            else:
-                done(entry, now)
-            times[rank].append((began[rank], now))
-            pcs[rank] += 1
-            free[rank], hold[rank] = now, None
-            changed = True
-        for rank in range(ranks):
-            at = start[rank]
-            if at is not None and at <= now:
                 entry = programs[rank][pcs[rank]]
-                mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
-                began[rank], start[rank] = now, None
-                running += 1
+                if entry[0] is None:
+                    posted(rank, pcs[rank], now)
+                else:
+                    done(entry, now)
+                times[rank].append((began[rank], now))
+                pcs[rank] += 1
+                free[rank], hold[rank] = now, None
+                changed = True
+        if first <= now:
+            for rank in range(ranks):
+                at = start[rank]
+                if at is not None and at <= now:
+                    entry = programs[rank][pcs[rank]]
+                    mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
+                    began[rank], start[rank] = now, None
+                    running += 1

@@ -11,7 +11,7 @@ from schedules.ir.gcpause import gc_paused
 from schedules.ir.instructions import Instruction, Kind
 from schedules.ir.schedule import Schedule
 from schedules.sim.entries import Charges, Entry, priced, skeletons
-from schedules.sim.memory_model import Memory, track
+from schedules.sim.memory_model import Memory, peaks, track
 from schedules.sim.perstage import PerStage, expand
 from schedules.sim.sharing import shared
 from schedules.sim.timeline import Span, Timeline
@@ -155,9 +155,9 @@ def summarize(schedule: Schedule, costs: Costs) -> Summary:
     bubble = 1.0 - busy / (schedule.num_ranks * makespan) if makespan > 0 else 0.0
     if costs.memory is None:
         return Summary(makespan, bubble, ())
-    peaks = [max((b for _, b, _ in samples), default=0.0) for samples in track(schedule, times, costs.memory)]
+    during = peaks(schedule, times, costs.memory)
     after = costs.memory.optimizer_peak(schedule.placement)
-    return Summary(makespan, bubble, tuple(max(a, b) for a, b in zip(peaks, after, strict=True)))
+    return Summary(makespan, bubble, tuple(max(a, b) for a, b in zip(during, after, strict=True)))
 
 
 @gc_paused()

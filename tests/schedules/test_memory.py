@@ -160,3 +160,30 @@ def test_what_fsdp_gathers_and_reduce_scatters_by_hand() -> None:
     ]  # fmt: skip
     ledger = simulate(schedule, Costs(memory=memory.without_transients(), all_reduce=1))  # what a traced step sees
     assert [b for _, b, _ in ledger.memory[0]] == [95, 135, 135, 145, 155, 185, 175, 175, 175, 120]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"])
+def test_a_searchs_summary_has_the_simulated_step_and_peaks(name: str) -> None:
+    """summarize (what a search prices: no spans, each rank's peak only) agrees with simulate's timeline, on ranks
+    that share processors too."""
+    from schedules.sim.simulation import summarize
+
+    memory = Memory(state=1000, activation=100, boundary=10, gradient=5, transient=7, backward_transient=9,
+                    optimizer=30, grads_late=20)  # fmt: skip
+    for processors in (None, 1.5):
+        for m in (3, 6):
+            schedule = build_schedule(name, 3, m)
+            costs = Costs(forward=1.0, backward=2.0, latency=0.25, memory=memory, processors=processors)
+            timeline, summary = simulate(schedule, costs), summarize(schedule, costs)
+            after = memory.optimizer_peak(schedule.placement)
+            assert summary.makespan == pytest.approx(timeline.makespan)
+            assert summary.required_memory == tuple(max(a, b) for a, b in zip(timeline.peak_memory, after, strict=True))
+
+
+def test_a_memorys_table_is_made_once_per_stage_count() -> None:
+    memory = Memory(activation=[1.0, 2.0])
+    table = memory.per_stage(2)
+    assert memory.per_stage(2) is table and table["activation"] == [1.0, 2.0] and table["after_input"] == [1.0, 2.0]
+    assert memory.per_stage(2) is not Memory(activation=[1.0, 2.0]).per_stage(2)  # another Memory, its own
+    with pytest.raises(ValueError, match="Memory.activation has 2 values, the schedule has 3 stages"):
+        memory.per_stage(3)
