@@ -314,16 +314,17 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     groups = {g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
               for g in range(2, world + 1) if world % g == 0}  # fmt: skip
     crowded: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in COLLECTIVES}
+    baseline = probes.computing(4 * repeats, 2 * repeats, device)  # what each op's price is beyond
     for group_size, group in groups.items():
         for op in COLLECTIVES:
             for size in sizes:
                 # a small op's time varies with when each rank is scheduled: many of them, in few rounds
                 count, rounds = (4 * repeats, 3) if size < 2**20 else (repeats, repeats) if size < 2**22 else (2, 3)
                 samples[op].setdefault(group_size, []).append((size, probes.collective(
-                    op, size // 4, group, group_size, count, device, rounds=rounds, active=rank < group_size)))
+                    op, size // 4, group, group_size, count, device, rounds, rank < group_size, baseline)))
                 if group_size < world:  # every group of the size at once, as the replicas of each pipeline rank
                     crowded[op].setdefault(group_size, []).append((size, probes.collective(
-                        op, size // 4, group, group_size, count, device, rounds=rounds)))  # fmt: skip
+                        op, size // 4, group, group_size, count, device, rounds, baseline=baseline)))  # fmt: skip
     post, post_message = probes.posting(2 * repeats, device)
     partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True,
                      None if device.type == "cuda" else probes.processors(repeats), None,

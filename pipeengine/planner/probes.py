@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["busy", "collective", "copying", "frame", "fsdp", "host", "ping", "posting", "processors", "sharing"]
+__all__ = ["busy", "collective", "computing", "copying", "frame", "fsdp", "host", "ping", "posting", "processors",
+           "sharing"]
 
 HEADER = 86  # int64s in a step's header row (pipeengine.comm.calls: _ROW)
 
@@ -44,7 +45,7 @@ def ping(elements: int, repeats: int, device: torch.device) -> float:
 
 
 def collective(op: str, elements: int, group: Any, size: int, repeats: int, device: torch.device,
-               rounds: int = 1, active: bool = True) -> float:  # fmt: skip
+               rounds: int = 1, active: bool = True, baseline: float | None = None) -> float:  # fmt: skip
     """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group``: ``repeats`` back to back after
     one barrier, as a step runs them, the slowest rank's time over their count (once warm); with ``rounds``, the
     median of that many. Timed one by one from a barrier each, an op also took the barrier's exit skew, milliseconds
@@ -52,7 +53,8 @@ def collective(op: str, elements: int, group: Any, size: int, repeats: int, devi
 
     On CPU each op follows a compute on every rank of the world, as in a step (a layer's matmul before a
     tensor-parallel all-reduce, the other stages' layers beside it; ``busy``), those not ``active`` computing too, and
-    its price is what it adds to that compute's time (each round timed both ways, the compute alone first): with
+    its price is what it adds to that compute's time (``baseline``: the compute's, ``computing()``'s, measured
+    once for many ops; else each round timed both ways, the compute alone first): with
     its ranks' processors busy a collective takes a fraction of what it takes from idle ones (measured on 4 gloo
     ranks of 2 cores, a 16 KiB all-reduce over 2: 1.0 ms in a step's rhythm; 1.2 ms back to back with the other
     two asleep, 2.5 ms with them in a barrier), and the tensor-parallel steps measured took the former."""
@@ -86,9 +88,23 @@ def collective(op: str, elements: int, group: Any, size: int, repeats: int, devi
         once()
     found = []
     for _ in range(rounds):
-        alone = timed(False) if whole.device.type == "cpu" else 0.0
+        alone = baseline if baseline is not None else timed(False) if whole.device.type == "cpu" else 0.0
         found.append(max(0.0, timed(active) - alone))
     return statistics.median(found)
+
+
+def computing(repeats: int, rounds: int, device: torch.device) -> float:
+    """Seconds of ``busy``'s compute as collective() times it between ops, every rank computing (the slowest rank's,
+    the median of ``rounds``): the baseline a collective's price is what it adds to."""
+    work = busy(device)
+    found = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        found.append(synced(time.perf_counter() - start) / repeats)
+    return statistics.median(found) if device.type == "cpu" else 0.0
 
 
 def busy(device: torch.device) -> Callable[[], object]:

@@ -392,7 +392,7 @@ def _live_prices(world: Transport, engine: Callable[..., object]) -> Prices | No
     if not all(world.all_gather_object(kept or not processes, "whether this machine's prices are kept")):
         if world.rank == 0:
             print(f"schedule='auto': no prices kept for this machine ({calibration.default_path()}): measuring them on "
-                  f"the {world.size} ranks first (about 25 s for 4 CPU ranks), once", file=sys.stderr, flush=True)
+                  f"the {world.size} ranks first (about 20 s for 4 CPU ranks), once", file=sys.stderr, flush=True)
         prices = calibration.calibrate(engine)
         if world.rank == 0:
             calibration.save(prices, backend=world.name, world_size=world.size)
