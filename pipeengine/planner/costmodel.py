@@ -127,8 +127,10 @@ class LayerProfile:
         memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
                         gradient=gradient, buffered_sends=buffered_sends, output_after_input=keeps_out,
                         input_after_input=keeps_in)  # fmt: skip
+        checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
+                        for s in range(len(bounds))]  # fmt: skip
         if self.allocations:
-            memory = self._allocated(memory, bounds, placement, params, data_parallel)
+            memory = self._allocated(memory, bounds, placement, params, data_parallel, checkpointed)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
             units = [float(max(self.parameter_bytes[a:b], default=0)) for a, b in bounds]
             memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations), units,
@@ -141,8 +143,6 @@ class LayerProfile:
         grad_input = [total(self.backward_input, a, b) + sum(c) for (a, b), c in zip(bounds, tp_backward, strict=True)]
         forward_wait, backward_wait = [c[1] for c in tp_forward], [c[1] for c in tp_backward]
         weight = [total(self.backward_weight, a, b) for a, b in bounds]
-        checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
-                        for s in range(len(bounds))]  # fmt: skip
         if any(checkpointed):
             memory = _checkpointed(memory, checkpointed, bounds, self.output)
         # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
@@ -219,12 +219,13 @@ class LayerProfile:
 
     def _allocated(
         self, memory: Memory, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None,
-        params: list[float], data_parallel: int,
+        params: list[float], data_parallel: int, checkpointed: Sequence[bool],
     ) -> Memory:  # fmt: skip
-        """The memory model with what the allocator saw: transients, late gradients, sync buffers, the optimizer."""
+        """The memory model with what the allocator saw: transients, late gradients, sync buffers, the optimizer.
+        A checkpointed stage's W is one autograd call (transients.stage's one_pass)."""
         columns: dict[str, list[float]] = {}
-        for a, b in bounds:
-            for name, value in transients.stage(self.allocations, a, b).items():
+        for (a, b), once in zip(bounds, checkpointed, strict=True):
+            for name, value in transients.stage(self.allocations, a, b, once).items():
                 columns.setdefault(name, []).append(value)
         grads = params  # the stage's parameters (once per rank), as gradients
         ranks = list(placement) if placement is not None else list(range(len(bounds)))

@@ -13,7 +13,7 @@ of what the layers before it left::
     B(a..b) = max over l of ( sum end_B(k) - incoming(k), k >= l ) + peak_B(l)     (I alike; W has no incoming)
 
 The first stage's W is its whole backward in one autograd call: B's composition, each layer's gradient
-held on (returned together, then added to ``.grad``).
+held on (returned together, then added to ``.grad``); so is a checkpointed stage's W (``one_pass``).
 
 The optimizer over a rank's parameters: its largest layer's temporaries (torch's for-loop AdamW frees
 one tensor's before the next: measured over 1 to 4 Linear layers, equal and unequal, the rank's step
@@ -111,8 +111,9 @@ def optimizer_step(params: Sequence[nn.Parameter], device: torch.device) -> floa
     return float(watch.peak)
 
 
-def stage(allocations: Sequence[Allocation], a: int, b: int) -> dict[str, float]:
-    """A stage of layers [a, b): the simulator's transients (schedules.sim.memory_model), composed."""
+def stage(allocations: Sequence[Allocation], a: int, b: int, one_pass: bool = False) -> dict[str, float]:
+    """A stage of layers [a, b): the simulator's transients (schedules.sim.memory_model), composed. ``one_pass``: its
+    W is one autograd call from its outputs (runtime.backward's, for a checkpointed stage), as the first stage's."""
     layers = allocations[a:b]
 
     def composed(index: int, backward: bool, peaks: Callable[[Allocation], float] | None = None,
@@ -124,18 +125,22 @@ def stage(allocations: Sequence[Allocation], a: int, b: int) -> dict[str, float]
             # first node has used it, before the layer's peak; the stage's own incoming gradient (a received
             # buffer) is held by the executor through the whole compute
             incoming = layer.incoming if backward and index != 3 and position else 0.0
-            top = max(top, below - incoming + (peaks(layer) if peaks else layer.peak[index]))
-            below += layer.end[index] - incoming + kept(layer)
+            peak = peaks(layer) if peaks else layer.peak[index]
+            held = layer.end[index] + kept(layer)  # what the layer leaves, with what it keeps: its end is a peak too
+            top = max(top, below - incoming + max(peak, held))
+            below += held - incoming
         return top
 
     # the first stage's input needs no gradient: its I does nothing, and its W is its whole backward, one autograd
-    # call that returns every gradient before any is added to .grad (runtime.backward's fallback)
+    # call that returns every gradient before any is added to .grad (runtime.backward's fallback); a checkpointed
+    # stage's W is one such call too (measured: a 2-block stage's later W held its 4 MiB of gradients, not 1)
     first = a == 0
     return {
         "transient": composed(0, False),
         "backward_transient": composed(1, True),
         "input_transient": 0.0 if first else composed(2, True),
-        "weight_transient": composed(1, True, kept=lambda layer: layer.grads) if first else composed(3, True),
+        "weight_transient": composed(1, True, kept=lambda layer: layer.grads) if first or one_pass else
+        composed(3, True),
         "first_transient": max(composed(1, True, lambda layer: layer.first_peak[0]),
                                composed(3, True, lambda layer: layer.first_peak[1])),  # fmt: skip
     }

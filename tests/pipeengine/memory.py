@@ -22,6 +22,13 @@ def activation_heavy() -> nn.Sequential:
         return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)])
 
 
+def weight_heavy() -> nn.Sequential:
+    """8 Linear(128, 128) layers: 64 KiB of weights each, 4 KiB per tensor of an 8-row micro-batch."""
+    with SEEDED:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
+
+
 def ledger_costs(timeline: Timeline) -> Costs:
     """The simulator fed what the ledger counts: the sizes between computes (the allocator's transients left out)."""
     costs = Costs.from_timeline(timeline)
