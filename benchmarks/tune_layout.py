@@ -21,7 +21,8 @@ round each rank's peak is watched by the allocator after the timed steps (what t
 weights, gradients, AdamW's moments; plus the most the step allocates; or the optimizer step's, if larger), the
 figure the planner's limit guards. The search is also timed for 8 ranks (--wider; tune's search_seconds, after
 measuring the layers; --repeats: tune's timings of each layer).
-Writes out/bench/tune_layout.{json,txt} and tune_layout.png (predicted against measured step time).
+Writes out/bench/tune_layout.{json,txt}, tune_layout.md (the measured rows as a markdown table: the README's) and
+tune_layout.png (predicted against measured step time).
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--wider", type=int, nargs="*", default=[2 * RANKS], help="world sizes to time the search at")
     parser.add_argument("--slowest", type=float, default=SLOWEST, help="measure rows predicted at most this x the best")
+    parser.add_argument("--contend", type=float, default=CONTEND,
+                        help="rows measured within this fraction of the fastest run the --final rounds")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run: " + str(QUICK))
     parser.add_argument("--prices", help="a calibration file to price at, in place of calibrating 4 ranks first")
     args = parser.parse_args()
@@ -195,10 +198,10 @@ def main() -> None:
             if r == 0:
                 measured_peaks[index] = row["peaks"]  # type: ignore[index]
         print(f"round {r + 1} of {args.rounds} done", flush=True)
-    # the race at the top: the predicted best and every row measured within CONTEND of the fastest run --final more
+    # the race at the top: the predicted best and every row measured within --contend of the fastest run --final more
     # rounds among themselves, where launch-to-launch noise (a few % on this machine) decides which is the best
     medians = [statistics.median(mine) for mine in times]
-    contenders = [k for k, m in enumerate(medians) if k == 0 or m <= (1 + CONTEND) * min(medians)]
+    contenders = [k for k, m in enumerate(medians) if k == 0 or m <= (1 + args.contend) * min(medians)]
     for r in range(args.final if len(contenders) > 1 else 0):
         for j in range(len(contenders)):
             index = contenders[(j + r) % len(contenders)]
@@ -240,7 +243,7 @@ def main() -> None:
     lines += [f"the predicted best ({best['layout']}, {best['schedule']}) measured {slower:+.1%} against the measured "
               f"best (#{fastest['predicted_rank']}, {fastest['layout']}, {fastest['schedule']}): within 5%: "
               f"{slower <= 0.05}; measured places of the predicted top 3: {[order.index(r) for r in table[:3]]} "
-              f"({len(contenders)} rows within {CONTEND:.0%} of the fastest after {args.rounds} rounds, with the "
+              f"({len(contenders)} rows within {args.contend:.0%} of the fastest after {args.rounds} rounds, with the "
               f"predicted best, ran {args.final if len(contenders) > 1 else 0} more: "
               f"#{', #'.join(str(table[k]['predicted_rank']) for k in contenders)})",
               f"step-time error |measured / predicted - 1|: median {statistics.median(errors):.1%} (target < 10%), "
@@ -265,7 +268,19 @@ def main() -> None:
         "all_under_limit": all(r["under_limit"] for r in table),
     })  # fmt: skip
     (OUT / "tune_layout.txt").write_text(str(result) + "\n\n" + text + "\n")
+    (OUT / "tune_layout.md").write_text(markdown(table))
     plot(table, str(OUT / "tune_layout.png"))
+
+
+def markdown(table: list[dict[str, object]]) -> str:
+    """The measured rows as the README's and docs/benchmarks.md's table."""
+    lines = ["| predicted rank | layout | schedule | m | v | checkpoint | predicted ms | measured ms | error | "
+             "peak MiB predicted / measured |", "|-|-|-|-|-|-|-|-|-|-|"]  # fmt: skip
+    for r in table:
+        lines.append(f"| {r['predicted_rank']} | {r['layout']} | {r['schedule']} | {r['num_microbatches']} | "
+                     f"{r['chunks']} | {r['checkpoint']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+                     f"{r['error']:+.0%} | {r['predicted_peak_mib']:.2f} / {r['measured_peak_mib']:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -172,6 +172,12 @@ def test_the_readme_is_short_and_links_every_guide() -> None:
     assert guides <= linked, guides - linked
 
 
+def test_the_layout_planners_table_is_the_benchmarks() -> None:
+    """The README's and docs/benchmarks.md's table of measured layouts is what benchmarks/tune_layout.py wrote."""
+    table = (ROOT / "docs" / "bench" / "tune_layout.md").read_text()
+    assert table in (ROOT / "README.md").read_text() and table in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
 @pytest.mark.timeout(120)
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
