@@ -379,6 +379,15 @@ def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -
     assert probes.sharing([("a", 1.0, [(0.0, 1.05)])] * 2) is None  # a core each
 
 
+def test_a_frame_is_the_trimmed_mean_of_its_samples() -> None:
+    """Two-valued samples (0.4 or 2.5 ms, about as often) give the mean of both, not one of them as a median would;
+    a stall (50 ms) is cut."""
+    samples = [0.4] * 10 + [2.5] * 10 + [50.0]
+    assert probes.trimmed(samples) == pytest.approx((8 * 0.4 + 9 * 2.5) / 17)
+    assert probes.trimmed([0.4] * 11 + [2.5] * 9) < probes.trimmed([0.4] * 9 + [2.5] * 11)  # moves with how often
+    assert probes.trimmed([3.0]) == 3.0
+
+
 def test_a_collective_is_priced_by_what_it_adds_to_the_compute_before_it() -> None:
     """calibration times each collective after a compute, as a step runs it, and prices what it adds: with a 20 ms
     compute before each all-reduce, the price is the all-reduce's, not the 20 ms beside it."""
