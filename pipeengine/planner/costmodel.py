@@ -85,6 +85,9 @@ class LayerProfile:
     # per layer, whether its output under tensor parallelism is a rank's shard of the whole one (ColwiseParallel's, and
     # what follows it until a RowwiseParallel): a stage cannot end there (the engine refuses to send a shard)
     shards_output: tuple[bool, ...] = ()
+    # bytes torch's checkpoint stashes per call on the device measured (its RNG state, where that lives in the
+    # device's memory: the CPU's, 5056 bytes; a GPU's is kept in host memory)
+    checkpoint_stash: int = 0
 
     def stage_costs(
         self, bounds: Sequence[tuple[int, int]], *, prices: Prices = FREE, optimizer_copies: int = 2,
@@ -144,7 +147,7 @@ class LayerProfile:
         forward_wait, backward_wait = [c[1] for c in tp_forward], [c[1] for c in tp_backward]
         weight = [total(self.backward_weight, a, b) for a, b in bounds]
         if any(checkpointed):
-            memory = _checkpointed(memory, checkpointed, bounds, self.output)
+            memory = _checkpointed(memory, checkpointed, bounds, self.output, self.checkpoint_stash)
         # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
         again = [f if c else 0.0 for f, c in zip(forward, checkpointed, strict=True)]
         synced = data_parallel > 1
@@ -263,9 +266,10 @@ class LayerProfile:
 
 
 def _checkpointed(memory: Memory, checkpointed: Sequence[bool], bounds: Sequence[tuple[int, int]],
-                  output: Sequence[int]) -> Memory:  # fmt: skip
-    """A checkpointed stage holds its input and output from F to B (its I keeps them for W); its backward holds
-    again, while it recomputes, what the forward saved: the difference rides on B's and I's transients."""
+                  output: Sequence[int], stash: int = 0) -> Memory:  # fmt: skip
+    """A checkpointed stage holds its input and output from F to B (its I keeps them for W), and what torch's
+    checkpoint stashes for the recompute (``stash``: its RNG state, on the CPU); its backward holds again, while it
+    recomputes, what the forward saved: the difference rides on B's and I's transients."""
     n = len(bounds)
     table = memory.per_stage(n)
     columns: dict[str, list[float]] = {name: list(table[name]) for name in
@@ -273,8 +277,9 @@ def _checkpointed(memory: Memory, checkpointed: Sequence[bool], bounds: Sequence
     for s, (a, b) in enumerate(bounds):
         if not checkpointed[s]:
             continue
-        kept = float((output[a - 1] if a > 0 else 0) + output[b - 1])
-        saved = max(columns["activation"][s] - kept, 0.0)
+        ends = float((output[a - 1] if a > 0 else 0) + output[b - 1])
+        kept = ends + stash
+        saved = max(columns["activation"][s] - ends, 0.0)  # recomputed beside the stash, which stays until B ends
         columns["activation"][s] = kept
         columns["after_input"][s] = kept + max(table["after_input"][s] - table["activation"][s], 0.0)
         columns["backward_transient"][s] += saved

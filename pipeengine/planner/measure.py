@@ -130,7 +130,9 @@ def _measured(
             layers[-1] = _WithLoss(layers[-1], loss, part)
         profile = _profile(layers, sample, rows, repeats if timed else 0, device, allocator, compile, progress, shard)
         keys = profile.parameters if shard is not None else parameter_keys(model)  # the loss wrapper left out
-        return dataclasses.replace(profile, parameters=keys, timed=timed, tensor_parallel=tensor_parallel)
+        stash = torch.get_rng_state().numel() if device.type == "cpu" else 0  # checkpoint's preserve_rng_state
+        return dataclasses.replace(profile, parameters=keys, timed=timed, tensor_parallel=tensor_parallel,
+                                   checkpoint_stash=stash)  # fmt: skip
     finally:
         torch.set_num_threads(previous)
 
