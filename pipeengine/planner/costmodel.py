@@ -240,14 +240,16 @@ class LayerProfile:
         return dataclasses.replace(memory, **columns, grads_late=grads, optimizer=optimizer,  # type: ignore[arg-type]
                                    sync=grads if data_parallel > 1 else 0.0)  # fmt: skip
 
-    def in_flight(self, bounds: Sequence[tuple[int, int]]) -> float:
+    def in_flight(self, bounds: Sequence[tuple[int, int]], fsdp: bool = False) -> float:
         """Bytes of the largest tensor these stages send or receive (a boundary) or reduce over the tensor-parallel
-        group: on gloo a transfer's work object may hold its buffer past the step's peak, on some ranks and some steps
-        (measured: a dp2 x tp2 step 32 KiB over on one rank of four, its allocations the same on all), so a rank's
-        peak is priced with one more."""
+        group, or (``fsdp``) reduce-scatter (a unit's gradients): on gloo a transfer's work object may hold its buffer
+        past the step's peak, on some ranks and some steps (measured: a dp2 x tp2 step 32 KiB over on one rank of
+        four, its allocations the same on all; a dp2 x pp2 FSDP ZB-H1 step one block's gradients over in 1 of 4
+        runs), so a rank's peak is priced with one more."""
         boundaries = [float(self.output[b - 1]) for _, b in bounds[:-1]]
         collectives = [float(size) for layer in self.collectives for _, _, size in layer]
-        return max([*boundaries, *collectives], default=0.0)
+        units = [float(max(self.parameter_bytes[a:b], default=0)) for a, b in bounds] if fsdp else []
+        return max([*boundaries, *collectives, *units], default=0.0)
 
     def _state_of(self, stage: int, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None) -> float:
         """Bytes of a stage's parameters not held by an earlier stage of its rank (each layer's, without ties)."""

@@ -50,7 +50,7 @@ def price(spec: Spec, prices: Prices, optimizer_copies: int, buffered: bool) -> 
                                      fsdp=spec.fsdp, checkpoint=spec.checkpoint)  # fmt: skip
     summary = summarize(program, costs)
     step = summary.makespan + prices.frame_of(dp, program.num_ranks)  # with what the step runs around its program
-    late = spec.profile.in_flight(spec.bounds) if buffered else 0.0  # a transfer's buffer gloo lets go late
+    late = spec.profile.in_flight(spec.bounds, spec.fsdp) if buffered else 0.0  # a buffer gloo lets go late
     return step, summary.bubble_fraction, tuple(peak + late for peak in summary.required_memory)
 
 

@@ -289,6 +289,9 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     # a rank's peak holds one more of its largest transfer or tensor-parallel tensor (gloo may free one late)
     cut = [(0, 1), (1, 2)]
     assert profile.in_flight(cut) == profile.output[0] and profile.in_flight([(0, 2)]) == 0.0
+    # with FSDP, or a unit's reduce-scatter input: its largest layer's gradients
+    unit = float(max(profile.parameter_bytes))
+    assert unit > profile.output[0] and profile.in_flight(cut, fsdp=True) == profile.in_flight([(0, 2)], True) == unit
     from pipeengine.planner import pricing
 
     program = build_schedule("1f1b", 2, 2)
