@@ -82,7 +82,10 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     lowered = resolve_schedule(config.schedule, topology.pipeline_size, config.num_microbatches, config.chunks)  # type: ignore[arg-type]
     # every replica must cut the model alike: the whole world agrees when there are several
     agreeing = topology.world if world.size > topology.pipeline.size else topology.pipeline
-    partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device, config.compile)
+    # no stage of the engine's own partition ends on a tensor-parallel shard (the planner's is measured so)
+    joined = tensor.shards_output(model, plan)[:-1] if grid.tp > 1 else []
+    partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device, config.compile,
+                                joined)  # fmt: skip
     ties = find_ties(model, partition.bounds, lowered.placement)
     if config.fsdp:
         fsdp.check_shardable(model)
@@ -124,8 +127,10 @@ def agree_partition(
     transport: Transport,
     device: torch.device,
     compile: bool | Mapping[str, object] = False,
+    joined: Sequence[bool] = (),
 ) -> Partition:
-    """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike."""
+    """The first stage's rank measures the layers and broadcasts the costs; every rank then solves alike, no stage
+    ending on a layer ``joined`` marks (its output a tensor-parallel shard: partition.solve)."""
     counts = None if partition is None or isinstance(partition, str) else check_counts(partition, schedule.num_stages)
     m = schedule.num_microbatches
     source = 0  # group rank 0 runs the first stage (of the first replica)
@@ -156,7 +161,8 @@ def agree_partition(
     if counts is not None:
         return Partition("explicit", bounds_from_counts(counts, len(model)), costs, schedule.placement)
     method = METHODS[int(header[1])]
-    return Partition(method, solve(method_costs(method, costs), schedule.num_stages), costs, schedule.placement)
+    return Partition(method, solve(method_costs(method, costs), schedule.num_stages, joined), costs,
+                     schedule.placement)  # fmt: skip
 
 
 def _first_microbatch(sample: object, num_microbatches: int) -> torch.Tensor | Tensors:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pipeengine.planner.costmodel import LayerCosts
 
 __all__ = ["agree_on_ties", "apply", "device_mesh", "fake_mesh", "group_mesh", "plan_matches", "retie", "shard_costs",
-           "shard_layer"]
+           "shard_layer", "shards_output"]
 
 
 def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
@@ -84,6 +84,27 @@ def plan_matches(model: nn.Module, plan: Mapping[str, object], degree: int = 1) 
         if check is not None:
             check(degree)
     return resolved
+
+
+def shards_output(model: nn.Sequential, plan: Mapping[str, object]) -> list[bool]:
+    """Per layer of ``model``, whether its output under the plan (resolved names, plan_matches') is likely a rank's
+    shard, so that a stage must not end there: read from the styles, not run (the engine's own partition has no
+    sample to run under tensor parallelism; the planner measures it exactly, pipeengine.planner.measure). A layer
+    whose last column- or row-wise style (in module order) is ColwiseParallel ends sharded, RowwiseParallel
+    replicated; a layer with neither keeps what came in (an activation between them). Other styles are not read:
+    the stage's check at the first step still names a shard sent across a boundary."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    sharded, found = False, []
+    for name, layer in model.named_children():
+        for inner, _ in layer.named_modules():
+            style = plan.get(f"{name}.{inner}" if inner else name)
+            if isinstance(style, ColwiseParallel):
+                sharded = True
+            elif isinstance(style, RowwiseParallel):
+                sharded = False
+        found.append(sharded)
+    return found
 
 
 def apply(module: nn.Module, mesh: object, plan: Mapping[str, object]) -> None:

@@ -277,6 +277,53 @@ def test_what_tensor_parallelism_cannot_do_is_refused_naming_it(case: str, error
         launch(refused, 4, args=(case,), timeout=30, in_process=True)
 
 
+def flat_model_and_plan() -> tuple[nn.Sequential, dict[str, object]]:
+    """Six layers, tensor-parallel pair by pair: the outputs of layers 0, 1, 3 and 4 are shards; the last layer
+    holds the most parameters, so a partition by parameters alone cuts after layer 3 or 4."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    with SEEDED:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 32), nn.Tanh(),
+                              nn.Linear(32, 64))  # fmt: skip
+    return model, {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
+
+
+def default_partition_around_shards() -> None:
+    """The engine's own partition (no sample: by parameters) never ends a stage on a shard, and trains as one
+    process does."""
+    model, tp_plan = flat_model_and_plan()
+    one = OneProcess(model, nn.functional.mse_loss)
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=tp_plan)
+    assert engine.bounds == [(0, 3), (3, 6)], engine.bounds  # by parameters alone: a cut after 3 or 4, a shard sent
+    optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 16, generator=generator), torch.randn(4, 64, generator=generator)) for _ in range(2)]
+    assert train_like_one_process(engine, one, optimizers, 2, "the default partition around shards",
+                                  lambda step: [data[step]]) > 0  # fmt: skip
+
+
+def test_the_engines_own_partition_reads_which_layers_end_in_a_shard() -> None:
+    """Read from the plan's styles (resolved names): column-wise to row-wise is sharded between, a layer with no
+    style keeps what came in; a block whose last style is row-wise ends whole."""
+    from pipeengine.parallel.tensor import plan_matches, shards_output
+    from pipeengine.planner.partition import solve
+
+    model, tp_plan = flat_model_and_plan()
+    flags = shards_output(model, plan_matches(model, tp_plan))
+    assert flags == [True, True, False, True, True, False]
+    assert solve([1.0] * 6, 2, flags[:-1]) == [(0, 3), (3, 6)] and solve([1.0] * 6, 2) == [(0, 3), (3, 6)]
+    assert solve([3.0, 1, 1, 1, 1, 1], 2, flags[:-1]) == [(0, 3), (3, 6)]  # unconstrained: [(0, 2), (2, 6)]
+    assert shards_output(gpt(), plan_matches(gpt(), plan())) == [False] * len(gpt())  # each block ends row-wise
+    with pytest.raises(ValueError, match="3 stages, but the model can be cut into 2 at most"):
+        solve([1.0] * 6, 3, flags[:-1])
+
+
+@pytest.mark.timeout(120)
+def test_the_engines_own_partition_never_ends_a_stage_on_a_shard() -> None:
+    launch(default_partition_around_shards, 4, timeout=90)
+
+
 @pytest.mark.timeout(120)
 def test_a_stage_that_ends_in_a_shard_is_refused_before_it_is_sent() -> None:
     with pytest.raises(Exception, match=r"stage 0 produced float32\[2, 8\].*expects float32\[2, 16\].*looks like "
