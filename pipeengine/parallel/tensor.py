@@ -89,22 +89,31 @@ def plan_matches(model: nn.Module, plan: Mapping[str, object], degree: int = 1) 
 def shards_output(model: nn.Sequential, plan: Mapping[str, object]) -> list[bool]:
     """Per layer of ``model``, whether its output under the plan (resolved names, plan_matches') is likely a rank's
     shard, so that a stage must not end there: read from the styles, not run (the engine's own partition has no
-    sample to run under tensor parallelism; the planner measures it exactly, pipeengine.planner.measure). A layer
-    whose last column- or row-wise style (in module order) is ColwiseParallel ends sharded, RowwiseParallel
-    replicated; a layer with neither keeps what came in (an activation between them). Other styles are not read:
-    the stage's check at the first step still names a shard sent across a boundary."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
+    sample to run under tensor parallelism; the planner measures it exactly, pipeengine.planner.measure). A layer's
+    last style (in module order) that says what it leaves decides: a Shard among its output layouts (ColwiseParallel's
+    default, SequenceParallel's sequence, a RowwiseParallel or PrepareModuleOutput told so) leaves a shard, else the
+    output is whole; a layer with no such style keeps what came in (an activation between them). The stage's check at
+    the first step still names a shard sent across a boundary that a custom style made."""
     sharded, found = False, []
     for name, layer in model.named_children():
         for inner, _ in layer.named_modules():
-            style = plan.get(f"{name}.{inner}" if inner else name)
-            if isinstance(style, ColwiseParallel):
-                sharded = True
-            elif isinstance(style, RowwiseParallel):
-                sharded = False
+            leaves = _leaves_shard(plan.get(f"{name}.{inner}" if inner else name))
+            if leaves is not None:
+                sharded = leaves
         found.append(sharded)
     return found
+
+
+def _leaves_shard(style: object) -> bool | None:
+    """Whether a style's output is sharded (None: the style does not say, or no style)."""
+    from torch.distributed.tensor import Shard
+
+    for attribute in ("desired_output_layouts", "output_layouts", "sequence_sharding"):  # the last word first
+        layouts = getattr(style, attribute, None)
+        if layouts is not None:
+            layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
+            return any(isinstance(placement, Shard) for placement in layouts)
+    return None
 
 
 def apply(module: nn.Module, mesh: object, plan: Mapping[str, object]) -> None:

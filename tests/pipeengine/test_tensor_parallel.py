@@ -315,6 +315,14 @@ def test_the_engines_own_partition_reads_which_layers_end_in_a_shard() -> None:
     assert solve([1.0] * 6, 2, flags[:-1]) == [(0, 3), (3, 6)] and solve([1.0] * 6, 2) == [(0, 3), (3, 6)]
     assert solve([3.0, 1, 1, 1, 1, 1], 2, flags[:-1]) == [(0, 3), (3, 6)]  # unconstrained: [(0, 2), (2, 6)]
     assert shards_output(gpt(), plan_matches(gpt(), plan())) == [False] * len(gpt())  # each block ends row-wise
+    # what a style says it leaves decides: a row-wise layer told to leave a sequence shard (sequence parallelism),
+    # then a module told to leave its output whole
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
+
+    said = {"0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "2": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())}  # fmt: skip
+    assert shards_output(model, said) == [True, True, False, False, False, False]
     with pytest.raises(ValueError, match="3 stages, but the model can be cut into 2 at most"):
         solve([1.0] * 6, 3, flags[:-1])
 
