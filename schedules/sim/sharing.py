@@ -90,20 +90,21 @@ def shared(
                 if idle and pcs[rank] < len(programs[rank]):
                     entry = programs[rank][pcs[rank]]
                     at = free[rank] if entry[0] is None else ready(entry, free[rank])
-                    if at is None:
-                        continue
-                    if at > now:
-                        start[rank] = at
-                    else:  # it starts now, at this work clock
-                        mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
-                        began[rank] = now
-                        running += 1
+                    if at is not None:
+                        start[rank] = at if at > now else now
             changed = False
         first = lowest = infinity
-        for rank in range(ranks):
-            at, end, held = start[rank], mark[rank], hold[rank]
-            if at is not None and at < first:
-                first = at
+        for rank in range(ranks):  # a compute due now starts (at this work clock); the next event after now
+            at = start[rank]
+            if at is not None:
+                if at <= now:
+                    entry = programs[rank][pcs[rank]]
+                    mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
+                    began[rank], start[rank] = now, None
+                    running += 1
+                elif at < first:
+                    first = at
+            end, held = mark[rank], hold[rank]
             if held is not None and held < first:
                 first = held
             if end is not None and end < lowest:
@@ -146,11 +147,3 @@ def shared(
                 pcs[rank] += 1
                 free[rank], hold[rank] = now, None
                 changed = True
-        if first <= now:
-            for rank in range(ranks):
-                at = start[rank]
-                if at is not None and at <= now:
-                    entry = programs[rank][pcs[rank]]
-                    mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
-                    began[rank], start[rank] = now, None
-                    running += 1
