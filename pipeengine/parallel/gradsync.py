@@ -69,7 +69,6 @@ class SyncBytes:
     gathered: dict[int, Gathered] = field(default_factory=dict)  # stage -> what FSDP gathers of it
 
 
-
 @dataclass
 class Reduction:
     """One flat buffer being reduced: the gradients it was made of, and what to divide the result by."""

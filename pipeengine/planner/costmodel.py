@@ -135,9 +135,8 @@ class LayerProfile:
         if self.allocations:
             memory = self._allocated(memory, bounds, placement, params, data_parallel, checkpointed)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
-            units = [float(max(self.parameter_bytes[a:b], default=0)) for a, b in bounds]
-            memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations), units,
-                            buffered_sends)  # fmt: skip
+            memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations),
+                            self._largest_units(bounds), buffered_sends)  # fmt: skip
         world = data_parallel * self.tensor_parallel * (max(placement) + 1 if placement else len(bounds))
         tp_forward = [self._collectives("F", a, b, prices, world) for a, b in bounds]  # (work, wait) each
         tp_backward = [self._collectives("B", a, b, prices, world) for a, b in bounds]
@@ -248,8 +247,12 @@ class LayerProfile:
         runs), so a rank's peak is priced with one more."""
         boundaries = [float(self.output[b - 1]) for _, b in bounds[:-1]]
         collectives = [float(size) for layer in self.collectives for _, _, size in layer]
-        units = [float(max(self.parameter_bytes[a:b], default=0)) for a, b in bounds] if fsdp else []
+        units = self._largest_units(bounds) if fsdp else []
         return max([*boundaries, *collectives, *units], default=0.0)
+
+    def _largest_units(self, bounds: Sequence[tuple[int, int]]) -> list[float]:
+        """Each stage's largest FSDP unit (shard_stage's: a layer with parameters), its parameters' bytes."""
+        return [float(max(self.parameter_bytes[a:b], default=0)) for a, b in bounds]
 
     def _state_of(self, stage: int, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None) -> float:
         """Bytes of a stage's parameters not held by an earlier stage of its rank (each layer's, without ties)."""
