@@ -24,15 +24,16 @@ __all__ = ["SIZE_UNITS", "main", "parse_bytes", "progress_printer"]
 
 def progress_printer(stream: TextIO | None = None) -> Callable[[int, int, int], None]:
     """A ``tune(progress=)`` that says how far the measuring is, on ``stream`` (default: stderr at each call):
-    "measuring 8 layers at 3 micro-batch sizes: 5/24", rewritten in place on a terminal, else a line at the start,
-    at each tenth of the way and at the end."""
+    "measuring 8 layers at 3 settings: 5/24" (a setting: a micro-batch size, a tensor-parallel degree, warm or cold;
+    pipeengine.planner.search), rewritten in place on a terminal, else a line at the start, at each tenth of the way
+    and at the end."""
     shown = -1  # the last tenth written (not on a terminal)
 
     def report(done: int, layers: int, sizes: int) -> None:
         nonlocal shown
         out = stream if stream is not None else sys.stderr
         total = layers * sizes
-        text = f"measuring {layers} layers at {sizes} micro-batch size{'s' if sizes != 1 else ''}: {done}/{total}"
+        text = f"measuring {layers} layers at {sizes} setting{'s' if sizes != 1 else ''}: {done}/{total}"
         if out.isatty():
             out.write(f"\r{text}" + ("\n" if done == total else ""))
         elif done * 10 // total > shown:

@@ -6,7 +6,8 @@ launching, under a memory limit, priced on this machine's measured links.
     engine = PipelineEngine(model, loss_fn, **result.best.engine_kwargs())
 
 Each layer is measured once per micro-batch size and tensor-parallel degree on ``sample``
-(pipeengine.planner.measure: under tensor parallelism, the shard a rank runs and the collectives it runs). Then
+(pipeengine.planner.measure: under tensor parallelism, the shard a rank runs and the collectives it runs; on the
+CPU, for the layouts of one pipeline rank, also with the host path warm, as a rank running every layer meets it). Then
 every candidate is priced by the simulator, time and bytes, without running it: each factorisation of the world
 into dp x pp x tp (tp only with a tp_plan whose splits it divides), FSDP on and off (dp > 1), each registered
 schedule, each micro-batch count that divides a replica's batch, each chunk count the schedule runs, the exact
@@ -151,7 +152,9 @@ def tune(
     share = threads or max(1, (os.cpu_count() or 1) // world_size)
     if where.type == "cpu" and reuse_memory:
         keep_freed_memory()
-    wanted = sorted({(per_replica[dp] // m, tp) for dp, _, tp in found for m in counts[dp]})
+    # a layout of one pipeline rank runs every layer back to back: its layers timed with the host path warm (measure)
+    warm = where.type == "cpu"
+    wanted = sorted({(per_replica[dp] // m, tp, warm and pp == 1) for dp, pp, tp in found for m in counts[dp]})
     done, layers = 0, len(model)
     if progress is not None:
         progress(0, layers, len(wanted))
@@ -162,16 +165,16 @@ def tune(
         if progress is not None:
             progress(done, layers, len(wanted))
 
-    profiles: dict[tuple[int, int], LayerProfile] = {}
+    profiles: dict[tuple[int, int, bool], LayerProfile] = {}
     with one_process():  # on a rank (schedule="auto"), the TP shards measured in one fresh process, not one each
-        for rows, tp in wanted:
+        for rows, tp, alone in wanted:
             if not any(t == tp for _, _, t in found):  # refused at another size already
                 continue
             try:
-                profiles[rows, tp] = profile_layers(
+                profiles[rows, tp, alone] = profile_layers(
                     model, sample, rows, repeats=repeats, device=where, threads=share, loss=loss_fn, target=target,
                     allocator=allocator, compile=compile, progress=layer_done, tensor_parallel=tp,
-                    tp_plan=tp_plan)  # fmt: skip
+                    tp_plan=tp_plan, warm=alone)  # fmt: skip
             except ValueError as error:  # a plan this degree cannot split equally: every layout of it is refused
                 if tp == 1:
                     raise
@@ -183,7 +186,7 @@ def tune(
     started = time.perf_counter()
     specs: list[tuple[Spec, Candidate]] = []  # each candidate to price, and what it is
     programs: dict[tuple[str, int, int, int, bool], Schedule | str] = {}  # shared by the layouts of one pipeline size
-    cuts: dict[tuple[int, int, str, int], list[tuple[int, int]]] = {}  # (rows, tp, method, stages) -> bounds
+    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]] = {}  # (rows, tp, alone, method, stages)
     for layout in found:
         dp, pp, tp = layout
         for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
@@ -246,13 +249,14 @@ def _illegal(model: nn.Sequential, layout: Layout, batch: int, data_parallel: in
 
 def _layout_candidates(
     model: nn.Sequential, layout: Layout, sharded: bool, names: Sequence[str], counts: Sequence[int], rows: int,
-    profiles: Mapping[tuple[int, int], LayerProfile], methods: Sequence[str], checkpoint: Sequence[str],
+    profiles: Mapping[tuple[int, int, bool], LayerProfile], methods: Sequence[str], checkpoint: Sequence[str],
     transport: object, refused: dict[str, str], programs: dict[tuple[str, int, int, int, bool], Schedule | str],
-    cuts: dict[tuple[int, int, str, int], list[tuple[int, int]]], tp_plan: object,
+    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]], tp_plan: object,
 ) -> list[tuple[Spec, Candidate]]:  # fmt: skip
     """Every candidate of one layout (schedule, chunks, micro-batches, partition and checkpointing), to be priced:
     what it is priced from, and the candidate (unpriced). ``programs``: each program as the transport runs it (with
-    the replicas' ARs), or why it cannot be built; ``cuts``: each partition by (rows, tp, method, stages); both kept
+    the replicas' ARs), or why it cannot be built; ``cuts``: each partition by (rows, tp, one pipeline rank, method,
+    stages); both kept
     across layouts and FSDP on and off."""
     dp, ranks, tp = layout
     layers = len(model)
@@ -281,7 +285,8 @@ def _layout_candidates(
                 if isinstance(program, str):  # m does not suit this schedule (interleaved: a multiple of p)
                     why[name] = program
                     continue
-                profile = profiles.get((rows // m, tp))
+                profile = profiles.get((rows // m, tp, True)) if ranks == 1 else None  # warm, on the CPU
+                profile = profile or profiles.get((rows // m, tp, False))
                 if profile is None:
                     continue
                 joined = profile.shards_output[:-1]  # no stage ends on a tensor-parallel shard
@@ -291,9 +296,9 @@ def _layout_candidates(
                                  "most (a stage cannot end on a layer whose output is a shard)")  # fmt: skip
                     continue
                 for method in methods:
-                    bounds = cuts.get((rows // m, tp, method, stages))
+                    bounds = cuts.get((rows // m, tp, ranks == 1, method, stages))
                     if bounds is None:
-                        bounds = cuts[rows // m, tp, method, stages] = solve(
+                        bounds = cuts[rows // m, tp, ranks == 1, method, stages] = solve(
                             method_costs(method, LayerCosts.of(profile, model)), stages, joined)  # fmt: skip
                     partition = tuple(b - a for a, b in bounds)
                     for option in checkpoint:

@@ -188,6 +188,42 @@ def test_each_timed_run_of_a_layer_starts_with_the_caches_flushed() -> None:
     assert last_level_cache() >= 2**20
 
 
+def test_a_layout_of_one_pipeline_rank_is_priced_from_layers_timed_with_the_host_path_warm(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """warm=True: each timed compute follows the flush and a forward and backward of a copy of the layer (its own
+    weights: the layer's stay cold). tune measures the layouts of one pipeline rank (dp=2 of 2 ranks) so, and only
+    them, and prices them from those times."""
+    from pipeengine.planner import measure
+
+    order: list[tuple[str, int]] = []
+    layer = nn.Sequential(nn.Linear(4, 4))
+    layer.register_forward_pre_hook(lambda module, _: order.append(("F", module[0].weight.data_ptr())))
+    monkeypatch.setattr(measure, "flusher", lambda device: lambda: order.append(("flush", 0)))
+    profile_layers(nn.Sequential(layer), torch.randn(2, 4), 2, repeats=1, device=torch.device("cpu"), warm=True)
+    flushed = [i for i, (kind, _) in enumerate(order) if kind == "flush"]
+    copy, timed = order[flushed[0] + 1], order[flushed[0] + 2]  # after the flush the copy's F, then the layer's
+    assert copy[0] == timed[0] == "F" and copy[1] != timed[1]
+    assert len(flushed) == 8 and all(order[i + 1] == copy for i in flushed)  # F, B, I, W: each run warm, twice
+    assert {ptr for kind, ptr in order if kind == "F"} == {copy[1], timed[1]}
+    import pipeengine.planner.search as search
+
+    calls: list[tuple[int, int, bool]] = []
+
+    def measured(model: nn.Sequential, sample: torch.Tensor, rows: int, **kw: object) -> object:
+        calls.append((rows, kw["tensor_parallel"], kw["warm"]))  # type: ignore[arg-type]
+        real = profile_layers(model, sample, rows, **{**kw, "warm": False})  # type: ignore[arg-type]
+        return dataclasses.replace(real, forward=tuple(f + (1.0 if kw["warm"] else 0.0) for f in real.forward))
+
+    monkeypatch.setattr(search, "profile_layers", measured)
+    x, y = data()
+    result = tune(blocks(2), mse, x, 2, target=y, schedules=["1f1b"], microbatches=[2], methods=("uniform",),
+                  checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip
+    assert sorted(calls) == [(BATCH // 4, 1, True), (BATCH // 2, 1, False)]
+    alone = [c.step_time for c in result.rows if c.data_parallel == 2]
+    piped = [c.step_time for c in result.rows if c.data_parallel == 1]
+    assert alone and piped and min(alone) > 2 * 2 * 1.0 > max(piped)  # 2 micro-batches of 2 layers, 1 s more each
+
+
 def test_shards_measured_in_a_fresh_process_share_one_inside_one_process() -> None:
     """On a rank (schedule="auto" with tensor parallelism) each TP measurement runs in a fresh process: inside
     one_process() (tune's) they share one, started at the first and stopped at the end (one each took 18-23 s of
@@ -307,7 +343,7 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
 
     measured = {}
     monkeypatch.setattr(search, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
-        (rows, kw["tensor_parallel"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
+        (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
     record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
     steps = []
     for pipeline in ({}, {"2": 7.0}):
@@ -347,9 +383,9 @@ def test_candidates_are_priced_on_forked_workers_in_order_and_as_here(monkeypatc
         pricing.in_parallel(pricing.WORTH * 2, broken, workers=2)
     import pipeengine.planner.search as search
 
-    measured: dict[tuple[int, int], object] = {}
+    measured: dict[tuple[int, int, bool], object] = {}
     monkeypatch.setattr(search, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
-        (rows, kw["tensor_parallel"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
+        (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
     monkeypatch.setattr(pricing, "WORTH", 8)
     x, y = data()
     rows = [tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, microbatches=[1, 2], repeats=1, allocator=False,

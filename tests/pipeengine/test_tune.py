@@ -244,7 +244,8 @@ def test_the_cli_plans_a_model_given_as_module_function() -> None:
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr, result.stderr  # e.g. runpy's, were pipeengine to import the module first
     assert "Memory block" not in result.stderr, result.stderr  # torch's allocator, under the planner's watches
-    assert "measuring 11 layers at 5 micro-batch sizes: 55/55\n" in result.stderr, result.stderr  # its progress
+    # its progress: 5 micro-batch sizes, and 4 of them again warm for the layout of one pipeline rank (dp=2)
+    assert "measuring 11 layers at 9 settings: 99/99\n" in result.stderr, result.stderr
     assert "candidates (priced in" in result.stdout and "best: PipelineEngine(model, loss_fn, **{'schedule':" in (
         result.stdout
     )
@@ -326,11 +327,11 @@ def test_tune_says_how_far_the_measuring_is_and_no_profiler_line_reaches_the_use
     model = nn.Sequential(_LogsWhileProfiled(), nn.ReLU(), nn.Linear(4, 2))
     tune(model, mse, torch.randn(4, 4), 2, data_parallel=1, schedules=["1f1b"], microbatches=[1, 2], repeats=1,
          progress=lambda *done: (calls.append(done), progress_printer()(*done)))  # fmt: skip
-    assert calls == [(done, 3, 2) for done in range(7)]  # 3 layers at 2 micro-batch sizes, a call after each
+    assert calls == [(done, 3, 2) for done in range(7)]  # 3 layers at 2 settings (micro-batch sizes), a call after each
     err = capfd.readouterr().err
     assert UNKNOWN_FREE.decode() not in err, err
     assert [line for line in err.splitlines() if line != "the layer's own line, watched"] == [
-        f"measuring 3 layers at 2 micro-batch sizes: {done}/6" for done in range(7)
+        f"measuring 3 layers at 2 settings: {done}/6" for done in range(7)
     ], err
     assert err.count("the layer's own line, watched\n") == 2, err  # its forward watched at each size: passed on
     assert not recwarn.list, [str(w.message) for w in recwarn.list]
@@ -339,7 +340,7 @@ def test_tune_says_how_far_the_measuring_is_and_no_profiler_line_reaches_the_use
     for done in range(25):
         printer(done, 8, 3)
     shown = [0, 3, 5, 8, 10, 12, 15, 17, 20, 22, 24]
-    assert lines.getvalue().splitlines() == [f"measuring 8 layers at 3 micro-batch sizes: {d}/24" for d in shown]
+    assert lines.getvalue().splitlines() == [f"measuring 8 layers at 3 settings: {d}/24" for d in shown]
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -349,5 +350,5 @@ def test_tune_says_how_far_the_measuring_is_and_no_profiler_line_reaches_the_use
     printer = progress_printer(terminal)
     for done in range(3):
         printer(done, 2, 1)
-    said = "measuring 2 layers at 1 micro-batch size"
+    said = "measuring 2 layers at 1 setting"
     assert terminal.getvalue() == f"\r{said}: 0/2\r{said}: 1/2\r{said}: 2/2\n"
