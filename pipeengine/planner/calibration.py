@@ -11,7 +11,8 @@ shared after it) over each group size; posting a message;
 copying a byte of gradients (a sync flattens them); how many ranks compute at full speed at once (CPU ranks share
 the machine's cores: each times the same work alone and all together); and the host cost of one pipeline
 instruction and the latency of a message between stages as the engine takes it up, fitted so that the simulator's
-steps of tiny layers (a pipeline of one rank, then a chain of stages) take what the engine's took. ``save`` keeps
+steps of tiny layers (a pipeline of one rank, then a chain of stages, less the frame of the world's pipeline, timed
+beside it) take what the engine's took. ``save`` keeps
 them in a file per machine (``default_path()``: the host's name, with the date); ``load`` reads it, or gives the
 built-in constants, measured once on the 2-core machine of the benchmarks, and says so (``Prices.source``). The
 planner (pipeengine.planner.search) prices every layout with them.
@@ -331,8 +332,9 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
                      frame=probes.frame(groups, 12 * repeats, device), post=post, post_message=post_message,
                      copy=probes.copying(repeats, device), fsdp={}, crowded=_curved(crowded))  # fmt: skip
     partial = dataclasses.replace(partial, fsdp=_fsdp(partial, probes.fsdp(groups, 2 * repeats, device)))
-    overhead, latency = probes.host(engine, _stepper(partial), 4 * repeats)
-    found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte))
+    overhead, latency, around = probes.host(engine, _stepper(partial), 4 * repeats, device)
+    frame = {**partial.frame, "pipeline": {**partial.frame["pipeline"], world: around}}  # timed with the latency's
+    found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte), frame=frame)
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]  # type: ignore[return-value]
@@ -348,16 +350,16 @@ def _fsdp(prices: Prices, measured: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _stepper(prices: Prices) -> Callable[[Any, float, float], float]:
-    """probes.host's simulated step of its tiny Linear(4, 4) programs at ``prices``, for a host cost per compute and
+    """probes.host's simulated program of its tiny Linear(4, 4) layers at ``prices``, for a host cost per compute and
     a message latency: every compute that host cost, each message a micro-batch's output (Linear(4, 4) keeps its
-    input's size), posting, the step's frame."""
+    input's size), posting (the step's frame is measured beside it)."""
     from schedules import Costs, simulate
 
     def step(program: Any, overhead: float, latency: float) -> float:
         costs = Costs(forward=overhead, backward=overhead, latency=latency, per_byte=prices.p2p.per_byte,
                       message_bytes=16, post=prices.post, post_message=prices.post_message,
                       processors=None if prices.processors is None else min(prices.processors, program.num_ranks))
-        return simulate(program, costs).makespan + prices.frame_of(1, program.num_ranks)
+        return simulate(program, costs).makespan
 
     return step
 

@@ -135,20 +135,13 @@ def frame(groups: Mapping[int, Any], repeats: int, device: torch.device) -> dict
     slowest rank's, the trimmed mean of ``repeats``): "pipeline", the header every rank of a pipeline gathers before the
     step (pipeengine.comm.calls) and the loss its last rank broadcasts after; "replicas", the loss summed over them."""
     found: dict[str, dict[int, float]] = {"pipeline": {}, "replicas": {}}
-    row = torch.zeros(HEADER, dtype=torch.int64, device=device)
     loss = torch.zeros((), device=device)
     for size, group in groups.items():
-        rows = [torch.empty_like(row) for _ in range(size)]
-        last = size - 1
-
-        def pipeline(group: Any = group, rows: list[torch.Tensor] = rows, last: int = last) -> None:
-            dist.all_gather(rows, row, group=group)
-            dist.broadcast(loss, group_src=last, group=group)
 
         def replicas(group: Any = group) -> None:
             dist.all_reduce(loss, group=group)
 
-        for name, step in (("pipeline", pipeline), ("replicas", replicas)):
+        for name, step in (("pipeline", pipeline_frame(group, size, device)), ("replicas", replicas)):
             times = []
             for _ in range(repeats + 1):
                 dist.barrier()
@@ -157,6 +150,19 @@ def frame(groups: Mapping[int, Any], repeats: int, device: torch.device) -> dict
                 times.append(synced(time.perf_counter() - start))
             found[name][size] = trimmed(times[1:])
     return found
+
+
+def pipeline_frame(group: Any, size: int, device: torch.device) -> Callable[[], None]:
+    """A pipeline's frame over ``group`` (of ``size`` ranks) as a step runs it: the header every rank gathers before
+    the program (pipeengine.comm.calls) and the loss the last rank broadcasts after."""
+    row = torch.zeros(HEADER, dtype=torch.int64, device=device)
+    rows, loss = [torch.empty_like(row) for _ in range(size)], torch.zeros((), device=device)
+
+    def run() -> None:
+        dist.all_gather(rows, row, group=group)
+        dist.broadcast(loss, group_src=size - 1, group=group)
+
+    return run
 
 
 def posting(repeats: int, device: torch.device, elements: int = 1024) -> tuple[float, float]:
@@ -307,29 +313,32 @@ def sharing(found: Sequence[tuple[str, float, Sequence[tuple[float, float]]]]) -
     return None if found_processors > len(found) / 1.1 else found_processors
 
 
-def host(build: Callable[..., Any], price: Callable[[Any, float, float], float], repeats: int
-         ) -> tuple[float, float]:  # fmt: skip
+def host(build: Callable[..., Any], price: Callable[[Any, float, float], float], repeats: int, device: torch.device
+         ) -> tuple[float, float, float]:  # fmt: skip
     """Host seconds per compute and the latency of a message between stages, as the engine runs them, from two of
     its steps on tiny Linear(4, 4) layers against the simulator's (``price(program, overhead, latency)``: a simulated
-    step at those prices): a pipeline of one rank (8 micro-batches, no message: the computes' host cost; each rank
-    on a group of its own, one at a time, the others waiting), then GPipe with one micro-batch over a layer a rank
-    (a chain: each compute waits for a message), each solved by bisection (each simulated step grows with its
-    unknown). A ping between two ranks alone misses what a rank pays to take a message up in a step."""
+    program at those prices, without the step's frame): a pipeline of one rank (8 micro-batches, no message: the
+    computes' host cost; each rank on a group of its own, one at a time, the others waiting), then GPipe with one
+    micro-batch over a layer a rank (a chain: each compute waits for a message) less the world's pipeline frame
+    (``pipeline_frame``), each solved by bisection (each simulated step grows with its unknown); and that frame. A
+    ping between two ranks alone misses what a rank pays to take a message up in a step. The chain's steps spread
+    widely (2.8-13 ms on 4 gloo ranks of 2 cores; the median of 20, 5.3-10.6 ms in one launch), and so do the
+    frame's: many of each, one after the other, the frame taken from the same moments as the chain it is part of
+    (timed apart, the latency they left was 0-0.5 ms from one calibration to the next; 0.1-0.3 ms so)."""
     from torch import nn
 
     world, rank = dist.get_world_size(), dist.get_rank()
     alone = [dist.new_group([r]) for r in range(world)]
 
-    def timed(engine: Any, micro: int, mine: bool = True) -> float:
-        batch, target = torch.randn(micro, 4), torch.randn(micro, 4)
+    def timed(step: Callable[[], object], mine: bool = True, count: int = repeats, warm: int = 2) -> list[float]:
         times = []
-        for _ in range(repeats + 2):
+        for _ in range(count + warm):
             dist.barrier()
             start = time.perf_counter()
             if mine:
-                engine.train_step(batch, target)
+                step()
             times.append(time.perf_counter() - start)
-        return statistics.median(times[2:])
+        return times[warm:]
 
     def solve(measured: float, step: Callable[[float], float]) -> float:
         low, high = 0.0, measured
@@ -341,9 +350,16 @@ def host(build: Callable[..., Any], price: Callable[[Any, float, float], float],
     torch.manual_seed(0)
     single = build(nn.Sequential(nn.Linear(4, 4)), nn.functional.mse_loss, num_microbatches=8, schedule="gpipe",
                    group=alone[rank])  # fmt: skip
-    steps = [timed(single, 8, turn == rank) for turn in range(world)]
+    batch, target = torch.randn(8, 4), torch.randn(8, 4)
+    steps = [statistics.median(timed(lambda: single.train_step(batch, target), turn == rank)) for turn in range(world)]
     overhead = solve(synced(steps[rank]), lambda o: price(single.schedule, o, 0.0))
     chain = build(nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)]), nn.functional.mse_loss,
                   num_microbatches=1, schedule="gpipe")  # fmt: skip
-    measured = synced(timed(chain, 1))
-    return overhead, solve(measured, lambda latency: price(chain.schedule, overhead, latency))
+    frame = pipeline_frame(dist.group.WORLD, world, device)
+    chains, frames = [], []
+    for turn in range(6 * repeats):
+        chains += timed(lambda: chain.train_step(batch[:1], target[:1]), count=1, warm=2 if turn == 0 else 0)
+        frames += timed(frame, count=1, warm=2 if turn == 0 else 0)
+    around = synced(trimmed(frames))
+    measured = synced(statistics.median(chains)) - around
+    return overhead, solve(measured, lambda latency: price(chain.schedule, overhead, latency)), around

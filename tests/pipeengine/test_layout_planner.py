@@ -441,6 +441,33 @@ def _after_a_slow_compute() -> None:
     assert 0.0 <= price < 0.02, price
 
 
+def test_the_message_latency_is_the_chain_of_stages_less_the_frame_timed_beside_it() -> None:
+    """probes.host: the host cost per compute from a pipeline of one rank; the latency from a chain of stages less
+    the world's pipeline frame, timed in turn with it (here an 8 ms chain, a 5 ms frame, a program of 6 messages:
+    0.5 ms each), and that frame."""
+    launch(_host_fit, 2, timeout=120)
+
+
+def _host_fit() -> None:
+    import time
+
+    class Engine:
+        def __init__(self, model: nn.Sequential, *args: object, **kwargs: object) -> None:
+            self.schedule, self.seconds = ("single", 0.001) if len(model) == 1 else ("chain", 0.008)
+
+        def train_step(self, *args: object) -> None:
+            time.sleep(self.seconds)
+
+    probes.pipeline_frame = lambda group, size, device: lambda: time.sleep(0.005)  # type: ignore[assignment]
+
+    def price(program: str, overhead: float, latency: float) -> float:
+        return 10 * overhead if program == "single" else 6 * latency
+
+    overhead, latency, frame = probes.host(Engine, price, 10, torch.device("cpu"))
+    assert overhead == pytest.approx(1e-4, rel=0.25) and latency == pytest.approx(5e-4, rel=0.25), (overhead, latency)
+    assert frame == pytest.approx(0.005, rel=0.1)
+
+
 def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kept = tmp_path / "machine.json"
     path, prices = calibration.measure_machine(2, PipelineEngine, "gloo", kept)
