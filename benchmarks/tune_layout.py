@@ -15,8 +15,10 @@ best of every other layout, the next two, then rows spread down the list, of tho
 the best) are built with PipelineEngine(model, loss,
 **candidate.engine_kwargs()) and timed in rounds: a round launches fresh ranks for each candidate in turn (rotated
 order), warms up, and times --steps steps; the figure quoted is the median over every round's steps. The predicted
-best and every row measured within 10% of the fastest then run --final more rounds among themselves (rotated), so
-that which of the near-equal rows at the top is the fastest is decided on more launches. In the first
+best and every row measured within 10% of the fastest then run --final (6) more rounds among themselves (rotated),
+so that which of the near-equal rows at the top is the fastest is decided on more launches (a launch's median moves
+by up to 10% from the next one's: where the operating system puts 4 ranks on 2 cores; pinned, [1, 2, 2, 1] 1F1B
+m2 took 19.1 ms with neighbouring stages on different cores, 23.1 ms with them on one). In the first
 round each rank's peak is watched by the allocator after the timed steps (what training holds at a step's start:
 weights, gradients, AdamW's moments; plus the most the step allocates; or the optimizer step's, if larger), the
 figure the planner's limit guards. The search is also timed for 8 ranks (--wider; tune's search_seconds, after
@@ -48,7 +50,7 @@ RANKS, THREADS, WIDTH, BLOCKS, BATCH, LAYOUTS, ROUNDS, STEPS, WARMUP, REPEATS = 
 QUICK = {"width": 32, "blocks": 4, "batch": 8, "layouts": 2, "rounds": 1, "steps": 1, "warmup": 1, "repeats": 1,
          "microbatches": 1, "final": 0,
          "wider": []}  # fmt: skip
-FINAL, CONTEND = 3, 0.10  # more rounds for the rows measured within 10% of the fastest (and the predicted best)
+FINAL, CONTEND = 6, 0.10  # more rounds for the rows measured within 10% of the fastest (and the predicted best)
 LIMIT_QUANTILE = 0.75
 SLOWEST = 10.0  # the tail of the ranking (m=64, checkpointed: seconds a step) is not worth minutes of launches
 
