@@ -181,11 +181,11 @@ def _profile(
                 probes.append([_nbytes(p) for p in dict.fromkeys(probe.parameters())])
                 collectives.append(_collectives(probe, value, index == 0))
             first = index == 0  # the user's batch: no gradient wanted for it
-            cold = flush
+            before = flush  # what runs before each timed compute
             if warm and repeats and device.type == "cpu":  # a copy, compiled as the layer is (sharing its code)
-                cold = _warming(flush, _compiled(copy.deepcopy(probe), layer, compile), value, first)
+                before = _warming(flush, _compiled(copy.deepcopy(probe), layer, compile), value, first)
             probe = _compiled(probe, layer, compile)
-            timings = [_time(probe, value, first, device, cold) for _ in range(repeats + 1)][1:] if repeats else []
+            timings = [_time(probe, value, first, device, before) for _ in range(repeats + 1)][1:] if repeats else []
             for index_, key in enumerate(("forward", "backward", "backward_input", "backward_weight")):
                 columns[key].append(statistics.median(t[index_] for t in timings) if timings else 0.0)
             sizes = _bytes(probe, value, first)
