@@ -230,8 +230,7 @@ def _warming(flush: Callable[[], None], twin: nn.Module, value: torch.Tensor | T
         flush()
         inputs = _leaves(other, first)
         with torch.enable_grad():
-            outputs = [settled(o) for o in unpack(twin(inputs if isinstance(other, tuple) else inputs[0]))
-                       if o.requires_grad]  # fmt: skip
+            outputs = _graded(twin, inputs, other)
             if outputs:
                 torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
         twin.zero_grad(set_to_none=True)
@@ -241,6 +240,12 @@ def _warming(flush: Callable[[], None], twin: nn.Module, value: torch.Tensor | T
 
 def _leaves(value: torch.Tensor | Tensors, first: bool) -> Tensors:
     return unpack(map_tensors(value, lambda t: t.detach().requires_grad_(t.is_floating_point() and not first)))
+
+
+def _graded(layer: nn.Module, inputs: Tensors, value: torch.Tensor | Tensors) -> list[torch.Tensor]:
+    """The layer's outputs on ``inputs`` (``value``'s leaves: passed as a tuple where ``value`` is one) that a
+    backward starts from, each settled (a tensor-parallel collective waited for)."""
+    return [settled(o) for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0])) if o.requires_grad]
 
 
 def _time(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: torch.device,
@@ -258,8 +263,7 @@ def _time(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: 
             if timed:
                 flush()
             start = time.perf_counter()
-            outputs = [settled(o) for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0]))
-                       if o.requires_grad]
+            outputs = _graded(layer, inputs, value)
             sync()
         return inputs, outputs, time.perf_counter() - start
 
@@ -398,8 +402,7 @@ def _collectives(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) -
     size = dist.get_world_size()
     inputs = _leaves(value, first)
     with torch.enable_grad(), _Recorder(size) as forward:
-        outputs = [settled(o) for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0]))
-                   if o.requires_grad]
+        outputs = _graded(layer, inputs, value)
     with _Recorder(size) as backward:
         if outputs:
             torch.autograd.backward(outputs, tuple(torch.ones_like(o) for o in outputs))
