@@ -327,10 +327,12 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
                     crowded[op].setdefault(group_size, []).append((size, probes.collective(
                         op, size // 4, group, group_size, count, device, rounds, baseline=baseline)))  # fmt: skip
     post, post_message = probes.posting(2 * repeats, device)
-    partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True,
-                     None if device.type == "cuda" else probes.processors(repeats), None,
-                     frame=probes.frame(groups, 12 * repeats, device), post=post, post_message=post_message,
-                     copy=probes.copying(repeats, device), fsdp={}, crowded=_curved(crowded))  # fmt: skip
+    sharing = None if device.type == "cuda" else probes.processors(repeats)
+    # the world's pipeline frame is timed below, beside probes.host's chain of stages
+    framed = probes.frame(groups, 12 * repeats, device, pipelines=[g for g in groups if g < world])
+    partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True, sharing, None,
+                     frame=framed, post=post, post_message=post_message, copy=probes.copying(repeats, device), fsdp={},
+                     crowded=_curved(crowded))  # fmt: skip
     partial = dataclasses.replace(partial, fsdp=_fsdp(partial, probes.fsdp(groups, 2 * repeats, device)))
     overhead, latency, around = probes.host(engine, _stepper(partial), 4 * repeats, device)
     frame = {**partial.frame, "pipeline": {**partial.frame["pipeline"], world: around}}  # timed with the latency's

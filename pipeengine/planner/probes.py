@@ -9,7 +9,7 @@ import socket
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -129,11 +129,13 @@ def trimmed(samples: Sequence[float], cut: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
-def frame(groups: Mapping[int, Any], repeats: int, device: torch.device) -> dict[str, dict[int, float]]:
+def frame(groups: Mapping[int, Any], repeats: int, device: torch.device, pipelines: Collection[int] | None = None
+          ) -> dict[str, dict[int, float]]:  # fmt: skip
     """What a training step runs outside its program, over groups of each size (``groups``: size -> this rank's
     group, all the world's groups of that size at once), each timed as a step takes it, from a barrier (the
     slowest rank's, the trimmed mean of ``repeats``): "pipeline", the header every rank of a pipeline gathers before the
-    step (pipeengine.comm.calls) and the loss its last rank broadcasts after; "replicas", the loss summed over them."""
+    step (pipeengine.comm.calls) and the loss its last rank broadcasts after, over the sizes in ``pipelines`` (default:
+    every one); "replicas", the loss summed over them."""
     found: dict[str, dict[int, float]] = {"pipeline": {}, "replicas": {}}
     loss = torch.zeros((), device=device)
     for size, group in groups.items():
@@ -141,7 +143,8 @@ def frame(groups: Mapping[int, Any], repeats: int, device: torch.device) -> dict
         def replicas(group: Any = group) -> None:
             dist.all_reduce(loss, group=group)
 
-        for name, step in (("pipeline", pipeline_frame(group, size, device)), ("replicas", replicas)):
+        steps = [("pipeline", pipeline_frame(group, size, device))] if pipelines is None or size in pipelines else []
+        for name, step in (*steps, ("replicas", replicas)):
             times = []
             for _ in range(repeats + 1):
                 dist.barrier()
