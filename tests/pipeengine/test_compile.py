@@ -250,3 +250,32 @@ def test_compile_true_compiles_torchs_own_layers_in_place() -> None:
     for layer in stage:
         x = layer(x)
         assert type(x.grad_fn).__name__ == "CompiledFunctionBackward", f"{type(layer).__name__} ran eagerly"
+
+
+def test_a_warm_profile_of_a_compiled_layer_warms_a_compiled_copy_with_its_own_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """profile_layers(warm=True, compile=...): the copy run before each timed compute is compiled as the layer is,
+    and its compiled call runs its own weights (a copy made after compiling in place drops the compiled call)."""
+    from pipeengine.planner import measure
+
+    copies: list[nn.Module] = []
+    warming = measure._warming
+
+    def kept(flush, twin, value, first):  # type: ignore[no-untyped-def]
+        copies.append(twin)
+        return warming(flush, twin, value, first)
+
+    monkeypatch.setattr(measure, "_warming", kept)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    profile = measure.profile_layers(model, torch.randn(4, 4), 2, repeats=1, device=torch.device("cpu"),
+                                     compile={"backend": "eager"}, warm=True)  # fmt: skip
+    assert len(copies) == 2 and len(profile.forward) == 2
+    for twin, layer in zip(copies, model, strict=True):
+        assert getattr(twin, "_compiled_call_impl", None) is not None
+        assert not any(p.data_ptr() == q.data_ptr() for p in twin.parameters() for q in layer.parameters())
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.zero_()
+            assert not twin(x).any() and layer(x).any()  # the copy's call ran its own (zeroed) weights
