@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeengine.planner import probes
+from pipeengine.planner import probes, wakes
 
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 
@@ -142,7 +142,8 @@ class Prices:
     broadcast last, "replicas": the loss summed over them), ``post`` and ``post_message`` a post's host seconds and
     each message's more in it, ``copy`` host seconds per byte a gradient sync copies. ``fsdp``: what FSDP2 adds per
     unit: "hooks" (host seconds in a forward, a backward), "gather" and "reduce" (seconds beyond the raw collective,
-    by group)."""
+    by group). ``wake``: where ranks share processors, how late a rank woken by a message starts while others compute,
+    by their work's price ((price, seconds) points, pipeengine.planner.wakes; Costs.wake); none: at once."""
 
     overhead: float = OVERHEAD
     p2p: Link = field(default_factory=lambda: Link(LATENCY, PER_BYTE))
@@ -157,6 +158,7 @@ class Prices:
     copy: float = COPY
     fsdp: Mapping[str, Any] = field(default_factory=lambda: FSDP)
     crowded: Mapping[str, Mapping[int, Link | Curve]] = field(default_factory=dict)
+    wake: tuple[tuple[float, float], ...] = ()
 
     def fsdp_extra(self, name: str, group: int) -> float:
         """Seconds FSDP2 adds per unit to its all-gather ("gather") or reduce-scatter ("reduce") over ``group`` ranks
@@ -205,7 +207,8 @@ class Prices:
                          **{name: {str(g): s for g, s in self.fsdp.get(name, {}).items()}
                             for name in ("gather", "reduce")}},
                 "frame": {name: {str(g): s for g, s in sizes.items()} for name, sizes in self.frame.items()},
-                "collectives": _curves(self.collectives), "crowded": _curves(self.crowded)}
+                "collectives": _curves(self.collectives), "crowded": _curves(self.crowded),
+                "wake": [list(point) for point in self.wake]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Prices:
@@ -224,7 +227,8 @@ class Prices:
                     None if data.get("processors") is None else float(data["processors"]),
                     None if data.get("world_size") is None else int(data["world_size"]),
                     frame={name: _by_group(sizes) for name, sizes in data["frame"].items()}, post=post,
-                    post_message=post_message, copy=float(data["copy"]), fsdp=fsdp, crowded=crowded)  # fmt: skip
+                    post_message=post_message, copy=float(data["copy"]), fsdp=fsdp, crowded=crowded,
+                    wake=tuple(sorted((float(b), float(t)) for b, t in data.get("wake", []))))  # fmt: skip
         seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte,
                    "post": found.post, "post_message": found.post_message, "copy": found.copy,
                    "fsdp hooks forward": hooks[0], "fsdp hooks backward": hooks[1]}
@@ -236,6 +240,8 @@ class Prices:
                 points = link.points if isinstance(link, Curve) else ((0.0, link.latency),)
                 seconds |= {f"{op} over {group} at {b:.0f} bytes": t for b, t in points}
                 seconds[f"{op} over {group} per_byte"] = link.per_byte
+        for index, (compute, late) in enumerate(found.wake):
+            seconds |= {f"wake point {index}'s compute": compute, f"wake after a {compute * 1e3:.2f} ms compute": late}
         for name, value in seconds.items():
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} is {value}, not a number of seconds >= 0")
@@ -337,6 +343,8 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     overhead, latency, around = probes.host(engine, _stepper(partial), 4 * repeats, device)
     frame = {**partial.frame, "pipeline": {**partial.frame["pipeline"], world: around}}  # timed with the latency's
     found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte), frame=frame)
+    if sharing is not None and sharing < world:  # ranks share processors: how late one woken while others compute
+        found = dataclasses.replace(found, wake=wakes.wakes(6 * repeats))
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]  # type: ignore[return-value]

@@ -12,6 +12,11 @@ time (schedules.sim.entries) is work like a compute's, and a blocking collective
 asynchronous collective (a gradient all-reduce) is work too, beside the rank's computes: each rank runs its own one
 at a time, in program order, from their posts, sharing the processors with whatever else runs (gloo's threads reduce
 on the same cores).
+
+A rank that waited for a message is woken by it, and where other work runs the operating system may put it behind that
+work on a busy processor: its compute starts ``wake(b)`` late (``wake``: points (b, seconds), linear between them,
+level beyond), b the mean price of what runs at that moment. The delay is measured on the machine
+(pipeengine.planner.wakes); none: a woken rank starts at once.
 """
 
 from __future__ import annotations
@@ -33,15 +38,17 @@ def shared(
     post: Callable[[Any, float], None],
     stuck: Callable[[list[tuple[int, int]]], Exception],
     ended: dict[tuple[int, int], float] | None = None,
+    wake: Sequence[tuple[float, float]] = (),
 ) -> list[list[tuple[float, float]]]:
     """(start, end) of every action of every rank, in program order, the computes sharing ``processors``; each
     asynchronous collective's end in ``ended`` ((rank, index) -> when it was done).
 
     ``programs``: each rank's entries (schedules.sim.entries: entry[0] None: communication, entry[2]: a compute's
-    price, entry[7]: host seconds, entry[8]: what of it waits on other ranks). ``ready(entry, free)``: when a
-    compute can start on a rank free since ``free``, or None while its input's time is unknown; ``done(entry, end)``:
-    a compute ended; ``post(entry, at)``: communication posted; ``stuck(waits)``: the error to raise when no rank can
-    go on ((rank, pc) of each waiting)."""
+    price, entry[7]: host seconds, entry[8]: what of it waits on other ranks). ``ready(entry, free)``: when a compute
+    can start on a rank free since ``free``, or None while its input's time is unknown; ``done(entry, end)``: a
+    compute ended; ``post(entry, at)``: communication posted; ``stuck(waits)``: the error to raise when no rank can
+    go on ((rank, pc) of each waiting). ``wake``: the delay of a compute woken by its input while other work runs, by
+    the mean price of that work (module docstring)."""
     ranks, infinity = len(programs), float("inf")
     times: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]
     pcs, free, began = [0] * ranks, [0.0] * ranks, [0.0] * ranks
@@ -56,6 +63,26 @@ def shared(
     ended = ended if ended is not None else {}
     work = now = 0.0
     running, changed = 0, True
+    woken = [False] * ranks  # its next compute waits for an input: woken by it, unless it is there first
+
+    def begin(rank: int) -> None:
+        """The rank's next action starts now: its work runs from this work clock."""
+        nonlocal running
+        entry = programs[rank][pcs[rank]]
+        mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
+        began[rank], start[rank], woken[rank] = now, None, False
+        running += 1
+
+    def late() -> float:
+        """The delay of a compute woken now, behind what runs (its mean price)."""
+        total = 0.0
+        for r in range(ranks):
+            if mark[r] is not None:
+                entry = programs[r][pcs[r]]
+                total += entry[7] if entry[0] is None else entry[2]
+            if channel[r] is not None:
+                total += programs[r][carrying[r]][2]
+        return delay(wake, total / running)
 
     def next_collective(rank: int) -> None:
         """The rank's channel takes up the next queued collective, if any, from now."""
@@ -92,16 +119,17 @@ def shared(
                     at = free[rank] if entry[0] is None else ready(entry, free[rank])
                     if at is not None:
                         start[rank] = at if at > now else now
+                        woken[rank] = bool(wake) and entry[0] is not None and at > free[rank]
             changed = False
         first = lowest = infinity
+        due: list[int] | None = None  # woken computes due now: they start once the others due now have
         for rank in range(ranks):  # a compute due now starts (at this work clock); the next event after now
             at = start[rank]
             if at is not None:
-                if at <= now:
-                    entry = programs[rank][pcs[rank]]
-                    mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
-                    began[rank], start[rank] = now, None
-                    running += 1
+                if at <= now and woken[rank]:
+                    due = [rank] if due is None else [*due, rank]
+                elif at <= now:
+                    begin(rank)
                 elif at < first:
                     first = at
             end, held = mark[rank], hold[rank]
@@ -112,6 +140,18 @@ def shared(
             end = channel[rank]
             if end is not None and end < lowest:
                 lowest = end
+        if due:  # behind the work running now, if any
+            behind = late() if running else 0.0
+            for rank in due:
+                woken[rank] = False
+                if behind > 0:
+                    start[rank] = now + behind
+                    first = min(first, now + behind)
+                else:
+                    begin(rank)
+                    end = mark[rank]
+                    if end is not None and end < lowest:
+                        lowest = end
         rate = processors / running if running > processors else 1.0
         finish = now + (lowest - work) / rate if running else infinity
         if first == finish == infinity:
@@ -147,3 +187,13 @@ def shared(
                 pcs[rank] += 1
                 free[rank], hold[rank] = now, None
                 changed = True
+
+
+def delay(points: Sequence[tuple[float, float]], size: float) -> float:
+    """The delay at ``size`` of a curve of (size, delay) points sorted by size: linear between them, level beyond."""
+    if size <= points[0][0]:
+        return points[0][1]
+    for (left, low), (right, high) in zip(points, points[1:], strict=False):
+        if size <= right:
+            return low + (high - low) * (size - left) / (right - left) if right > left else high
+    return points[-1][1]

@@ -37,7 +37,9 @@ class Costs:
     ``post``: seconds of rank time each post of communication takes (making its buffers, issuing it), plus
     ``post_message`` for each message it posts. ``sync_host``: seconds of rank time at stage s's AR before its
     collective runs (flattening the gradients). ``sync_blocking``: each AR holds its rank until its collective is
-    done (FSDP's reduce-scatter) instead of running beside what follows.
+    done (FSDP's reduce-scatter) instead of running beside what follows. ``wake``: where ranks share processors, how
+    late a compute woken by its input starts while other work runs, by that work's mean price ((price, seconds)
+    points sorted by price; schedules.sim.sharing); empty: at once.
     """
 
     forward: PerStage = 1.0
@@ -57,6 +59,7 @@ class Costs:
     post_message: float = 0.0
     sync_host: PerStage = 0.0
     sync_blocking: bool = False
+    wake: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Costs:
@@ -221,7 +224,7 @@ def run(
     ready, done, post, stuck = _rules(schedule, (forward_end, input_end, made, sent, received), has_recv, message)
     if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
         ended: dict[tuple[int, int], float] = {}  # the asynchronous collectives, run sharing them too
-        spans = shared(programs, costs.processors, ready, done, post, stuck, ended)
+        spans = shared(programs, costs.processors, ready, done, post, stuck, ended, _wake(costs.wake))
         return _collectives(programs, spans, sent, received, message, M, ended)
     times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     pcs, clocks, channels = [0] * p, [0.0] * p, [0.0] * p
@@ -255,6 +258,14 @@ def run(
         if not progress:
             raise stuck([(r, pcs[r]) for r in range(p) if pcs[r] < len(programs[r])])
     return _collectives(programs, times, sent, received, message, M)
+
+
+def _wake(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """Costs.wake checked: (price, seconds) points, sorted by price, none negative."""
+    found = tuple((float(size), float(late)) for size, late in points)
+    if any(size < 0 or late < 0 for size, late in found) or list(found) != sorted(found):
+        raise ValueError(f"Costs.wake must be (price, seconds) points sorted by price, none negative; got {found}")
+    return found
 
 
 def _charges(costs: Costs, stages: int) -> Charges:

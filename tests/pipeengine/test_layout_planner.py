@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.planner import calibration, probes
+from pipeengine.planner import calibration, probes, wakes
 from pipeengine.planner.calibration import Link, Prices
 from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import tune
@@ -479,6 +479,11 @@ def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, mon
     # two ranks on this machine's cores: each at full speed (None), or slowing each other (fewer than 2 processors)
     assert prices.processors is None or 0.5 < prices.processors < 2
     assert record["processors"] == prices.processors
+    # ranks sharing processors: how late a woken rank starts behind the others' work, one point per burst (wakes)
+    shared_ranks = prices.processors is not None and prices.processors < 2
+    assert len(prices.wake) == (len(wakes.BURSTS) if shared_ranks else 0)
+    assert record["wake"] == [list(point) for point in prices.wake]
+    assert all(compute > 0 and late >= 0 for compute, late in prices.wake)
     # a step's frame over a pipeline and over replicas of the 2 ranks, posting and copying: measured, kept, read
     assert set(prices.frame) == {"pipeline", "replicas"} and all(set(g) == {2} for g in prices.frame.values())
     assert min(prices.frame["pipeline"][2], prices.frame["replicas"][2], prices.post, prices.copy) > 0

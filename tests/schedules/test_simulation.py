@@ -255,3 +255,29 @@ def test_enough_processors_for_every_rank_replay_as_unshared(name: str, p: int, 
     assert [(s.rank, s.action) for s in nearly.spans] == [(s.rank, s.action) for s in alone.spans]
     assert [t for s in nearly.spans for t in (s.start, s.end)] == pytest.approx(
         [t for s in alone.spans for t in (s.start, s.end)], rel=1e-6)  # fmt: skip
+
+
+def test_a_rank_woken_while_others_compute_starts_late_by_hand() -> None:
+    """Costs.wake: a compute woken by its input while other work runs starts late by the curve at that work's mean
+    price. gpipe p=2, m=2, F = B = 1 on 1.5 processors, 0.25 late behind work of price 1 (between points 0 at 0.5
+    and 0.5 at 1.5): 1F0 is woken at 1 while 0F1 runs, starts at 1.25; 0F1 alone to then, shares to 2.25; 1F0 alone
+    again from 2.25 to 2.5. 1F1's input is there before its rank is free: no wake. 0B0 is woken at 4.5 beside 1B1."""
+    costs = {"forward": 1, "backward": 1, "processors": 1.5}
+    woken = simulate(build_schedule("gpipe", 2, 2), Costs(**costs, wake=((0.5, 0.0), (1.5, 0.5))))  # type: ignore[arg-type]
+    spans = {str(s.action): (s.start, s.end) for s in woken.spans if s.is_compute}
+    expected = {"0F0": (0, 1), "0F1": (1, 2.25), "1F0": (1.25, 2.5), "1F1": (2.5, 3.5), "1B0": (3.5, 4.5),
+                "1B1": (4.5, 5.75), "0B0": (4.75, 6), "0B1": (6, 7)}  # fmt: skip
+    assert spans == {name: pytest.approx(times) for name, times in expected.items()}
+    # with nothing else running a woken rank starts at once: one micro-batch, each compute alone
+    assert simulate(build_schedule("gpipe", 2, 1), Costs(**costs, wake=((1.0, 0.25),))).makespan == pytest.approx(4)  # type: ignore[arg-type]
+    # beyond the curve's points it is level: work of price 1 is behind the first point at 2
+    level = simulate(build_schedule("gpipe", 2, 2), Costs(**costs, wake=((2.0, 0.25), (3.0, 1.0))))  # type: ignore[arg-type]
+    assert level.makespan == pytest.approx(woken.makespan)
+    # ranks with processors of their own have no one to wait behind: the curve is not charged
+    assert simulate(build_schedule("gpipe", 2, 2), Costs(forward=1, backward=1, wake=((1.0, 0.25),))).makespan == 6
+
+
+def test_the_wake_curve_is_checked() -> None:
+    for wake in (((2.0, 0.1), (1.0, 0.2)), ((1.0, -0.1),)):
+        with pytest.raises(ValueError, match=r"Costs.wake must be \(price, seconds\) points sorted by price"):
+            simulate(build_schedule("gpipe", 2, 2), Costs(processors=1, wake=wake))
