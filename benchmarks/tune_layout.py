@@ -11,8 +11,8 @@ loss) for 4 ranks at those prices, searching every dp x pp x tp, FSDP on and off
 chunks, partition and checkpointing; the sample is the whole step's batch (each replica trains on batch/dp rows).
 The memory limit is the 75th percentile of the candidates' predicted peaks (it drops the heaviest quarter), applied
 to tune's ranking as tune applies it. Then --layouts candidates spread over the ranking (the predicted best, the
-best of every other schedule in its layout, the best of every other layout, the next two, then rows spread down the
-list, of those predicted within --slowest x the best) are built with PipelineEngine(model, loss,
+best of every other layout, the best of every other schedule in the best's layout, the next two, then rows spread
+down the list, of those predicted within --slowest x the best) are built with PipelineEngine(model, loss,
 **candidate.engine_kwargs()) and timed in rounds: a round launches fresh ranks for each candidate in turn (rotated
 order), warms up, and times --steps steps; the figure quoted is the median over every round's steps. The predicted
 best and every row measured within 10% of the fastest then run --final (6) more rounds among themselves (rotated),
@@ -71,16 +71,16 @@ def tp_plan() -> dict[str, object]:
 
 
 def chosen(result: TuneResult, count: int, slowest: float) -> list[Candidate]:
-    """The predicted best, the best of each other schedule in its layout (the rows a near-miss would hide in: timed
-    only the top rows, the best one run measured was 12% slower than a ZB-H1 row ranked lower), the best of each
-    other layout (dp, pp, tp, fsdp), the next two, then rows spread evenly down the rest, of those predicted at most
+    """The predicted best, the best of each other layout (dp, pp, tp, fsdp), the best of each other schedule in the
+    best's layout (where a near miss hides: timed only the top rows, one run's pick measured 12% slower than a
+    ZB-H1 row ranked lower), the next two, then rows spread evenly down the rest, of those predicted at most
     ``slowest`` x the best's step time; in ranking order."""
     rows = [c for c in result.rows if c.step_time <= slowest * result.rows[0].step_time]
     picked = [0]
-    for schedule in dict.fromkeys(c.schedule for c in rows if c.layout == rows[0].layout):
-        picked.append(next(i for i, c in enumerate(rows) if c.layout == rows[0].layout and c.schedule == schedule))
     for layout in dict.fromkeys(c.layout for c in rows):
         picked.append(next(i for i, c in enumerate(rows) if c.layout == layout))
+    for schedule in dict.fromkeys(c.schedule for c in rows if c.layout == rows[0].layout):
+        picked.append(next(i for i, c in enumerate(rows) if c.layout == rows[0].layout and c.schedule == schedule))
     picked = list(dict.fromkeys([*picked, 1, 2]))[:count]
     rest = [i for i in range(len(rows)) if i not in picked]
     want = min(count - len(picked), len(rest))

@@ -171,3 +171,23 @@ def test_tune_layout_times_layouts_over_the_ranking_at_calibrated_prices(tmp_pat
     assert (tmp_path / "tune_layout.png").stat().st_size > 10_000
     table = (tmp_path / "tune_layout.md").read_text().splitlines()  # the docs' table: a header, then each row
     assert len(table) == 2 + len(rows) and table[2].startswith(f"| 0 | {rows[0]['layout']} | {rows[0]['schedule']} |")
+
+
+def test_tune_layout_times_the_best_of_every_layout_and_of_every_schedule_in_the_best_layout() -> None:
+    """tune_layout.chosen: the predicted best, the best of each other layout, the best of each other schedule in the
+    best's layout, the next two, then rows spread down the rest; none slower than ``slowest`` x the best."""
+    from types import SimpleNamespace
+
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    tune_layout = importlib.import_module("tune_layout")
+    named = [("pp4", "zb-h1"), ("pp4", "zb-h1"), ("pp4", "1f1b"), ("pp4", "zb-h1"), ("dp2", "gpipe"), ("pp4", "gpipe"),
+             ("pp4", "1f1b"), ("dp2", "1f1b"), ("tp4", "gpipe"), ("pp4", "gpipe"), ("dp2", "gpipe"), ("tp4", "1f1b"),
+             ("tp4", "gpipe")]  # fmt: skip
+    rows = [SimpleNamespace(layout=layout, schedule=schedule, step_time=1.0 + i) for i, (layout, schedule) in
+            enumerate(named)]  # fmt: skip
+    picked = tune_layout.chosen(SimpleNamespace(rows=rows), 8, 12.0)  # type: ignore[arg-type]
+    # best 0; other layouts 4 (dp2), 8 (tp4); other schedules of pp4 2 (1f1b), 5 (gpipe); next 1; spread 3, 11 (12 is
+    # slower than 12 x the best)
+    assert [rows.index(row) for row in picked] == [0, 1, 2, 3, 4, 5, 8, 11]
+    assert [rows.index(row) for row in tune_layout.chosen(SimpleNamespace(rows=rows), 3, 12.0)] == [0, 4, 8]  # type: ignore[arg-type]

@@ -100,12 +100,15 @@ def _burst(operand: torch.Tensor, count: int) -> None:
 
 
 def _count(unit: torch.Tensor, seconds: float) -> int:
-    """How many matmuls of ``unit`` take about ``seconds``: rank 0's count, timed while the others wait, for all."""
+    """How many matmuls of ``unit`` take about ``seconds``: rank 0's count (the median of 7 timings of 40, the first
+    left out), timed while the others wait, for all."""
     count = torch.tensor([0])
     if dist.get_rank() == 0:
-        _burst(unit, 20)
-        start = time.perf_counter()
-        _burst(unit, 200)
-        count[0] = max(1, round(seconds * 200 / (time.perf_counter() - start)))
+        times = []
+        for _ in range(8):
+            start = time.perf_counter()
+            _burst(unit, 40)
+            times.append((time.perf_counter() - start) / 40)
+        count[0] = max(1, round(seconds / statistics.median(times[1:])))
     dist.broadcast(count, 0)
     return int(count.item())
