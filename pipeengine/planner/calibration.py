@@ -228,7 +228,7 @@ class Prices:
                     None if data.get("world_size") is None else int(data["world_size"]),
                     frame={name: _by_group(sizes) for name, sizes in data["frame"].items()}, post=post,
                     post_message=post_message, copy=float(data["copy"]), fsdp=fsdp, crowded=crowded,
-                    wake=tuple(sorted((float(b), float(t)) for b, t in data.get("wake", []))))  # fmt: skip
+                    wake=_wake(data.get("wake", [])))  # fmt: skip
         seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte,
                    "post": found.post, "post_message": found.post_message, "copy": found.copy,
                    "fsdp hooks forward": hooks[0], "fsdp hooks backward": hooks[1]}
@@ -248,6 +248,13 @@ class Prices:
         if found.processors is not None and (not math.isfinite(found.processors) or found.processors <= 0):
             raise ValueError(f"processors is {found.processors}, not a positive number of ranks")
         return found
+
+
+def _wake(points: Any) -> tuple[tuple[float, float], ...]:
+    """A file's "wake": [[compute seconds, delay seconds], ...], sorted by compute; a ValueError naming it else."""
+    if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
+        raise ValueError(f"wake is {points!r}, not a list of [compute seconds, delay seconds] pairs")
+    return tuple(sorted((float(compute), float(late)) for compute, late in points))
 
 
 def _curves(table: Mapping[str, Mapping[int, Link | Curve]]) -> dict[str, dict[str, list[Any]]]:
