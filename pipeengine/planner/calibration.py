@@ -350,7 +350,7 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     overhead, latency, around = probes.host(engine, _stepper(partial), 4 * repeats, device)
     frame = {**partial.frame, "pipeline": {**partial.frame["pipeline"], world: around}}  # timed with the latency's
     found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte), frame=frame)
-    if sharing is not None and sharing < world:  # ranks share processors: how late one woken while others compute
+    if sharing is not None:  # ranks share processors: how late one woken while others compute
         found = dataclasses.replace(found, wake=wakes.wakes(6 * repeats))
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)

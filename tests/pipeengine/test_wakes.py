@@ -1,5 +1,5 @@
-"""How late a rank woken by a message starts while others compute (pipeengine.planner.wakes): the probe's fit, the
-burst stage it times, the curve the planner charges."""
+"""How late a rank woken by a message starts while others compute (pipeengine.planner.wakes): the delay from the
+chain's transits, the probe on live ranks, the curve the planner charges and the calibration file keeps."""
 
 from __future__ import annotations
 
