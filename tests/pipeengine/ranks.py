@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from pipeengine.comm.base import Transport
 from pipeengine.comm.connect import connect
 from pipeengine.comm.loopback import current
 
 
 def world() -> Transport:
-    """This rank's world: the thread's loopback world, else the default process group."""
-    return current() or connect(None, torch.device("cpu"), 60.0)
+    """This rank's world: the thread's loopback world, else the default process group (on NCCL, the current CUDA
+    device: a CUDA test's ranks join NCCL, which moves CUDA tensors only)."""
+    return current() or connect(None, None, 60.0)
 
 
 def rank() -> int:
