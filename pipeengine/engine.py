@@ -161,10 +161,11 @@ class PipelineEngine:
         return self._params.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, *,
-             background: bool = False, **extra: Any) -> Path | Future[Path]:
-        """Checkpoint this rank's part, the optimizer, generators and ``extra`` (pipeengine.train.checkpoint)."""
+             background: bool = False, keep: int | None = 1, **extra: Any) -> Path | Future[Path]:
+        """Checkpoint this rank's part, the optimizer, generators and ``extra`` (pipeengine.train.checkpoint);
+        ``keep``: how many numbered checkpoints stay, the new one among them (None: every one)."""
         self._calls.agree(Call.SAVE)
-        return self._checkpoints.save(directory, optimizer, extra, background)
+        return self._checkpoints.save(directory, optimizer, extra, background, keep)
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, **extra: Any
              ) -> Loaded:  # fmt: skip

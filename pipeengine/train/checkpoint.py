@@ -9,20 +9,25 @@
       checkpoint-3/rng/         every rank's random generators (pipeengine.train.extras)
 
 A save writes a new checkpoint-N (each file to a temporary name, then renamed), waits for
-every rank, then points `latest` at it and removes the older ones: a crash mid-save
+every rank, then points `latest` at it and removes the numbered ones beyond ``keep`` (1: the new one alone; a
+folder of the user's, checkpoint-best/, is never touched): a crash mid-save
 leaves the previous checkpoint intact and `latest` pointing at it (pipeengine.train.writing;
 background=True writes in a thread while the training goes on). Only the first
 data-parallel replica writes whole tensors; with fsdp=True every rank writes its own shards
 instead (format 2, pipeengine.parallel.fsdp_checkpoint). Either loads into any partition, replica count
 and sharding. The directory must be shared by all ranks.
+
+A load runs no code from the directory (tensors and plain data: weights_only, JSON, pipeengine.parallel.
+shards_reader) and is all or nothing: every rank reads and checks its whole part, then the ranks agree, then each
+loads.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +39,11 @@ from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import spread, whole
 from pipeengine.parallel import fsdp_checkpoint
 from pipeengine.train import extras
-from pipeengine.train.files import few, latest_number, resolve
+from pipeengine.train.files import few, latest_number, read_meta, resolve
 from pipeengine.train.parameters import Parameters
-from pipeengine.train.writing import Background, Snapshot, commit, write
+from pipeengine.train.writing import Background, Snapshot, check_keep, commit, write
 
-__all__ = ["Checkpoints", "consolidate", "load_checkpoint"]
+__all__ = ["Checkpoints", "consolidate"]
 
 
 class Checkpoints:
@@ -57,8 +62,9 @@ class Checkpoints:
         return [self.topology.grid.dp, self.topology.grid.pp, self.topology.grid.tp]
 
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
-             extra: Mapping[str, Any], background: bool) -> Path | Future[Path]:  # fmt: skip
+             extra: Mapping[str, Any], background: bool, keep: int | None = 1) -> Path | Future[Path]:  # fmt: skip
         """Every rank calls it: a pending background write ends first (its failure raised here, on every rank)."""
+        check_keep(keep)
         self.background.wait()
         taken = extras.extra_states(extra, copied=background)  # every rank: what cannot be resumed is refused
         world = self.topology.world
@@ -66,9 +72,9 @@ class Checkpoints:
         number = self._number(root)
         snapshot = self._snapshot(root / f"checkpoint-{number}", optimizer, taken)
         if not background:
-            return commit(world, snapshot.target, write(snapshot))
+            return commit(world, snapshot.target, write(snapshot), keep)
         self.channel = self.channel or world.side_channel()
-        return self.background.start(snapshot.staged(self.background.buffers), self.channel)
+        return self.background.start(snapshot.staged(self.background.buffers), self.channel, keep)
 
     def _number(self, root: Path) -> int:
         """The new checkpoint's number, read by world rank 0 and sent to every rank; or every rank raises what
@@ -106,28 +112,80 @@ class Checkpoints:
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
              extra: Mapping[str, Any]) -> extras.Loaded:  # fmt: skip
+        """Every rank reads and checks its whole part first; only if every rank can does any rank change: all ranks
+        loaded or none, each failure named with its rank, on every rank."""
         self.background.wait()
-        saved = extras.check(resolve(Path(directory)), extra)  # a refused extra before anything is loaded
+        world = self.topology.world
         names = {id(param): name for name, param in self.params.named()}
-        target = load_checkpoint(directory, self.params.stages.values(), optimizer, names, expected=set(self.keys))
-        same = json.loads((target / "meta.json").read_text()).get("grid") == self.grid
-        return extras.restore(target, saved, extra, self.topology.world.rank, self.topology.world.device, same)
+        try:
+            target = resolve(Path(directory))
+            saved = extras.check(target, extra)  # a refused extra before anything is loaded
+            staged = read_checkpoint(target, self.params.stages.values(), optimizer, names, expected=set(self.keys))
+            rng = extras.read_rng(target, world.rank) if staged.meta.get("grid") == self.grid else None
+            failure = None
+        except Exception as error:  # noqa: BLE001  (every rank hears of it, then every rank raises it)
+            failure = (type(error).__name__, str(error))
+        agree(world.all_gather_object(failure, f"whether every rank can load {directory}"))
+        staged.apply()
+        return extras.restore(target, saved, extra, rng, world.device)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         return self.params.full_state(self.keys, self.writer, self.topology.world.rank)
 
 
-def load_checkpoint(
-    directory: str | os.PathLike[str],
+_RAISED = {kind.__name__: kind for kind in (FileNotFoundError, OSError, KeyError, TypeError, ValueError)}
+
+
+def agree(failures: list[tuple[str, str] | None]) -> None:
+    """Raise on every rank if any rank could not load (``failures`` gathered from every rank): the first failing
+    rank's kind of error, each rank's message."""
+    by_text: dict[str, list[str]] = {}
+    for rank, failure in enumerate(failures):
+        if failure is not None:
+            by_text.setdefault(failure[1], []).append(str(rank))
+    if not by_text:
+        return
+    said = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}" for text, ranks in
+                     by_text.items())  # fmt: skip
+    first = next(failure for failure in failures if failure is not None)
+    raise _RAISED.get(first[0], RuntimeError)(f"{said} (nothing was loaded, on any rank: a load changes the model and "
+                                              "optimizer only where every rank can read its whole part)")  # fmt: skip
+
+
+@dataclass
+class Staged:
+    """A checkpoint read and checked for one rank's modules and optimizer, not yet loaded into them."""
+
+    target: Path
+    meta: dict[str, Any]
+    modules: list[nn.Module]
+    model: dict[str, torch.Tensor]  # stored name -> tensor
+    optimizer: torch.optim.Optimizer | None
+    names: Mapping[int, str]
+    states: dict[str, Any]
+    groups: dict[str, Any]
+
+    def apply(self) -> None:
+        """Load it: a tied weight's every name reads the one stored copy; a DTensor takes its part."""
+        tied: dict[str, str] = self.meta.get("tied", {})
+        for module in self.modules:
+            mine = module.state_dict(keep_vars=True)
+            module.load_state_dict({key: spread(self.model[tied.get(key, key)], value) for key, value in mine.items()})
+        if self.optimizer is not None:
+            _load_named_optimizer_state(self.optimizer, self.names, self.states, self.groups)
+
+
+def read_checkpoint(
+    target: Path,
     modules: Iterable[nn.Module],
     optimizer: torch.optim.Optimizer | None,
     names: Mapping[int, str],
     *,
     expected: set[str],
-) -> Path:
-    """Load the names this rank's modules hold (and its optimizer's state) from the latest checkpoint."""
-    target = resolve(Path(directory))
-    meta = json.loads((target / "meta.json").read_text())
+) -> Staged:
+    """Read what this rank's modules hold (and its optimizer's state) from ``target`` and check it: every file read,
+    every shape the module's, every parameter's optimizer state there; the modules and optimizer are not touched."""
+    meta = read_meta(target)
     tied: dict[str, str] = meta.get("tied", {})  # another name of a tied weight -> the name it is stored under
     present = {key for keys in meta["parts"].values() for key in keys} | set(tied)
     missing, unexpected = sorted(expected - present), sorted(present - expected)
@@ -137,27 +195,37 @@ def load_checkpoint(
             "load a checkpoint saved from the same nn.Sequential"
         )
     modules = list(modules)
-    if meta.get("format", 1) == 2:  # shards: each read as this rank places it
-        placed = {tied.get(key, key): value for module in modules
-                  for key, value in module.state_dict(keep_vars=True).items()}  # fmt: skip
-        params = {name: p for group in (optimizer.param_groups if optimizer else []) for p in group["params"]
-                  if (name := names.get(id(p))) is not None}  # fmt: skip
-        model_state, optimizer_state, groups = fsdp_checkpoint.read(target, placed, params)
+    placed = {tied.get(key, key): value for module in modules
+              for key, value in module.state_dict(keep_vars=True).items()}  # fmt: skip
+    params = {name: p for group in (optimizer.param_groups if optimizer else []) for p in group["params"]
+              if (name := names.get(id(p))) is not None}  # fmt: skip
+    if meta.get("format", 1) == 2:  # shards: each read as this rank places it, shapes checked as they are planned
+        model, states, groups = fsdp_checkpoint.read(target, placed, params)
     else:
-        wanted = {tied.get(key, key) for module in modules for key in module.state_dict()}
-        model_state, optimizer_state, groups = _read(target, meta, wanted)
-    for module in modules:  # a tied weight's every name reads the one stored copy; a DTensor takes its part
-        mine = module.state_dict(keep_vars=True)
-        module.load_state_dict({key: spread(model_state[tied.get(key, key)], value) for key, value in mine.items()})
-    if optimizer is not None:
-        _load_named_optimizer_state(optimizer, names, optimizer_state, groups, target)
-    return target
+        model, states, groups = _read(target, meta, set(placed))
+        where = {key: part for part, keys in meta["parts"].items() for key in keys}
+        for key, value in placed.items():
+            _same_shape(model[key], value, f"{target / where[key]}: {key!r}")
+        for name, param in params.items():
+            for field, value in states.get(name, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    _same_shape(value, param, f"{target / where.get(name, '')}: the optimizer's {field!r} of {name!r}")
+    absent = [name for name in params if name not in groups]
+    if absent:
+        raise ValueError(f"{target} holds no optimizer state for {few(absent)}: was it saved with optimizer=?")
+    return Staged(target, meta, modules, model, optimizer, names, states, groups)
+
+
+def _same_shape(stored: torch.Tensor, placed: torch.Tensor, what: str) -> None:
+    if tuple(stored.shape) != tuple(placed.shape):
+        raise ValueError(f"{what} is {list(stored.shape)} there, {list(placed.shape)} in this model: it is a "
+                         "checkpoint of another model; load one saved from the same nn.Sequential")  # fmt: skip
 
 
 def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The whole model's state_dict from the latest checkpoint, under the nn.Sequential's names (no ranks needed)."""
     target = resolve(Path(directory))
-    meta = json.loads((target / "meta.json").read_text())
+    meta = read_meta(target)
     stored = [key for part in meta["parts"].values() for key in part]
     tied: dict[str, str] = meta.get("tied", {})
     if meta.get("format", 1) == 2:
@@ -181,7 +249,11 @@ def _read(
     for part, keys in meta["parts"].items():
         if wanted.isdisjoint(keys):
             continue
-        payload = torch.load(target / part, map_location="cpu", weights_only=True)
+        payload = _part(target / part)
+        absent = sorted(wanted.intersection(keys) - set(payload["model"]))
+        if absent:
+            raise ValueError(f"{target / part} holds no tensor for {few(absent)}, which meta.json places there: the "
+                             "checkpoint is damaged; load another or save again")  # fmt: skip
         model.update({k: v for k, v in payload["model"].items() if k in wanted})
         if payload["optimizer"] is not None:
             states.update(payload["optimizer"]["state"])
@@ -189,6 +261,27 @@ def _read(
                 for name in group["params"]:
                     groups[name] = {k: v for k, v in group.items() if k != "params"}
     return model, states, groups
+
+
+def _part(path: Path) -> dict[str, Any]:
+    """A part file, read with weights_only (tensors and plain data: nothing in it runs), or refused naming it."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; load another or save "
+                                "again") from None  # fmt: skip
+    except Exception as error:  # noqa: BLE001  (truncated, corrupt, or a refused global: named, never run)
+        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}): it is "
+                         "truncated, damaged or not written by engine.save; load another checkpoint or save "
+                         "again") from None  # fmt: skip
+    shaped = isinstance(payload, dict) and isinstance(payload.get("model"), dict) and all(
+        isinstance(v, torch.Tensor) for v in payload["model"].values()) and (payload.get("optimizer") is None or (
+        isinstance(payload["optimizer"], dict) and {"state", "param_groups"} <= set(payload["optimizer"])))  # fmt: skip
+    if not shaped:
+        raise ValueError(f"{path} is not a checkpoint part ({{'model': tensors, 'optimizer': ...}}): load a checkpoint "
+                         "written by engine.save")  # fmt: skip
+    part: dict[str, Any] = payload
+    return part
 
 
 def _named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str], gather: bool = True
@@ -213,13 +306,9 @@ def _load_named_optimizer_state(
     names: Mapping[int, str],
     states: dict[str, Any],
     groups: dict[str, Any],
-    target: Path,
 ) -> None:
     current = optimizer.state_dict()
     by_index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    absent = [name for name in by_index if name not in groups]
-    if absent:
-        raise ValueError(f"{target} holds no optimizer state for {few(absent)}: was it saved with optimizer=?")
     for group in current["param_groups"]:
         if group["params"]:  # (a group may hold no parameter of this rank's: nothing names its hyperparameters)
             group.update(groups[by_index[group["params"][0]]])  # the hyperparameters saved with these parameters

@@ -81,7 +81,15 @@ def check(target: Path, extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     is loaded: a refused load changes nothing)."""
     saved: dict[str, dict[str, Any]] = {}
     if (target / EXTRAS).exists():
-        saved = torch.load(target / EXTRAS, map_location="cpu", weights_only=True)
+        try:
+            saved = torch.load(target / EXTRAS, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001  (damaged, or a refused global: named, never run)
+            raise ValueError(f"{target / EXTRAS} cannot be read ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0][:200]}): load another checkpoint or save "
+                             "again") from None  # fmt: skip
+        if not isinstance(saved, dict) or not all(isinstance(e, dict) and ("state" in e or "value" in e)
+                                                  for e in saved.values()):  # fmt: skip
+            raise ValueError(f"{target / EXTRAS} is not a checkpoint's extras: load one written by engine.save")
     absent = sorted(set(extra) - set(saved))
     if absent:
         held = ", ".join(sorted(saved)) or "none"
@@ -97,14 +105,29 @@ def check(target: Path, extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return saved
 
 
-def restore(target: Path, saved: dict[str, dict[str, Any]], extra: Mapping[str, Any], world_rank: int,
-            device: torch.device, same_layout: bool) -> Loaded:  # fmt: skip
-    """Load each stateful extra, return the plain values; restore this rank's generators if ``same_layout``."""
+def read_rng(target: Path, world_rank: int) -> dict[str, Any] | None:
+    """World rank ``world_rank``'s saved generators (None where the checkpoint has none for it)."""
+    path = target / RNG / f"rank-{world_rank}.pt"
+    if not path.exists():
+        return None
+    try:
+        rng = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001  (damaged, or a refused global: named, never run)
+        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}): the "
+                         "checkpoint is damaged; load another or save again") from None  # fmt: skip
+    if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor) or "python" not in rng:
+        raise ValueError(f"{path} is not a rank's generator states: load a checkpoint written by engine.save")
+    return rng
+
+
+def restore(target: Path, saved: dict[str, dict[str, Any]], extra: Mapping[str, Any], rng: dict[str, Any] | None,
+            device: torch.device) -> Loaded:  # fmt: skip
+    """Load each stateful extra, return the plain values; restore this rank's generators (``read_rng``'s, where the
+    layout is the one that saved them)."""
     for name, value in extra.items():
         if is_stateful(value):
             value.load_state_dict(saved[name]["state"])
-    if same_layout and (target / RNG / f"rank-{world_rank}.pt").exists():
-        rng = torch.load(target / RNG / f"rank-{world_rank}.pt", map_location="cpu", weights_only=True)
+    if rng is not None:
         torch.set_rng_state(rng["cpu"])
         random.setstate(_as_state(rng["python"]))
         if "cuda" in rng and device.type == "cuda":

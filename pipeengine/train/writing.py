@@ -4,7 +4,8 @@ own (background=True: the step waits only for a copy of the state in memory).
 
 The commit is one collective, over the world or, in the background, over a gloo group of its own (so that its
 messages never meet the step's): every rank says whether its files are written. Only if all are does rank 0 move
-`latest` (atomically) and remove the older checkpoints; else the partial one is removed and every rank raises the
+`latest` (atomically) and remove the older checkpoints beyond ``keep`` (only folders named checkpoint-N: a
+`checkpoint-best/` of the user's stays); else the partial one is removed and every rank raises the
 same OSError, naming each rank that failed and why. A crash at any point leaves `latest` where it was.
 As torch.distributed.checkpoint's async_save does, the background write holds a copy (staged on the CPU; a
 DTensor's shard copied where it is) and runs the same writer; its failure is raised by the next save or load, or
@@ -31,7 +32,7 @@ from pipeengine.core import pending
 from pipeengine.core.dtensors import is_dtensor
 from pipeengine.parallel import fsdp_checkpoint
 from pipeengine.train import extras
-from pipeengine.train.files import LATEST, write_atomically
+from pipeengine.train.files import LATEST, numbered, write_atomically
 
 __all__: list[str] = []
 
@@ -91,8 +92,9 @@ def write(snapshot: Snapshot, group: Any = None) -> str | None:
     return None
 
 
-def commit(channel: Transport, target: Path, error: str | None) -> Path:
-    """Every rank of ``channel`` (the world's ranks) calls it with what its write returned: see the module."""
+def commit(channel: Transport, target: Path, error: str | None, keep: int | None = 1) -> Path:
+    """Every rank of ``channel`` (the world's ranks) calls it with what its write returned: see the module.
+    ``keep``: how many whole checkpoints to keep, the new one among them (None: all)."""
     root = target.parent
     errors = channel.all_gather_object(error, f"whether every rank wrote its part of {target.name}")
     by_text: dict[str, list[str]] = {}  # DCP's failure reaches every rank alike: said once, for all of them
@@ -105,9 +107,7 @@ def commit(channel: Transport, target: Path, error: str | None) -> Path:
             shutil.rmtree(target, ignore_errors=True)
         else:
             write_atomically(root / LATEST, lambda path: Path(path).write_text(target.name))
-            for old in root.glob("checkpoint-*"):
-                if old != target and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)
+            prune(root, target, keep)
     channel.barrier(f"rank 0 to point '{LATEST}' at {target.name}")
     if failed:
         pointer = root / LATEST
@@ -117,6 +117,25 @@ def commit(channel: Transport, target: Path, error: str | None) -> Path:
     return target
 
 
+def prune(root: Path, target: Path, keep: int | None) -> None:
+    """Remove the numbered checkpoints beyond the ``keep`` newest whole ones (``target`` is the newest): older ones,
+    the remains of failed saves (no meta.json), and any numbered after ``target`` (a failed save's, once `latest`
+    moved past it)."""
+    found = numbered(root)
+    newest = next(number for number, path in found.items() if path.name == target.name)
+    whole = sorted((n for n, path in found.items() if n < newest and (path / "meta.json").exists()), reverse=True)
+    kept = {newest, *(whole if keep is None else whole[: keep - 1])}
+    for number, path in found.items():
+        if number not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def check_keep(keep: object) -> None:
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ValueError(f"keep={keep!r}: keep is how many checkpoints to keep, the new one among them: an int of 1 or "
+                         "more, or None to keep every one")  # fmt: skip
+
+
 class Background:
     """At most one write in a thread of its own; ``wait`` returns its checkpoint or raises its failure, once."""
 
@@ -124,12 +143,13 @@ class Background:
         self.future: Future[Path] | None = None
         self.buffers: dict[str, torch.Tensor] = {}  # the staged copies, reused by the next write (once it waits)
 
-    def start(self, snapshot: Snapshot, channel: Transport) -> Future[Path]:
+    def start(self, snapshot: Snapshot, channel: Transport, keep: int | None) -> Future[Path]:
         future: Future[Path] = Future()
 
         def run() -> None:
             try:
-                future.set_result(commit(channel, snapshot.target, write(snapshot, getattr(channel, "group", None))))
+                written = write(snapshot, getattr(channel, "group", None))
+                future.set_result(commit(channel, snapshot.target, written, keep))
             except BaseException as error:  # noqa: BLE001  (the caller's thread raises it)
                 future.set_exception(error)
 
