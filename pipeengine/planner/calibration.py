@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.planner import probes, wakes
+from pipeengine.train.files import write_atomically
 
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 
@@ -293,7 +294,8 @@ def save(prices: Prices, path: str | os.PathLike[str] | None = None, **about: ob
     target.parent.mkdir(parents=True, exist_ok=True)
     record = {"host": socket.gethostname(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               **about, **prices.to_json()}  # fmt: skip
-    target.write_text(json.dumps(record, indent=1) + "\n")
+    text = json.dumps(record, indent=1) + "\n"
+    write_atomically(target, lambda temporary: Path(temporary).write_text(text))  # never seen half written
     return target
 
 

@@ -408,6 +408,30 @@ def test_a_collective_is_priced_along_the_sizes_it_was_measured_at(tmp_path: Pat
     assert kept.collectives["all_reduce"][2] == curve
 
 
+def test_a_calibration_file_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save writes a temporary file beside the kept one and renames it over (files.write_atomically): a write that
+    fails half way (a full disk, a killed process) leaves the kept file as it was, readable, and no partial file."""
+    kept = calibration.save(PRICES, tmp_path / "machine.json")
+    before = kept.read_text()
+    failed: list[str] = []
+
+    def half_then_fail(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        with open(self, "w") as out:
+            out.write(text[: len(text) // 2])
+        failed.append(self.name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        calibration.save(dataclasses.replace(PRICES, overhead=1.0), kept)
+    monkeypatch.undo()
+    assert failed, "the failure was never injected: save no longer writes with Path.write_text"
+    assert kept.read_text() == before and calibration.load(kept).overhead == PRICES.overhead
+    assert [p.name for p in tmp_path.iterdir()] == ["machine.json"]  # the half-written temporary removed
+    assert calibration.load(calibration.save(dataclasses.replace(PRICES, overhead=1.0), kept)).overhead == 1.0
+
+
+
 def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -> None:
     """calibration's processors from each rank's (host, seconds alone, (start, end) of each run all at once)."""
     one = [("a", 1.0, [(0.0, 2.0), (0.0, 2.0)])] * 4  # 4 ranks, each 1 s alone, all done 2 s after the first began
