@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import socket
 import statistics
@@ -35,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeengine.planner import probes, wakes
+from pipeengine.planner import calibration_file, probes, wakes
+from pipeengine.train.files import write_atomically
 
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 
@@ -212,49 +212,19 @@ class Prices:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Prices:
-        """Prices from a calibration file's record; a ValueError naming the value where one is not a finite
-        number >= 0 (processors > 0), or the file is of an earlier format."""
-        if data.get("format", 1) != FORMAT:
-            raise ValueError(f"it is of format {data.get('format', 1)}, written by an earlier pipeengine (this one "
-                             f"reads {FORMAT}, which also prices a step's frame, posting, copying and FSDP2's "
-                             "extras)")  # fmt: skip
+        """Prices from a calibration file's record; a ValueError naming the field (its path in the JSON), its value
+        and the rule where the planner cannot price with it (pipeengine.planner.calibration_file: not a finite
+        number >= 0, a curve measured twice at one size, a group of one rank, ...), or it is of another format."""
+        calibration_file.check(data, FORMAT, COLLECTIVES)
         collectives, crowded = _read_curves(data.get("collectives", {})), _read_curves(data.get("crowded", {}))
         post, post_message = map(float, data["post"])
-        hooks = [float(h) for h in data["fsdp"]["hooks"]]
         by_group = {name: _by_group(data["fsdp"][name]) for name in ("gather", "reduce")}
-        fsdp: dict[str, Any] = {"hooks": hooks, **by_group}
-        found = cls(float(data["overhead"]), Link(*map(float, data["p2p"])), collectives, source, True,
-                    None if data.get("processors") is None else float(data["processors"]),
-                    None if data.get("world_size") is None else int(data["world_size"]),
-                    frame={name: _by_group(sizes) for name, sizes in data["frame"].items()}, post=post,
-                    post_message=post_message, copy=float(data["copy"]), fsdp=fsdp, crowded=crowded,
-                    wake=_wake(data.get("wake", [])))  # fmt: skip
-        seconds = {"overhead": found.overhead, "p2p latency": found.p2p.latency, "p2p per_byte": found.p2p.per_byte,
-                   "post": found.post, "post_message": found.post_message, "copy": found.copy,
-                   "fsdp hooks forward": hooks[0], "fsdp hooks backward": hooks[1]}
-        for label, table in [*(("frame " + n, t) for n, t in found.frame.items()),
-                             *(("fsdp " + n, t) for n, t in by_group.items())]:  # fmt: skip
-            seconds |= {f"{label} over {group}": value for group, value in table.items()}
-        for op, groups in [*found.collectives.items(), *((f"{op} crowded", g) for op, g in crowded.items())]:
-            for group, link in groups.items():
-                points = link.points if isinstance(link, Curve) else ((0.0, link.latency),)
-                seconds |= {f"{op} over {group} at {b:.0f} bytes": t for b, t in points}
-                seconds[f"{op} over {group} per_byte"] = link.per_byte
-        for index, (compute, late) in enumerate(found.wake):
-            seconds |= {f"wake point {index}'s compute": compute, f"wake after a {compute * 1e3:.2f} ms compute": late}
-        for name, value in seconds.items():
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} is {value}, not a number of seconds >= 0")
-        if found.processors is not None and (not math.isfinite(found.processors) or found.processors <= 0):
-            raise ValueError(f"processors is {found.processors}, not a positive number of ranks")
-        return found
-
-
-def _wake(points: Any) -> tuple[tuple[float, float], ...]:
-    """A file's "wake": [[compute seconds, delay seconds], ...], sorted by compute; a ValueError naming it else."""
-    if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
-        raise ValueError(f"wake is {points!r}, not a list of [compute seconds, delay seconds] pairs")
-    return tuple(sorted((float(compute), float(late)) for compute, late in points))
+        fsdp: dict[str, Any] = {"hooks": [float(h) for h in data["fsdp"]["hooks"]], **by_group}
+        return cls(float(data["overhead"]), Link(*map(float, data["p2p"])), collectives, source, True,
+                   None if data.get("processors") is None else float(data["processors"]), data.get("world_size"),
+                   frame={name: _by_group(sizes) for name, sizes in data["frame"].items()}, post=post,
+                   post_message=post_message, copy=float(data["copy"]), fsdp=fsdp, crowded=crowded,
+                   wake=tuple(sorted((float(c), float(late)) for c, late in data.get("wake", []))))  # fmt: skip
 
 
 def _curves(table: Mapping[str, Mapping[int, Link | Curve]]) -> dict[str, dict[str, list[Any]]]:
@@ -293,26 +263,29 @@ def save(prices: Prices, path: str | os.PathLike[str] | None = None, **about: ob
     target.parent.mkdir(parents=True, exist_ok=True)
     record = {"host": socket.gethostname(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               **about, **prices.to_json()}  # fmt: skip
-    target.write_text(json.dumps(record, indent=1) + "\n")
+    text = json.dumps(record, indent=1) + "\n"
+    write_atomically(target, lambda temporary: Path(temporary).write_text(text))  # never seen half written
     return target
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Prices:
     """The prices kept at ``path`` (default_path()), or the built-in constants where there is no file. A file
-    that cannot be read is refused, naming it."""
+    that cannot be read, or holds what the planner cannot price with, is refused naming it and the field."""
     source = Path(path) if path is not None else default_path()
     if not source.exists():
         if path is not None:
             raise FileNotFoundError(f"no calibration file at {source}: run {CALIBRATE}")
         return Prices()
+    again = f"delete it or run {CALIBRATE} again"
     try:
         data = json.loads(source.read_text())
-        return Prices.from_json(data, f"calibrated on {data['host']} at {data['date']} ({source})")
-    except (ValueError, KeyError, TypeError, OSError) as error:
-        raise ValueError(
-            f"calibration file {source} cannot be read ({type(error).__name__}: {error}); delete it and run "
-            f"{CALIBRATE} again"
-        ) from error
+    except (OSError, ValueError) as error:  # not a file to read, or not JSON
+        read = f"{type(error).__name__}: {error}"
+        raise ValueError(f"calibration file {source} cannot be read ({read}); {again}") from error
+    try:
+        return Prices.from_json(data, f"calibrated on {calibration_file.measured(data)} ({source})")
+    except ValueError as error:
+        raise ValueError(f"calibration file {source} is refused: {error}; {again}") from error
 
 
 def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int] = COLLECTIVE_SIZES) -> Prices:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -267,11 +268,11 @@ def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: 
         with pytest.raises(ValueError, match=r"memory_limit must be a positive number of bytes per rank"):
             tune(blocks(), mse, x, 2, target=y, memory_limit=limit)  # type: ignore[arg-type]
     record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
-    for key, value, said in (("processors", 0, "processors is 0.0"), ("overhead", -1e-3, "overhead is -0.001"),
+    for key, value, said in (("processors", 0, "processors is 0: "), ("overhead", -1e-3, "overhead is -0.001"),
                              ("overhead", float("nan"), "overhead is nan")):  # fmt: skip
         path = tmp_path / f"{key}.json"
         path.write_text(json.dumps({**record, key: value}))
-        with pytest.raises(ValueError, match=rf"{path.name} cannot be read .*{said}.*--world-size N .* again"):
+        with pytest.raises(ValueError, match=rf"{path.name} is refused: {said}.*--world-size N .* again"):
             calibration.load(path)
     with pytest.raises(ValueError, match=r"cannot be read \(IsADirectoryError"):
         calibration.load(tmp_path)
@@ -356,7 +357,7 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     # a file from an earlier pipeengine (no frame, posting or copying: format 1) is refused, saying so
     old = {k: v for k, v in record.items() if k not in ("format", "frame", "post", "copy", "fsdp")}
     (tmp_path / "old.json").write_text(json.dumps(old))
-    with pytest.raises(ValueError, match=r"old.json cannot be read .*format 1, written by an earlier pipeengine"):
+    with pytest.raises(ValueError, match=r"old.json is refused: it is of format 1, written by an earlier pipeengine"):
         calibration.load(tmp_path / "old.json")
 
 
@@ -406,6 +407,84 @@ def test_a_collective_is_priced_along_the_sizes_it_was_measured_at(tmp_path: Pat
     assert prices.collective("all_reduce", 4, 1024) == pytest.approx(1.0 * 6 / 2)  # a ring's rounds, from 2 ranks
     kept = calibration.load(calibration.save(prices, tmp_path / "curve.json"))
     assert kept.collectives["all_reduce"][2] == curve
+
+
+def test_a_calibration_file_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save writes a temporary file beside the kept one and renames it over (files.write_atomically): a write that
+    fails half way (a full disk, a killed process) leaves the kept file as it was, readable, and no partial file."""
+    kept = calibration.save(PRICES, tmp_path / "machine.json")
+    before = kept.read_text()
+    failed: list[str] = []
+
+    def half_then_fail(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        with open(self, "w") as out:
+            out.write(text[: len(text) // 2])
+        failed.append(self.name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        calibration.save(dataclasses.replace(PRICES, overhead=1.0), kept)
+    monkeypatch.undo()
+    assert failed, "the failure was never injected: save no longer writes with Path.write_text"
+    assert kept.read_text() == before and calibration.load(kept).overhead == PRICES.overhead
+    assert [p.name for p in tmp_path.iterdir()] == ["machine.json"]  # the half-written temporary removed
+    assert calibration.load(calibration.save(dataclasses.replace(PRICES, overhead=1.0), kept)).overhead == 1.0
+
+
+FIXED = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
+CURVE = [[1024, 1e-4], [4096, 2e-4]]
+# (name, what the file holds instead, the field's path in the JSON and its value as the message shows them, the rule)
+ODD = [
+    ("a list", lambda r: [r], "it holds [{'host': ", "not a JSON object of prices"),
+    ("measured twice", lambda r: {**r, "collectives": {"all_reduce": {"2": [[1024, 1e-4], [1024, 2e-4]]}}},
+     'collectives["all_reduce"]["2"] is measured twice at 1024 bytes', "each size measured once"),
+    ("unsorted", lambda r: {**r, "crowded": {"all_gather": {"2": [[4096, 2e-4], [1024, 1e-4]]}}},
+     'crowded["all_gather"]["2"] has 1024 bytes after 4096', "sizes ascend"),
+    ("zero bytes", lambda r: {**r, "collectives": {"all_reduce": {"2": [[0, 1e-4], [4096, 2e-4]]}}},
+     'collectives["all_reduce"]["2"][0][0] is 0', "not a positive number of bytes"),
+    ("nan bytes", lambda r: {**r, "collectives": {"all_reduce": {"2": [[float("nan"), 1e-4]]}}},
+     'collectives["all_reduce"]["2"][0][0] is nan', "not a positive number of bytes"),
+    ("inf seconds", lambda r: {**r, "collectives": {"all_reduce": {"2": [[1024, float("inf")]]}}},
+     'collectives["all_reduce"]["2"][0][1] is inf', "not a number of seconds >= 0"),
+    ("negative seconds", lambda r: {**r, "collectives": {"all_gather": {"2": [[1024, 1e-4], [4096, -2e-4]]}}},
+     'collectives["all_gather"]["2"][1][1] is -0.0002', "not a number of seconds >= 0"),
+    ("no points", lambda r: {**r, "collectives": {"all_reduce": {"2": []}}},
+     'collectives["all_reduce"]["2"] is []', "not a [latency, seconds per byte] pair or a list of"),
+    ("one rank", lambda r: {**r, "collectives": {"all_reduce": {"1": CURVE}}},
+     'collectives["all_reduce"] has the group size \'1\'', "2 or more ranks"),
+    ("frame of one", lambda r: {**r, "frame": {"pipeline": {"1": 1e-3}}},
+     'frame["pipeline"] has the group size \'1\'', "2 or more ranks"),
+    ("named group", lambda r: {**r, "frame": {"replicas": {"two": 1e-3}}},
+     'frame["replicas"] has the group size \'two\'', "a whole number"),
+    ("padded group", lambda r: {**r, "fsdp": {**r["fsdp"], "gather": {"02": 1e-3}}},
+     'fsdp["gather"] has the group size \'02\'', "written as \"2\""),
+    ("unknown op", lambda r: {**r, "collectives": {"broadcast": {"2": CURVE}}},
+     'collectives has \'broadcast\'', "all_reduce, all_gather, reduce_scatter"),
+    ("world of 0", lambda r: {**r, "world_size": 0}, "world_size is 0", "a whole number of ranks, 2 or more"),
+    ("processors as text", lambda r: {**r, "processors": "2"}, "processors is '2'", "not a positive number of ranks"),
+    ("processors as true", lambda r: {**r, "processors": True}, "processors is True", "not a positive number"),
+    ("huge", lambda r: {**r, "copy": 10**400}, "copy is 1000", "not a number of seconds >= 0"),
+    ("one hook", lambda r: {**r, "fsdp": {**r["fsdp"], "hooks": [1e-4]}}, 'fsdp["hooks"] is [0.0001]',
+     "not a [forward seconds, backward seconds] pair"),
+    ("no overhead", lambda r: {k: v for k, v in r.items() if k != "overhead"}, "overhead is missing", "seconds"),
+    ("no host", lambda r: {k: v for k, v in r.items() if k != "host"}, "host is missing", "the machine"),
+    ("later format", lambda r: {**r, "format": 3}, "it is of format 3, written by a later pipeengine", "reads 2"),
+]
+
+
+@pytest.mark.parametrize(("holds", "said", "rule"), [odd[1:] for odd in ODD], ids=[odd[0] for odd in ODD])
+def test_an_odd_calibration_file_is_refused_naming_the_field_its_value_and_the_rule(
+        tmp_path: Path, holds: object, said: str, rule: str) -> None:  # fmt: skip
+    """Well-formed JSON the planner cannot price with (a curve measured twice at one size divided by zero, a
+    collective or frame over one rank, a number as text) is refused as it is read, not as a ZeroDivisionError when a
+    layout is priced: the file, the field's path in the JSON, its value, the rule, and what to do."""
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(holds(FIXED)))  # type: ignore[operator]
+    with pytest.raises(ValueError, match=rf"calibration file {re.escape(str(path))} is refused: {re.escape(said)}"
+                                         rf".*{re.escape(rule)}.*; delete it or run python -m pipeengine\.tune "
+                                         r"--calibrate --world-size N .* again"):  # fmt: skip
+        calibration.load(path)
 
 
 def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -> None:
