@@ -81,7 +81,8 @@ class PipelineEngine:
             fsdp=fsdp, reshard_after_forward=reshard_after_forward, compile=compile,
         )  # fmt: skip
         world = connect(group, self.config.device, self.config.timeout)
-        agree_on_model(model, world)  # first: in-process ranks build their models one at a time until here
+        # first: in-process ranks build their models one at a time until here; the options every rank must share
+        agree_on_model(model, world, self.config.shared())
         # schedule="auto": the pipeengine.planner.search candidate every rank built (self.tuned), else None
         self.config, self.tuned = resolve_auto(self.config, model, loss_fn, sample, world, type(self))
         parts: Assembly = assemble(model, loss_fn, self.config, sample, world)

@@ -126,6 +126,12 @@ def exchange(
         specs.append(TensorSpec(tuple(source[base + 2 : base + 2 + ndim]), dtype, False))
     batch = specs[0].shape[0]
     m = num_microbatches
+    if batch == 0:  # every rank sees it in the table: refused together
+        shapes = " and ".join(str(list(spec.shape)) for spec in specs)
+        raise ValueError(
+            f"{call} got an empty batch: the inputs have shape {shapes} (0 rows); pass a batch of at least "
+            f"num_microbatches={m} rows (a multiple of {m}), or skip the step on every rank when there is no data"
+        )
     if batch % m:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
         options = sorted({n for n in (batch - batch % m, batch - batch % m + m) if n > 0})

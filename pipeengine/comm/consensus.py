@@ -10,14 +10,19 @@ and requires_grad, and a checksum of their values: their sum and their sum of sq
 model that differs on any rank (layers missing, another type, a seed forgotten on one rank) is
 refused on every rank, naming the ranks and the first layer that differs::
 
-    rank 0  [Linear f32[4,4] sum 1.52 ...] [Tanh] [Linear ...]        all_gather_object
-    rank 1  [Linear f32[4,4] sum 0.97 ...] ...                        -> the first layer that differs
+    rank 0  [Linear f32[4,4] sum 1.52 ...] [Tanh] [Linear ...]  {schedule: '1f1b', ...}   all_gather_object
+    rank 1  [Linear f32[4,4] sum 0.97 ...] ...                   {schedule: 'gpipe', ...}  -> what differs
+
+The same exchange carries the engine options every rank must share (EngineConfig.shared: the schedule,
+micro-batches, chunks, partition, layout, precision, checkpointing, loss_count, ...): ranks given different
+ones are refused on every rank, naming each option that differs and each rank's value, instead of one rank
+aborting in gloo or every rank waiting out the timeout.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,12 +75,40 @@ def describe(model: nn.Sequential) -> list[Layer]:
     return layers
 
 
-def agree_on_model(model: nn.Sequential, transport: Transport) -> None:
-    """Every rank built the same model, or every rank raises the same ValueError naming where they differ."""
-    views = transport.all_gather_object(describe(model), "the other ranks' description of the model")
-    problem = difference(views, transport.ranks)
+Options = Mapping[str, tuple[object, str]]  # option -> (what is compared, how it is shown)
+
+
+def agree_on_model(model: nn.Sequential, transport: Transport, options: Options | None = None) -> None:
+    """Every rank built the same model and passed the same ``options``, or every rank raises the same ValueError
+    naming where they differ (the model first)."""
+    mine = (describe(model), dict(options or {}))
+    views = transport.all_gather_object(mine, "the other ranks' description of the model and the engine's options")
+    problem = difference([view for view, _ in views], transport.ranks)
+    problem = problem or options_difference([shared for _, shared in views], transport.ranks)
     if problem:
         raise ValueError(problem)
+
+
+def options_difference(views: Sequence[Options], ranks: Sequence[int]) -> str:
+    """Which options differ across the ranks, each with each rank's value ("" where none does)."""
+    differing = []
+    for name in dict.fromkeys(key for view in views for key in view):  # every rank's options, in order
+        seen: dict[object, list[int]] = {}
+        shown: dict[object, str] = {}
+        for rank, view in zip(ranks, views, strict=True):
+            key, text = view.get(name, (_MISSING, "not given"))
+            seen.setdefault(key, []).append(rank)
+            shown.setdefault(key, text)
+        if len(seen) > 1:
+            values = ", ".join(f"rank {holders[0]}: {shown[key]}" if len(holders) == 1
+                               else f"ranks {holders}: {shown[key]}" for key, holders in seen.items())  # fmt: skip
+            differing.append(f"{name} differs across ranks: {values}")
+    if not differing:
+        return ""
+    return "; ".join(differing) + "; every rank must pass the same engine options"
+
+
+_MISSING = "<missing>"  # an option one rank did not describe (a different version of pipeengine)
 
 
 def difference(views: Sequence[list[Layer]], ranks: Sequence[int]) -> str:

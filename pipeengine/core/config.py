@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -168,6 +169,38 @@ class EngineConfig:
         if self.reshard_after_forward and not self.fsdp:
             raise ValueError("reshard_after_forward=True frees FSDP's gathered weights after each forward; without "
                              "fsdp=True nothing is gathered: pass fsdp=True, or leave it out")  # fmt: skip
+
+    def shared(self) -> dict[str, tuple[object, str]]:
+        """The options every rank must pass alike, as consensus.agree_on_model compares them across the world: each
+        as (what is compared, how it is shown). They shape the program each rank runs (the schedule, its
+        micro-batches and chunks, the cut, the layout, what a step exchanges); a difference would hang, abort or
+        train wrongly. Each rank's own: device, timeout, sample (read on the first stage's rank), compile (a
+        rank's local kernels). A function (loss_count, parallelize) is compared by whether it is given."""
+        schedule = self.schedule
+        if isinstance(schedule, Schedule):  # a user's schedule: by its streams
+            digest = hashlib.sha256(repr(schedule).encode()).hexdigest()[:12]
+            shown_schedule: tuple[object, str] = (digest, f"a Schedule ({schedule.describe()}; streams {digest})")
+        else:
+            shown_schedule = (schedule, repr(schedule))
+        plan = None if self.tp_plan is None else {k: type(v).__name__ for k, v in sorted(self.tp_plan.items())}
+        styles = None if plan is None else tuple(plan.items())
+        precision = self.precision or "fp32"  # None and "fp32" run alike
+
+        def plain(value: object) -> tuple[object, str]:
+            return value, repr(value)
+
+        def given(fn: Callable[..., object] | None) -> tuple[object, str]:
+            return fn is not None, "None" if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
+
+        return {
+            "schedule": shown_schedule, "num_microbatches": plain(self.num_microbatches), "chunks": plain(self.chunks),
+            "partition": plain(self.partition), "data_parallel": plain(self.data_parallel),
+            "tensor_parallel": plain(self.tensor_parallel), "tp_plan": (styles, repr(plan)),
+            "parallelize": given(self.parallelize), "fsdp": plain(self.fsdp),
+            "reshard_after_forward": plain(self.reshard_after_forward), "checkpoint": plain(self.checkpoint),
+            "precision": plain(precision), "loss_count": given(self.loss_count), "trace": plain(self.trace),
+            "memory_limit": plain(self.memory_limit),
+        }  # fmt: skip
 
     @property
     def needs_mesh(self) -> bool:

@@ -104,6 +104,10 @@ def bad_batch(case: str) -> None:
         engine.train_step(torch.randn(2, 16) if engine.first else None, torch.randn(2, 4) if engine.last else None)
     elif case == "scalar_input":
         engine.train_step(torch.tensor(1.0) if engine.first else None, y if engine.last else None)
+    elif case == "empty":
+        engine.train_step(torch.randn(0, 16) if engine.first else None, torch.randn(0, 4) if engine.last else None)
+    elif case == "empty_eval":
+        engine.eval_step(torch.randn(0, 16) if engine.first else None)
     else:
         raise AssertionError(case)
 
@@ -146,6 +150,8 @@ def test_a_bad_batch_is_refused_by_every_rank_before_any_transfer() -> None:
         "inputs_not_tensors": ("ValueError", "step refused by rank 0: the inputs on the first stage's rank are not"),
         "smaller_than_m": ("ValueError", r"a batch of 2 does not split into 4 equal micro-batches: .*\(e\.g\. 4\), or"),
         "scalar_input": ("ValueError", "the inputs need a batch dimension: inputs tensor 0 is 0-d"),
+        "empty": ("ValueError", r"train_step got an empty batch: the inputs have shape \[0, 16\] \(0 rows\); pass"),
+        "empty_eval": ("ValueError", r"eval_step got an empty batch: the inputs have shape \[0, 16\]"),
     }
     launch(refused_everywhere, 2, args=(cases, "bad_batch"), timeout=10, in_process=True)  # no hang
 

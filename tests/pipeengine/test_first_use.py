@@ -95,6 +95,51 @@ def test_on_gloo_processes_a_rank_that_forgot_the_seed_is_refused_on_every_rank(
     launch(forgot_a_seed, 2, timeout=30)
 
 
+# ---- 2b. ranks given different options (issue 57, item 7)
+
+ONE_RANK_DIFFERS = [  # (the option, rank 0's keywords, rank 1's, how each rank's value is shown)
+    ("num_microbatches", {"num_microbatches": 2}, {"num_microbatches": 4}, ("2", "4")),
+    ("schedule", {"schedule": "1f1b"}, {"schedule": "gpipe"}, ("'1f1b'", "'gpipe'")),
+    ("schedule", {"schedule": "1f1b"}, {"schedule": "interleaved"}, ("'1f1b'", "'interleaved'")),
+    ("schedule", {"schedule": "gpipe"}, {"schedule": "zb-v"}, ("'gpipe'", "'zb-v'")),
+    ("chunks", {"schedule": "interleaved", "chunks": 2}, {"schedule": "interleaved", "chunks": 3}, ("2", "3")),
+    ("loss_count", {}, {"loss_count": len}, ("None", "len")),
+    ("precision", {}, {"precision": "bf16"}, ("'fp32'", "'bf16'")),
+    ("checkpoint", {"checkpoint": "always"}, {}, ("'always'", "'never'")),
+    ("data_parallel", {"data_parallel": 2}, {}, ("2", "1")),
+    ("trace", {}, {"trace": True}, ("False", "True")),
+]
+
+
+def different_options() -> None:
+    """Each pair of options is refused at construction on both ranks, naming the option and each rank's value;
+    options that mean the same (precision None and 'fp32') are not, and the engine then trains."""
+    rank = ranks.rank()
+    for option, mine, theirs, (value0, value1) in ONE_RANK_DIFFERS:
+        options = {"num_microbatches": 4, **(mine if rank == 0 else theirs)}
+        pattern = rf"{option} differs across ranks: rank 0: {re.escape(value0)}, rank 1: {re.escape(value1)}; "
+        pattern += "every rank must pass the same engine options"
+        refused_on_this_rank(lambda o=options: PipelineEngine(mlp(), mse, **o), pattern)
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, precision=[None, "fp32"][rank])
+    x, y = batch("mlp", 4, seed=0)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_given_different_options_are_refused_naming_the_option_and_each_ranks_value() -> None:
+    launch(different_options, 2, timeout=20, in_process=True)  # unchanged: built; a step hung or failed
+
+
+def different_microbatches() -> None:
+    options = {"num_microbatches": 2 * (1 + ranks.rank())}
+    refused_on_this_rank(lambda: PipelineEngine(mlp(), mse, **options), r"num_microbatches differs across ranks")
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_processes_different_microbatches_are_refused_not_aborted() -> None:
+    launch(different_microbatches, 2, timeout=20)  # was built; its first step aborted a rank in gloo (SIGABRT)
+
+
 # ---- 3. the in-process launch and the global random generator
 
 
