@@ -1,9 +1,13 @@
 """Training features: activation checkpointing and mixed precision."""
 
+import io
+
 import pytest
 import torch
+from torch import nn
 
 from pipeengine import PipelineEngine, launch
+from pipeengine.runtime.precision import GradScaler
 from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
 from tests.pipeengine.parity import OneProcess, check_grads, close, model_parity
@@ -125,6 +129,15 @@ def scaler_skips_together() -> None:
     optimizer.zero_grad()
     engine.scaler.scale = 2.0**10
     engine.train_step(x if engine.first else None, y if engine.last else None)
+    if engine.last:  # an inf in one stage's gradient alone (the others' are finite): every rank still skips
+        next(iter(engine.stages[max(engine.stages)].parameters())).grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+    everyone = ranks.all_gather_object(engine.scaler.step(optimizer))
+    engine.scaler.update()
+    assert everyone == [False] * ranks.size(), f"one stage's inf: stepped {everyone}"
+    assert all(torch.equal(param, before[name]) for name, param in engine.named_parameters())
+    assert engine.scaler.scale == 2.0**9
+    optimizer.zero_grad()
+    engine.train_step(x if engine.first else None, y if engine.last else None)
     assert engine.scaler.step(optimizer)
     assert any(not torch.equal(param, before[name]) for name, param in engine.named_parameters())
 
@@ -132,3 +145,40 @@ def scaler_skips_together() -> None:
 @pytest.mark.timeout(120)
 def test_fp16_overflow_skips_the_step_on_every_rank() -> None:
     launch(scaler_skips_together, 2, timeout=60, in_process=True)
+
+
+def scaler(growth_interval: int) -> tuple[GradScaler, nn.Parameter]:
+    """An fp16 scaler of one parameter on one rank (agreeing with itself)."""
+    param = nn.Parameter(torch.ones(3))
+    return GradScaler(lambda: iter([param]), True, torch.device("cpu"), lambda found: None, init_scale=8.0,
+                      growth_interval=growth_interval), param  # fmt: skip
+
+
+def good_step(scale: GradScaler, param: nn.Parameter, finite: bool = True) -> bool:
+    param.grad = torch.full((3,), scale.scale if finite else float("inf"))
+    stepped = scale.step(torch.optim.SGD([param], lr=0.0))
+    scale.update()
+    return stepped
+
+
+def test_fp16_scale_grows_after_exactly_growth_interval_good_steps_and_an_overflow_restarts_the_count() -> None:
+    scale, param = scaler(growth_interval=3)
+    seen = [(good_step(scale, param, finite), scale.scale) for finite in [True] * 6 + [True, False] + [True] * 3]
+    assert seen == [(True, 8.0), (True, 8.0), (True, 16.0), (True, 16.0), (True, 16.0), (True, 32.0),  # every 3rd
+                    (True, 32.0), (False, 16.0),  # an overflow halves it and the count starts again
+                    (True, 16.0), (True, 16.0), (True, 32.0)]  # fmt: skip
+
+
+def test_fp16_scale_resumes_its_growth_count() -> None:
+    """Two good steps, saved (as a checkpoint's extra is, weights_only), loaded into a new scaler: the third grows."""
+    scale, param = scaler(growth_interval=3)
+    good_step(scale, param)
+    good_step(scale, param)
+    buffer = io.BytesIO()
+    torch.save(scale.state_dict(), buffer)
+    buffer.seek(0)
+    resumed, param = scaler(growth_interval=1000)  # its own settings are replaced by the saved ones
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert (resumed.scale, resumed.growth_interval) == (8.0, 3)
+    good_step(resumed, param)
+    assert resumed.scale == 16.0
