@@ -149,6 +149,9 @@ def failing_write(directory: str) -> None:
         with pytest.raises(OSError, match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\).*"
                                           r"'latest' still points at checkpoint-1"):  # fmt: skip
             engine.load(directory, optimizer)
+        engine.save(directory, optimizer, background=True, step=2)  # fails again; the next save raises it
+        with pytest.raises(OSError, match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\)"):
+            engine.save(directory, optimizer, background=True, step=3)
     finally:
         extras.write_atomically = kept  # type: ignore[assignment]
     assert latest_checkpoint(directory) == Path(directory) / "checkpoint-1"
