@@ -51,3 +51,15 @@ def test_what_cannot_resume_or_split_is_refused_with_the_values() -> None:
     saved = ReplicaLoader(SAMPLES, 6).state_dict()
     with pytest.raises(ValueError, match=r"saved with batch_size 6 \(now 10\).*same dataset and global batch_size"):
         ReplicaLoader(SAMPLES, 10).load_state_dict(saved)
+
+
+def test_a_resumed_loader_reads_on_with_the_saved_seed() -> None:
+    """A loader built with another seed and given the saved state reads what the saving loader would have next."""
+    saving = ReplicaLoader(SAMPLES, 6, seed=3)
+    stream = saving.forever()
+    [next(stream) for _ in range(7)]  # into the second epoch: its order is drawn from the seed
+    state = saving.state_dict()
+    resumed = ReplicaLoader(SAMPLES, 6, seed=11)
+    resumed.load_state_dict(state)
+    again = resumed.forever()
+    assert [next(again)[0].tolist() for _ in range(6)] == [next(stream)[0].tolist() for _ in range(6)]

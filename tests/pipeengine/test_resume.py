@@ -5,6 +5,7 @@ Restarts after a killed rank: test_examples.py (train_gpt) and test_launch.py.""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def run(directory: str, options: dict[str, Any], *, resume: bool = False, dropou
         start = engine.load(directory, optimizer, scheduler=scheduler, data=data, scaler=engine.scaler)["step"]
         if reseed:  # the negative control: what a resume without the generators' state draws
             torch.manual_seed(1234 + ranks.rank())
+            random.seed(1234 + ranks.rank())
     losses, read, pending = [], [], None
     batches = data.forever()
     for step in range(start, STEPS):
@@ -75,11 +77,13 @@ def run(directory: str, options: dict[str, Any], *, resume: bool = False, dropou
                                   scaler=engine.scaler, step=step + 1)  # fmt: skip
     if background:
         assert pending is not None and pending.result() == latest_checkpoint(directory)  # type: ignore[union-attr]
-    return losses, read, {name: local(p).detach().clone() for name, p in engine.named_parameters()}
+    weights = {name: local(p).detach().clone() for name, p in engine.named_parameters()}
+    return losses, read, {**weights, "Python's random": torch.tensor(random.random(), dtype=torch.float64)}
 
 
 def equal_resume(directory: str, options: dict[str, Any], background: bool = False) -> None:
-    """Every loss and every parameter after the resume equals (torch.equal) the uninterrupted run's."""
+    """Every loss and every parameter after the resume equals (torch.equal) the uninterrupted run's, and so does the
+    next draw of Python's random (restored with the generators)."""
     losses, read, weights = run(directory, options, background=background)
     again, read_again, resumed = run(directory, options, resume=True)
     what = f"{options} background={background}"
