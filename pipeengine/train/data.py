@@ -6,15 +6,23 @@ shuffle of the indices drawn from seed + e (or their order, shuffle=False), cut 
 samples consumed (counted as the loop takes each batch, not as workers prefetch them), so a run resumed with
 another number of replicas reads, between them, the same global samples the saving run would have read next.
 torchtitan's loader keeps each replica's own position instead, and cannot change the replica count (its issue 850).
+
+With workers (num_workers > 0), DataLoader hands batch k of an epoch to worker k % num_workers, whose generators
+have drawn for the batches it read before: a loader resumed mid-epoch would start its workers afresh and hand
+batch k to another one. So a worker seeds torch's, Python's and numpy's generators before each batch from the
+seed, the epoch, the batch and the replica alone: what the dataset draws in __getitem__ is the same in a resumed
+run, whichever worker reads it and however many there are. Without workers the dataset draws from the rank's own
+generators, which a checkpoint restores.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 __all__ = ["ReplicaLoader"]
 
@@ -60,7 +68,8 @@ class ReplicaLoader:
         # DataLoader draws its workers' base seed from this generator: from torch's global one it would take a
         # draw each time it starts, and a resumed run's dropout would draw otherwise
         seeds = torch.Generator().manual_seed(self.seed + self.epoch)
-        for batch in DataLoader(self.dataset, batch_sampler=sampler, **{"generator": seeds, **self.loader}):
+        dataset = _Seeded(self.dataset) if self.loader.get("num_workers", 0) else self.dataset
+        for batch in DataLoader(dataset, batch_sampler=sampler, **{"generator": seeds, **self.loader}):
             self.consumed += self.batch_size
             yield batch
 
@@ -104,4 +113,46 @@ class _Shares(Sampler[list[int]]):
         share = size // self.loader.replicas
         for b in range(self.start, self.loader.batches_per_epoch):
             mine = b * size + self.loader.rank * share
-            yield order[mine : mine + share]
+            yield _Batch(order[mine : mine + share], self._seed(b))
+
+    def _seed(self, batch: int) -> int:
+        """Batch ``batch`` of this epoch's seed, for this replica: from nothing a run's history changes."""
+        seed = 0
+        for part in (self.loader.seed, self.epoch, batch, self.loader.rank):
+            seed = (seed * 1_000_003 + part) % 2**63
+        return seed
+
+
+class _Batch(list[int]):
+    """A batch's indices, with the seed a worker draws its samples from (it travels to the worker with them)."""
+
+    def __init__(self, indices: list[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+
+class _Seeded(Dataset[Any]):
+    """The user's dataset, read by workers: the generators seeded from the batch before its samples are read."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        seed = getattr(indices, "seed", None)
+        if seed is not None and get_worker_info() is not None:  # a worker's generators are its own to reseed
+            torch.manual_seed(seed)
+            random.seed(seed)
+            try:
+                import numpy
+
+                numpy.random.seed(seed % 2**32)
+            except ImportError:
+                pass
+        own = getattr(self.dataset, "__getitems__", None)
+        return list(own(list(indices))) if callable(own) else [self.dataset[i] for i in indices]

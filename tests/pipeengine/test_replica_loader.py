@@ -3,6 +3,9 @@ change of the replica count."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -63,3 +66,26 @@ def test_a_resumed_loader_reads_on_with_the_saved_seed() -> None:
     resumed.load_state_dict(state)
     again = resumed.forever()
     assert [next(again)[0].tolist() for _ in range(6)] == [next(stream)[0].tolist() for _ in range(6)]
+
+
+class Noisy(torch.utils.data.Dataset[torch.Tensor]):
+    """A sample draws from the generators of whoever reads it (torch's and Python's), as augmentations do."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), torch.rand(()).item(), random.random()])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_loader_resumed_mid_epoch_with_workers_reads_the_same_samples(workers: int) -> None:
+    uninterrupted = ReplicaLoader(Noisy(), 4, seed=2, num_workers=workers)
+    expected = [batch.tolist() for batch in itertools.islice(uninterrupted.forever(), 9)]  # 1.5 epochs
+    saving = ReplicaLoader(Noisy(), 4, seed=2, num_workers=workers)
+    first = [batch.tolist() for batch in itertools.islice(saving.forever(), 4)]
+    resumed = ReplicaLoader(Noisy(), 4, seed=2, num_workers=workers)
+    resumed.load_state_dict(saving.state_dict())
+    rest = [batch.tolist() for batch in itertools.islice(resumed.forever(), 5)]
+    assert first + rest == expected
