@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import importlib
 import io
+import json
 import re
 import runpy
 import shlex
@@ -172,10 +174,82 @@ def test_the_readme_is_short_and_links_every_guide() -> None:
     assert guides <= linked, guides - linked
 
 
-def test_the_layout_planners_table_is_the_benchmarks() -> None:
-    """The README's and docs/benchmarks.md's table of measured layouts is what benchmarks/tune_layout.py wrote."""
+PLANNER = json.loads((ROOT / "docs" / "bench" / "tune_layout.json").read_text())  # the committed run's figures
+
+
+def test_the_layout_planners_table_is_the_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's and docs/benchmarks.md's table of measured layouts is what benchmarks/tune_layout.py wrote, and
+    docs/bench/tune_layout.md is the table of the committed run's json."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     table = (ROOT / "docs" / "bench" / "tune_layout.md").read_text()
+    assert table == importlib.import_module("tune_layout").markdown(PLANNER["rows"])
     assert table in (ROOT / "README.md").read_text() and table in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def planner_figures() -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """Each figure the docs quote from the layout planner's benchmark: the ways a page words it (patterns over the
+    page's text, its lines joined; a pattern's groups are the figures, each the first of those expected) and what
+    the committed docs/bench/tune_layout.json says they are, as the pages round them."""
+    run, rows, searched = PLANNER, PLANNER["rows"], PLANNER["search_seconds"]
+    best, ratios = rows[0], [row["measured_peak_mib"] / row["predicted_peak_mib"] for row in rows]
+    *others, last = [str(row["predicted_rank"]) for row in rows if row["contender"]]
+    held = r"\*\*{}\*\*: held in this run \({}([\d.]+)%\)"  # docs/benchmarks.md's targets
+    return {
+        "rows timed": (
+            [r"(\d+) of (\d+) (?:priced )?layouts built and timed", r"(\d+) candidates spread over the ranking"],
+            (str(len(rows)), str(run["candidates"])),
+        ),
+        "predicted best": (
+            [r"predicted best \(([\w-]+), (\[[\d, ]+\])\)"],
+            (best["schedule"].upper(), str(best["partition"])),
+        ),
+        "best slower": (
+            [
+                r"predicted best[^.;]*? measured ([\d.]+)% slower than the measured best",
+                held.format("The predicted best within 5% of the measured best", r"\+"),
+            ],
+            (f"{run['predicted_best_slower'] * 100:.1f}",),
+        ),
+        "median error": (
+            [r"median step-time error was ([\d.]+)%", held.format("Median step-time error under 10%", "")],
+            (f"{run['median_abs_error'] * 100:.1f}",),
+        ),
+        "largest error": ([r"\(largest:? ([\d.]+)%"], (f"{max(abs(row['error']) for row in rows) * 100:.0f}",)),
+        "search": (
+            [r"([\d.]+) s for 4 ranks(?:,? and |, \d+ candidates; )([\d.]+) s for 8"],
+            (f"{searched['4']:.2f}", f"{searched['8']:.2f}"),
+        ),
+        "calibrating": ([r"tune_layout_calibration\.json`, ([\d.]+) s"], (f"{run['calibration_seconds']:.1f}",)),
+        "measuring": ([r"after ([\d.]+) s measuring the layers"], (f"{run['measure_seconds']:.1f}",)),
+        "peaks": ([r"measured / predicted ([\d.]+) to ([\d.]+)"], (f"{min(ratios):.3f}", f"{max(ratios):.3f}")),
+        "limit": ([r"([\d.]+) MiB per rank, (\d+) kept"], (f"{run['memory_limit_mib']:.1f}", str(run["kept"]))),
+        "contenders": ([r"here predicted ranks ([\d, ]+ and \d+)\)"], (f"{', '.join(others)} and {last}",)),
+    }
+
+
+QUOTING = {  # the pages that quote the planner's benchmark, and the figures each must quote
+    "README.md": {"rows timed", "predicted best", "best slower", "median error", "largest error", "search"},
+    "docs/benchmarks.md": {"rows timed", "best slower", "median error", "search", "calibrating", "measuring", "limit",
+                           "contenders"},
+    "docs/guides/layout.md": {"rows timed", "best slower", "median error", "largest error", "search", "measuring",
+                              "peaks"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("page", sorted(QUOTING))
+def test_a_planner_figure_a_page_quotes_is_the_committed_runs(page: str) -> None:
+    """Every figure of the layout planner's benchmark that README.md, docs/benchmarks.md or the layout guide quotes
+    equals docs/bench/tune_layout.json's (the run whose table and plot are committed beside it); none goes unquoted.
+    Earlier runs are docs/benchmarks.md's table of runs, in other words."""
+    text = " ".join((ROOT / page).read_text().split())
+    quoted = set()
+    for figure, (patterns, expected) in planner_figures().items():
+        for pattern in patterns:
+            for match in re.finditer(pattern, text):
+                quoted.add(figure)
+                got = match.groups()
+                assert got == expected[: len(got)], f"{page} quotes {figure} {got}: the committed run's is {expected}"
+    assert QUOTING[page] <= quoted, f"{page} no longer quotes {QUOTING[page] - quoted} as tests/test_docs.py reads it"
 
 
 @pytest.mark.timeout(120)
