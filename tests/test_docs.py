@@ -47,7 +47,7 @@ def test_every_block_says_how_it_is_tested_and_only_the_known_ones_are_skipped()
     languages = {block.language for block in every_block()}
     assert languages <= {"python", "bash", "text"}, languages
     kinds = {kind(block) for block in BLOCKS}  # each asserts its directive
-    assert kinds <= {"run", "in-process", "in", "skip"} | {k for k in kinds if k.startswith("tests/")}, kinds
+    assert kinds <= {"run", "in-process", "in", "skip", "is"} | {k for k in kinds if k.startswith("tests/")}, kinds
     skipped: dict[str, int] = {}
     for block in of("skip"):
         assert len(block.directive.split()) > 4, f"{block.name}: say why it is not run"  # type: ignore[union-attr]
@@ -148,16 +148,26 @@ def test_a_block_run_by_a_named_test_is_what_that_test_runs(block: Block) -> Non
         line = line.split("  #")[0].strip()
         if not line or line in ci:
             continue
-        include = re.fullmatch(r'--8<-- "(.+)"', line)
-        if include:
-            assert (ROOT / include.group(1)).is_file() and Path(include.group(1)).stem in source, line
-            continue
         words = shlex.split(line)
         assert words[0] == "python" and words[1].startswith("examples/"), f"{block.name}: {line}"
         assert Path(words[1]).stem in source, f"{file} does not run {words[1]}"
         for word in words[2:]:
             if word.startswith("--"):
                 assert f'"{word}"' in source, f"{file} never passes {word} (from {block.name})"
+
+
+def test_no_page_needs_the_site_to_read_right() -> None:
+    """GitHub shows a page as it is: no include markers (pymdownx.snippets's); a program shown whole is a copy of
+    its file, kept equal here (tests/test_examples.py runs the file)."""
+    for page in pages():
+        assert "--8<--" not in page.read_text(), f"{page.relative_to(ROOT)}: GitHub shows an include marker raw"
+    copies = {block.name: block.directive.split()[1] for block in BLOCKS if kind(block) == "is"}  # type: ignore[union-attr]
+    assert {"examples/train_loop.py", "examples/generate_hf.py"} <= set(copies.values()), copies
+    examples = (ROOT / "tests" / "test_examples.py").read_text()
+    for block in of("is"):
+        file = copies[block.name]
+        assert block.code == (ROOT / file).read_text(), f"{block.name} is no longer {file}: copy the file in again"
+        assert f'"{Path(file).stem}"' in examples, f"tests/test_examples.py does not run {file}"
 
 
 def test_the_pictures_they_show_exist() -> None:
@@ -260,7 +270,13 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
                            cwd=ROOT, capture_output=True, text=True, timeout=110, env={"NO_MKDOCS_2_WARNING": "1",
                            "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert built.returncode == 0, built.stderr
-    assert (tmp_path / "guides" / "schedules" / "index.html").is_file()
+    assert (tmp_path / "guides" / "schedules.html").is_file()
+    # browsable from disk: every link of every page (its navigation included) names a file, not a folder
+    for page in set(tmp_path.rglob("*.html")) - {tmp_path / "404.html"}:  # 404.html: a server's, its links absolute
+        links = re.findall(r'(?:href|src)="([^"]+)"', page.read_text())
+        local = [link.split("#")[0].split("?")[0] for link in links if ":" not in link and not link.startswith("#")]
+        folders = [link for link in local if link and not (page.parent / link).is_file()]
+        assert local and not folders, (page.relative_to(tmp_path), folders)
 
 
 def test_the_home_page_leads_to_what_a_new_user_looks_for_first() -> None:
