@@ -6,8 +6,9 @@ Each ```python or ```bash block is preceded by a comment saying how it is tested
     <!-- test: in-process -->          a whole program, its launch(...) on in-process ranks (threads)
     <!-- test: in CONTEXT -->          a fragment, executed on every rank inside CONTEXT (below)
     <!-- test: tests/F.py::NAME -->    run by that test: each `python examples/X.py ...` line's script and options
-                                       (and an included file) appear in that test's module
+                                       appear in that test's module
     <!-- test: skip REASON -->         not run, for the reason given (tests/test_docs.py lists the ones allowed)
+    <!-- test: is FILE -->             the whole of FILE, copied in (GitHub shows no includes), kept equal to it
 
 ```text blocks are output, not code. A context is a function that builds the names a fragment uses.
 """

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import importlib
 import io
+import json
 import re
 import runpy
 import shlex
@@ -45,7 +47,7 @@ def test_every_block_says_how_it_is_tested_and_only_the_known_ones_are_skipped()
     languages = {block.language for block in every_block()}
     assert languages <= {"python", "bash", "text"}, languages
     kinds = {kind(block) for block in BLOCKS}  # each asserts its directive
-    assert kinds <= {"run", "in-process", "in", "skip"} | {k for k in kinds if k.startswith("tests/")}, kinds
+    assert kinds <= {"run", "in-process", "in", "skip", "is"} | {k for k in kinds if k.startswith("tests/")}, kinds
     skipped: dict[str, int] = {}
     for block in of("skip"):
         assert len(block.directive.split()) > 4, f"{block.name}: say why it is not run"  # type: ignore[union-attr]
@@ -146,16 +148,26 @@ def test_a_block_run_by_a_named_test_is_what_that_test_runs(block: Block) -> Non
         line = line.split("  #")[0].strip()
         if not line or line in ci:
             continue
-        include = re.fullmatch(r'--8<-- "(.+)"', line)
-        if include:
-            assert (ROOT / include.group(1)).is_file() and Path(include.group(1)).stem in source, line
-            continue
         words = shlex.split(line)
         assert words[0] == "python" and words[1].startswith("examples/"), f"{block.name}: {line}"
         assert Path(words[1]).stem in source, f"{file} does not run {words[1]}"
         for word in words[2:]:
             if word.startswith("--"):
                 assert f'"{word}"' in source, f"{file} never passes {word} (from {block.name})"
+
+
+def test_no_page_needs_the_site_to_read_right() -> None:
+    """GitHub shows a page as it is: no include markers (pymdownx.snippets's); a program shown whole is a copy of
+    its file, kept equal here (tests/test_examples.py runs the file)."""
+    for page in pages():
+        assert "--8<--" not in page.read_text(), f"{page.relative_to(ROOT)}: GitHub shows an include marker raw"
+    copies = {block.name: block.directive.split()[1] for block in BLOCKS if kind(block) == "is"}  # type: ignore[union-attr]
+    assert {"examples/train_loop.py", "examples/generate_hf.py"} <= set(copies.values()), copies
+    examples = (ROOT / "tests" / "test_examples.py").read_text()
+    for block in of("is"):
+        file = copies[block.name]
+        assert block.code == (ROOT / file).read_text(), f"{block.name} is no longer {file}: copy the file in again"
+        assert f'"{Path(file).stem}"' in examples, f"tests/test_examples.py does not run {file}"
 
 
 def test_the_pictures_they_show_exist() -> None:
@@ -172,10 +184,82 @@ def test_the_readme_is_short_and_links_every_guide() -> None:
     assert guides <= linked, guides - linked
 
 
-def test_the_layout_planners_table_is_the_benchmarks() -> None:
-    """The README's and docs/benchmarks.md's table of measured layouts is what benchmarks/tune_layout.py wrote."""
+PLANNER = json.loads((ROOT / "docs" / "bench" / "tune_layout.json").read_text())  # the committed run's figures
+
+
+def test_the_layout_planners_table_is_the_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's and docs/benchmarks.md's table of measured layouts is what benchmarks/tune_layout.py wrote, and
+    docs/bench/tune_layout.md is the table of the committed run's json."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     table = (ROOT / "docs" / "bench" / "tune_layout.md").read_text()
+    assert table == importlib.import_module("tune_layout").markdown(PLANNER["rows"])
     assert table in (ROOT / "README.md").read_text() and table in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def planner_figures() -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """Each figure the docs quote from the layout planner's benchmark: the ways a page words it (patterns over the
+    page's text, its lines joined; a pattern's groups are the figures, each the first of those expected) and what
+    the committed docs/bench/tune_layout.json says they are, as the pages round them."""
+    run, rows, searched = PLANNER, PLANNER["rows"], PLANNER["search_seconds"]
+    best, ratios = rows[0], [row["measured_peak_mib"] / row["predicted_peak_mib"] for row in rows]
+    *others, last = [str(row["predicted_rank"]) for row in rows if row["contender"]]
+    held = r"\*\*{}\*\*: held in this run \({}([\d.]+)%\)"  # docs/benchmarks.md's targets
+    return {
+        "rows timed": (
+            [r"(\d+) of (\d+) (?:priced )?layouts built and timed", r"(\d+) candidates spread over the ranking"],
+            (str(len(rows)), str(run["candidates"])),
+        ),
+        "predicted best": (
+            [r"predicted best \(([\w-]+), (\[[\d, ]+\])\)"],
+            (best["schedule"].upper(), str(best["partition"])),
+        ),
+        "best slower": (
+            [
+                r"predicted best[^.;]*? measured ([\d.]+)% slower than the measured best",
+                held.format("The predicted best within 5% of the measured best", r"\+"),
+            ],
+            (f"{run['predicted_best_slower'] * 100:.1f}",),
+        ),
+        "median error": (
+            [r"median step-time error was ([\d.]+)%", held.format("Median step-time error under 10%", "")],
+            (f"{run['median_abs_error'] * 100:.1f}",),
+        ),
+        "largest error": ([r"\(largest:? ([\d.]+)%"], (f"{max(abs(row['error']) for row in rows) * 100:.0f}",)),
+        "search": (
+            [r"([\d.]+) s for 4 ranks(?:,? and |, \d+ candidates; )([\d.]+) s for 8"],
+            (f"{searched['4']:.2f}", f"{searched['8']:.2f}"),
+        ),
+        "calibrating": ([r"tune_layout_calibration\.json`, ([\d.]+) s"], (f"{run['calibration_seconds']:.1f}",)),
+        "measuring": ([r"after ([\d.]+) s measuring the layers"], (f"{run['measure_seconds']:.1f}",)),
+        "peaks": ([r"measured / predicted ([\d.]+) to ([\d.]+)"], (f"{min(ratios):.3f}", f"{max(ratios):.3f}")),
+        "limit": ([r"([\d.]+) MiB per rank, (\d+) kept"], (f"{run['memory_limit_mib']:.1f}", str(run["kept"]))),
+        "contenders": ([r"here predicted ranks ([\d, ]+ and \d+)\)"], (f"{', '.join(others)} and {last}",)),
+    }
+
+
+QUOTING = {  # the pages that quote the planner's benchmark, and the figures each must quote
+    "README.md": {"rows timed", "predicted best", "best slower", "median error", "largest error", "search"},
+    "docs/benchmarks.md": {"rows timed", "best slower", "median error", "search", "calibrating", "measuring", "limit",
+                           "contenders"},
+    "docs/guides/layout.md": {"rows timed", "best slower", "median error", "largest error", "search", "measuring",
+                              "peaks"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("page", sorted(QUOTING))
+def test_a_planner_figure_a_page_quotes_is_the_committed_runs(page: str) -> None:
+    """Every figure of the layout planner's benchmark that README.md, docs/benchmarks.md or the layout guide quotes
+    equals docs/bench/tune_layout.json's (the run whose table and plot are committed beside it); none goes unquoted.
+    Earlier runs are docs/benchmarks.md's table of runs, in other words."""
+    text = " ".join((ROOT / page).read_text().split())
+    quoted = set()
+    for figure, (patterns, expected) in planner_figures().items():
+        for pattern in patterns:
+            for match in re.finditer(pattern, text):
+                quoted.add(figure)
+                got = match.groups()
+                assert got == expected[: len(got)], f"{page} quotes {figure} {got}: the committed run's is {expected}"
+    assert QUOTING[page] <= quoted, f"{page} no longer quotes {QUOTING[page] - quoted} as tests/test_docs.py reads it"
 
 
 @pytest.mark.timeout(120)
@@ -186,7 +270,13 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
                            cwd=ROOT, capture_output=True, text=True, timeout=110, env={"NO_MKDOCS_2_WARNING": "1",
                            "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert built.returncode == 0, built.stderr
-    assert (tmp_path / "guides" / "schedules" / "index.html").is_file()
+    assert (tmp_path / "guides" / "schedules.html").is_file()
+    # browsable from disk: every link of every page (its navigation included) names a file, not a folder
+    for page in set(tmp_path.rglob("*.html")) - {tmp_path / "404.html"}:  # 404.html: a server's, its links absolute
+        links = re.findall(r'(?:href|src)="([^"]+)"', page.read_text())
+        local = [link.split("#")[0].split("?")[0] for link in links if ":" not in link and not link.startswith("#")]
+        folders = [link for link in local if link and not (page.parent / link).is_file()]
+        assert local and not folders, (page.relative_to(tmp_path), folders)
 
 
 def test_the_home_page_leads_to_what_a_new_user_looks_for_first() -> None:

@@ -41,8 +41,17 @@ def test_quickstart_learns_prints_the_loss_and_writes_its_timeline(
 
 @pytest.mark.timeout(120)
 def test_plot_schedules_draws_every_schedule(tmp_path: Path) -> None:
+    """Every schedule the registry holds, in its order, each at its own chunk count; docs/schedules.png is the figure
+    it draws by default (as tall: one panel per schedule)."""
+    from schedules import SCHEDULES
+
     out = run(str(ROOT / "examples" / "plot_schedules.py"), "-o", str(tmp_path / "schedules.png"))
-    assert "interleaved (p=4, m=8, v=2)" in out and (tmp_path / "schedules.png").stat().st_size > 20_000
+    drawn = [line.split(" (p=4, m=8, v=")[0] for line in out.splitlines() if " (p=4, m=8, v=" in line]
+    assert drawn == list(SCHEDULES), drawn
+    assert all(f"{name} (p=4, m=8, v={record.default_chunks})" in out for name, record in SCHEDULES.items()), out
+    drawn_png, committed = (tmp_path / "schedules.png").read_bytes(), (ROOT / "docs" / "schedules.png").read_bytes()
+    assert drawn_png[:4] == b"\x89PNG" and len(drawn_png) > 20_000
+    assert committed[16:24] == drawn_png[16:24], "docs/schedules.png: run python examples/plot_schedules.py"  # size
 
 
 GPT = [str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--tensor-parallel", "2", "--steps", "10", "--layers",
