@@ -252,6 +252,54 @@ def test_compile_true_compiles_torchs_own_layers_in_place() -> None:
         assert type(x.grad_fn).__name__ == "CompiledFunctionBackward", f"{type(layer).__name__} ran eagerly"
 
 
+def test_compile_true_compiles_a_subclass_of_a_torch_layer_that_keeps_torchs_forward() -> None:
+    """A user's subclass of nn.Linear that keeps torch's forward is torch's code to dynamo as nn.Linear is: compiled
+    in place too (nn.Module.compile would run it eagerly, silently), its calls going through the user's backend."""
+    from pipeengine.construction.transform import compile_layers
+
+    class Projection(nn.Linear):
+        pass
+
+    graphs: list[int] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        graphs.append(len(inputs))
+        return graph.forward
+
+    layer = Projection(4, 2)
+    compile_layers(nn.Sequential(layer), {"backend": backend})
+    layer(torch.randn(3, 4))
+    assert graphs, "the subclass of nn.Linear ran eagerly: the backend never saw it"
+
+
+def users_backend() -> None:
+    """Two in-process ranks; every layer of each stage compiled through the user's backend, none by another."""
+    graphs: list[int] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        graphs.append(len(inputs))
+        return graph.forward
+
+    torch.manual_seed(0)  # the in-process ranks build their models one at a time: the same model
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    one = OneProcess(model, nn.functional.mse_loss)
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, compile={"backend": backend})
+    generator = torch.Generator().manual_seed(1)  # the ranks share torch's default generator: their own, the same
+    x, y = torch.randn(4, 4, generator=generator), torch.randn(4, 2, generator=generator)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    layers = sum(len(stage) for stage in engine.stages.values())
+    assert len(graphs) >= layers, f"rank {ranks.rank()}: the backend compiled {len(graphs)} graphs of {layers} layers"
+    close(loss, one.step([(x, y)], microbatches=2), "compile={'backend': backend}: loss")
+    check_grads(engine, one, "compile={'backend': backend}")
+
+
+@pytest.mark.timeout(120)
+def test_compile_options_reach_torch_compile_the_users_backend_compiles_every_layer() -> None:
+    """compile={"backend": fn}: the user's options are torch.compile's, not its defaults: the backend (a Python
+    function) compiles each layer of every stage, and training equals one process."""
+    launch(users_backend, 2, timeout=100, in_process=True)
+
+
 def test_a_warm_profile_of_a_compiled_layer_warms_a_compiled_copy_with_its_own_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """profile_layers(warm=True, compile=...): the copy run before each timed compute is compiled as the layer is,

@@ -287,6 +287,25 @@ def test_the_planner_prices_the_sharded_state_and_builds_it() -> None:
         tune(model, mse, x, 4, target=y, fsdp=True, data_parallel=1)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_backward_holds_the_larger_of_its_transient_and_a_units_gradients_by_hand(schedule: str) -> None:
+    """The planner's FSDP memory (parallel.fsdp.priced): a B (gpipe) or W (zb-h1) holds the larger of its own
+    transient and the largest unit's whole gradients, not their sum. One stage, one micro-batch, dp=2: parameters
+    100 bytes, state 400 (with their gradients and AdamW's two moments), 200 on each replica; activation 100; B's
+    (W's) transient 30; largest unit 80. F gathers the parameters (100) through a buffer of as much: 400, then
+    200 + 100 + activation 100 = 400. B (W) holds max(30, 80) = 80 more: 480 (the sum would be 510). Its end lets
+    the activation go and makes the whole gradients (100): 400. The AR holds a unit's shard more (80 / 2): 440. The
+    peak: 480."""
+    from pipeengine.parallel.fsdp import priced
+    from schedules import Costs, Memory, build_schedule, simulate, with_gradient_sync
+
+    transients = {"backward_transient": 30.0} if schedule == "gpipe" else {"weight_transient": 30.0}
+    memory = priced(Memory(state=400.0, activation=100.0, **transients), [400.0], 2, 2, False, [80.0], False)
+    step = with_gradient_sync(build_schedule(schedule, 1, 1))
+    assert simulate(step, Costs(memory=memory)).peak_memory == [480.0]
+    assert memory.backward_transient == memory.weight_transient == [80.0]
+
+
 def refused_in_process() -> None:
     with pytest.raises(ValueError, match=r"fsdp=True runs DTensor collectives.*in-process ranks"):
         PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, data_parallel=2, fsdp=True)

@@ -277,6 +277,23 @@ def test_a_rank_woken_while_others_compute_starts_late_by_hand() -> None:
     assert simulate(build_schedule("gpipe", 2, 2), Costs(forward=1, backward=1, wake=((1.0, 0.25),))).makespan == 6
 
 
+def test_a_rank_woken_beside_two_computes_starts_late_by_their_mean_price_by_hand() -> None:
+    """Costs.wake at the mean price of what runs, not its sum: gpipe p=3, m=3, F = B = 1 on 2 processors (never more
+    than two run: each at full speed), the curve 0.5 late at price 1, 1.0 at 2. 1F0 is woken at 1 beside 0F1 alone:
+    1.5 to 2.5. 2F0 is woken at 2.5 beside 0F2 (2 to 3) and 1F1 (its input there at 2: not woken, 2.5 to 3.5), of
+    mean price 1: it starts at 3 (the sum, 2, would start it at 3.5), 3 to 4; 2F1 4 to 5, 2F2 5 to 6 (their inputs
+    there first); 1F2 3.5 to 4.5. 2B0, 2B1, 2B2 6 to 9. 1B0 is woken at 7 beside 2B1 alone: 7.5 to 8.5, 1B1 and 1B2
+    to 10.5. 0B0 is woken at 8.5 beside 2B2 (8 to 9) and 1B1 (8.5 to 9.5): at 9 (the sum: 9.5), 0B1 and 0B2 to 12."""
+    timeline = simulate(build_schedule("gpipe", 3, 3), Costs(forward=1, backward=1, processors=2,
+                                                              wake=((1.0, 0.5), (2.0, 1.0))))  # fmt: skip
+    spans = {str(s.action): (s.start, s.end) for s in timeline.spans if s.is_compute}
+    expected = {"0F0": (0, 1), "0F1": (1, 2), "0F2": (2, 3), "1F0": (1.5, 2.5), "1F1": (2.5, 3.5), "1F2": (3.5, 4.5),
+                "2F0": (3, 4), "2F1": (4, 5), "2F2": (5, 6), "2B0": (6, 7), "2B1": (7, 8), "2B2": (8, 9),
+                "1B0": (7.5, 8.5), "1B1": (8.5, 9.5), "1B2": (9.5, 10.5), "0B0": (9, 10), "0B1": (10, 11),
+                "0B2": (11, 12)}  # fmt: skip
+    assert spans == {name: pytest.approx(times) for name, times in expected.items()}
+
+
 def test_the_wake_curve_is_checked() -> None:
     for wake in (((2.0, 0.1), (1.0, 0.2)), ((1.0, -0.1),)):
         with pytest.raises(ValueError, match=r"Costs.wake must be \(price, seconds\) points sorted by price"):
