@@ -3,7 +3,8 @@ reduction (a GradientSync: pipeengine.parallel.gradsync), its memory and its che
 
     data.py      replicated data parallelism: ReplicaMean (AR), share_buffers
     fsdp.py      FSDP2 over the replicas: shard_stage, refusals, ShardedReduce (AR), gather/reshard, pricing
-    tensor.py    tensor parallelism: the device mesh, the tp_plan applied, tied weights re-tied
+    tensor.py    tensor parallelism: the device mesh, the tp_plan applied, tied weights re-tied, TensorSum
+    styles.py    tp_plan styles of pipeengine's own: ReplicatedGradSum (per-head norms), HeadRows (per-head weights)
     ties.py      weights tied across pipeline ranks: TieSum (TR)
     gradsync.py  the protocol they share, and Syncs: this rank's syncs, in their order
 
@@ -19,6 +20,7 @@ from pipeengine.core.ties import Ties
 from pipeengine.parallel.data import ReplicaMean
 from pipeengine.parallel.fsdp import ShardedReduce
 from pipeengine.parallel.gradsync import GradientSync, Syncs
+from pipeengine.parallel.tensor import tensor_sum
 from pipeengine.parallel.ties import TieSum, tie_groups
 from schedules import Schedule
 
@@ -28,7 +30,8 @@ __all__ = ["gradient_syncs"]
 def gradient_syncs(ties: Ties, schedule: Schedule, topology: Topology, stages: dict[int, nn.Module],
                    fsdp: bool = False, reshard_after_forward: bool = False) -> Syncs:  # fmt: skip
     """What this rank's AR and TR instructions start: the replicas' mean (FSDP2's reduce-scatter with fsdp), and the
-    tied weights' sum (after the reduce-scatter with fsdp: it adds reduced shards)."""
+    tied weights' sum (after the reduce-scatter with fsdp: it adds reduced shards); and at the step's end, after
+    them, the sum over the tensor-parallel ranks of the gradients each computes only its part of (TensorSum)."""
     syncs: list[GradientSync] = []
     if topology.data is not None and fsdp:
         on_gloo = topology.world.device.type != "cuda"
@@ -39,4 +42,7 @@ def gradient_syncs(ties: Ties, schedule: Schedule, topology: Topology, stages: d
     groups = tie_groups(ties, schedule, topology, stages, fsdp)
     if groups:
         syncs.append(TieSum(groups, after_shards=fsdp))
+    summed = tensor_sum(topology, stages)
+    if summed is not None:
+        syncs.append(summed)
     return Syncs(syncs)

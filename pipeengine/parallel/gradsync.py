@@ -3,13 +3,17 @@ synchronises (schedules.passes.sync places it), finished before the step returns
 
     Syncs.begin(average)                before a training step's first backward
     Syncs.start(op, stream, average)    at AR (stage s's gradients) or TR (tie group g's weights)
-    Syncs.finish()                      at the step's end: each sync waited for and written back, in order
+    Syncs.finish(train)                 at the step's end: each sync waited for and written back, in order; a
+                                        training step's syncs that no instruction starts started there first
 
 Each parallelism implements GradientSync in its own module:
 
     ReplicaMean    AR  the replicas' mean of a stage's gradients (pipeengine.parallel.data)
     ShardedReduce  AR  fsdp=True: FSDP2's reduce-scatter of a stage's gradients (pipeengine.parallel.fsdp)
     TieSum         TR  a tied weight's gradient summed over the ranks that hold it (pipeengine.parallel.ties)
+    TensorSum      --  a parameter each tensor-parallel rank holds whole but computes only its part of the gradient
+                       of (a norm over its own heads), summed over the stage's tensor-parallel ranks at the step's
+                       end, after the replicas' AR (pipeengine.parallel.tensor)
 
 The ordering is explicit: a sync names the kinds that must have *finished* before its reductions start
 (``after``); Syncs defers its starts until then and finishes in an order that respects it (a tie sum under
@@ -73,14 +77,14 @@ class SyncBytes:
 class Reduction:
     """One flat buffer being reduced: the gradients it was made of, and what to divide the result by."""
 
-    op: Instruction  # the instruction that started it
+    op: Instruction | None  # the instruction that started it; None: the step's end (GradientSync.end)
     pending: Pending
     flat: torch.Tensor
     grads: list[torch.Tensor]
     divisor: int
 
     def finish(self, tracer: Tracer) -> None:
-        with tracer.span(self.op, wait=True):
+        with tracer.span(self.op, wait=True) if self.op is not None else contextlib.nullcontext():
             self.pending.wait()
         if self.divisor > 1:
             self.flat /= self.divisor
@@ -94,7 +98,7 @@ class Reduction:
 class GradientSync(abc.ABC):
     """Gradients synchronised once per step (see the module docstring)."""
 
-    kind: ClassVar[Kind]  # the instruction that starts it: AR or TR
+    kind: ClassVar[Kind | None]  # the instruction that starts it: AR or TR; None: none, the step's end (``end``)
     started: list[Reduction] = field(default_factory=list, init=False)
 
     @property
@@ -115,6 +119,10 @@ class GradientSync(abc.ABC):
     @abc.abstractmethod
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
         """Start synchronising what ``op`` names; ``stream`` is this rank's program, ``average`` as above."""
+
+    def end(self, tracer: Tracer) -> None:  # noqa: B027  (a sync its instructions start has nothing more to start)
+        """At a training step's end, once the syncs it comes ``after`` have finished: start what no instruction
+        starts (``kind`` None)."""
 
     def finish(self, tracer: Tracer) -> None:
         """Wait for every reduction started this step and write the results back into the gradients."""
@@ -139,7 +147,7 @@ class GradientSync(abc.ABC):
         """``module`` (a stage of this rank) with its parameters whole inside the block, as after its first F."""
         yield
 
-    def _reduce(self, op: Instruction, grads: Iterable[torch.Tensor], transport: Transport, what: str,
+    def _reduce(self, op: Instruction | None, grads: Iterable[torch.Tensor], transport: Transport, what: str,
                 divisor: int) -> None:  # fmt: skip
         """Start a sum of ``grads`` over ``transport``, one flat buffer per dtype."""
         buckets: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -151,7 +159,8 @@ class GradientSync(abc.ABC):
 
 
 class Syncs:
-    """This rank's gradient syncs, one per instruction kind, run in the order their ``after`` asks."""
+    """This rank's gradient syncs, one per instruction kind (and one that no instruction starts: TensorSum), run in
+    the order their ``after`` asks."""
 
     def __init__(self, syncs: Iterable[GradientSync] = ()) -> None:
         self.by_kind = {sync.kind: sync for sync in syncs}
@@ -168,7 +177,7 @@ class Syncs:
                 waits = [(str(s.kind), [str(k) for k in s.after]) for s in self.by_kind.values()]
                 raise PipelineError(f"gradient syncs that wait for each other: {waits}")
             self.order.append(ready[0])
-        self._deferred: dict[Kind, list[tuple[Instruction, tuple[Action, ...], bool]]] = {}
+        self._deferred: dict[Kind | None, list[tuple[Instruction, tuple[Action, ...], bool]]] = {}
 
     def get(self, kind: Kind) -> GradientSync | None:
         return self.by_kind.get(kind)
@@ -187,10 +196,14 @@ class Syncs:
         else:
             sync.start(op, stream, average, tracer)
 
-    def finish(self, tracer: Tracer) -> None:
+    def finish(self, tracer: Tracer, train: bool) -> None:
+        """Every sync finished, in order; a training step's (``train``) syncs that no instruction starts started
+        first, each once those it comes after have finished."""
         for sync in self.order:
             for op, stream, average in self._deferred.pop(sync.kind, []):
                 sync.start(op, stream, average, tracer)
+            if train:
+                sync.end(tracer)
             sync.finish(tracer)
 
     def held(self) -> Iterator[torch.Tensor]:

@@ -9,6 +9,9 @@ backward (their gradients need no reduction of ours: a replica's AR reduces each
                                tie whose holders were sharded differently refused on every rank
     shard_costs                the layers' parameters as a tensor-parallel rank holds them, for the partition's report
     fake_mesh / shard_layer    the planner's probe: one layer sharded as one rank holds it, on torch's fake backend
+    TensorSum / tensor_sum     the gradient of a parameter each rank holds whole but computes only its part of (a
+                               norm over its own heads: styles.ReplicatedGradSum marks its module), summed over the
+                               stage's tensor-parallel ranks at the step's end (a GradientSync: parallel.gradsync)
 Its checkpoint form is the DTensor itself (pipeengine.core.dtensors: whole, spread); a stage whose output is a
 shard is refused where the stage runs (pipeengine.runtime.stage).
 """
@@ -20,8 +23,10 @@ import dataclasses
 import fnmatch
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import nn
 
 from pipeengine.comm.base import Transport
@@ -29,12 +34,20 @@ from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import is_dtensor, tensor_parallel_numel
 from pipeengine.core.grid import DIMS, Grid
 from pipeengine.core.ties import Ties
+from pipeengine.errors import PipelineError
+from pipeengine.observe.trace import Tracer
+from pipeengine.parallel.gradsync import GradientSync
+from schedules import Action, Instruction, Kind
 
 if TYPE_CHECKING:
     from pipeengine.planner.costmodel import LayerCosts
 
-__all__ = ["agree_on_ties", "apply", "device_mesh", "fake_mesh", "group_mesh", "plan_matches", "retie", "shard_costs",
-           "shard_layer", "shards_output"]
+__all__ = ["SUMMED", "TensorSum", "agree_on_ties", "apply", "device_mesh", "fake_mesh", "group_mesh", "plan_matches",
+           "retie", "shard_costs", "shard_layer", "shards_output", "tensor_sum"]
+
+# set True on a module by its tp_plan style (pipeengine.parallel.styles.ReplicatedGradSum): its own parameters are
+# whole on every tensor-parallel rank, each rank's gradient of them only its part
+SUMMED = "_pipeengine_tensor_sum"
 
 
 def device_mesh(grid: Grid, world: Transport, fsdp: bool = False) -> object | None:
@@ -223,3 +236,52 @@ def shard_costs(costs: LayerCosts, names: Sequence[str], bounds: Sequence[tuple[
     params = tuple(found.get(i, (p, 0))[0] for i, p in enumerate(costs.params))
     param_bytes = tuple(found[i][1] if i in found else b for i, b in enumerate(costs.param_bytes))
     return dataclasses.replace(costs, params=params, param_bytes=param_bytes)
+
+
+@dataclass
+class TensorSum(GradientSync):
+    """The gradients of the parameters a tensor-parallel rank holds whole but computes only its part of (a per-head
+    norm after a column-wise q_proj sees this rank's heads alone: the true gradient is the sum over the ranks),
+    summed over the stage's tensor-parallel ranks. No instruction starts it: at a training step's end, after the
+    replicas' AR (a mean of each rank's part, then their sum: the same sum) and the ties' TR, which write the same
+    gradients back. Its flat buffer (the norms' weights: head_dim a norm) is not priced in the memory trace."""
+
+    kind: ClassVar[Kind | None] = None
+    tensor: Transport  # this stage's tensor-parallel ranks
+    modules: list[nn.Module]  # the modules marked SUMMED; their own parameters looked up each step (FSDP swaps them)
+
+    @property
+    def after(self) -> tuple[Kind, ...]:
+        return (Kind.ALL_REDUCE, Kind.TIE_REDUCE)
+
+    def params(self) -> list[nn.Parameter]:
+        found = {id(p): p for module in self.modules for p in module.parameters(recurse=False) if p.requires_grad}
+        return list(found.values())
+
+    def begin(self, average: bool) -> None:
+        """A sum: what earlier steps left in .grad (summed already) is kept by tensor-parallel rank 0 alone."""
+        if self.tensor.rank != 0:
+            for param in self.params():
+                if param.grad is not None:
+                    param.grad.zero_()
+
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+        raise PipelineError(f"{op}: the tensor-parallel ranks' gradient sum is started by no instruction, at the "
+                            "step's end: a schedule has no instruction for it")
+
+    def end(self, tracer: Tracer) -> None:
+        grads = []
+        for param in self.params():
+            if param.grad is None:  # unused here this step: its part of the sum is zero
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        what = "the sum of the per-head parameters' gradients over the tensor-parallel ranks"
+        self._reduce(None, grads, self.tensor, what, 1)
+
+
+def tensor_sum(topology: Topology, stages: Mapping[int, nn.Module]) -> TensorSum | None:
+    """This rank's TensorSum: its stages' modules a style marked SUMMED; None without tensor parallelism or any."""
+    marked = [m for module in stages.values() for m in module.modules() if getattr(m, SUMMED, False)]
+    if topology.tensor is None or not marked:
+        return None
+    return TensorSum(topology.tensor, marked)

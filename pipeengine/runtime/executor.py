@@ -86,7 +86,7 @@ class Executor:
                     tracer.sample(action, state.held())
             index, action = len(stream), None
             state.mailbox.complete()
-            self.syncs.finish(tracer)
+            self.syncs.finish(tracer, step.train)
         except Exception as error:
             context = state.where(index, action)
             if isinstance(error, PipelineError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -200,6 +201,42 @@ def test_the_models_own_tensor_parallel_plan_translates_to_the_sequential() -> N
     and packed rows with fsdp=True (data_parallel=2)."""
     assert hf.tp_plan(build("llama"))["*.layer.self_attn.q_proj"].__class__.__name__ == "ColwiseParallel"
     launch(with_tensor_parallel, 2, timeout=150)
+
+
+# per-head q_norm/k_norm (Qwen3, Gemma 3: each rank's gradient its heads' part, summed over the tensor-parallel ranks;
+# Qwen3's over two accumulated train_steps too), OLMo 2's over the whole projection (q/k/v gathered: attention whole
+# on each rank, as Phi-3's), Cohere's per-head weights (heads, head_dim) as Command R+ sets them (each rank its heads'
+# rows)
+QK_NORMS: list[tuple[str, dict[str, object], int]] = [
+    ("qwen3", {"attn_implementation": "sdpa"}, 2), ("gemma3", {"attn_implementation": "eager"}, 1),
+    ("olmo2", {"attn_implementation": "sdpa"}, 1), ("phi3", {"attn_implementation": "sdpa"}, 1),
+    ("cohere", {"attn_implementation": "eager", "use_qk_norm": True}, 1),
+]
+
+
+def qk_norms_with_tensor_parallel() -> None:
+    for family, config, accumulate in QK_NORMS:
+        plan = hf.tp_plan(build(family, 2, True, **config))  # the model's own plan, nothing by hand
+        parity(family, ["1f1b"], options={"tensor_parallel": 2, "tp_plan": plan}, config=config, accumulate=accumulate)
+
+
+@pytest.mark.timeout(180)
+def test_qk_norms_under_tensor_parallel_equal_hf_with_the_models_own_plan() -> None:
+    """tensor_parallel=2 (one stage) with hf.tp_plan alone: loss, every gradient (q_norm's and k_norm's included) and
+    the weights after two AdamW steps equal one process."""
+    launch(qk_norms_with_tensor_parallel, 2, timeout=150)
+
+
+def test_a_parameter_of_attention_split_by_heads_that_the_plan_leaves_out_is_refused_naming_it() -> None:
+    """Qwen3's plan without its q_norm/k_norm entries: each rank would apply them whole to its heads, its gradient
+    of them its heads' alone."""
+    model = build("qwen3")
+    config: Any = model.config
+    config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items() if "norm" not in k}
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM's tp plan splits self_attn by heads \(a column-wise "
+                                         r"projection\) and says nothing of self_attn.q_norm "
+                                         r"\(parameters \[\(8,\)\]\)"):  # fmt: skip
+        hf.tp_plan(model)
 
 
 EXACT = ["llama", "qwen2-window", "qwen3", "mistral", "phi3", "starcoder2", "gemma", "mixtral", "qwen2_moe", "olmo2",
