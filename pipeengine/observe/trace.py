@@ -33,6 +33,19 @@ PINGS = 8  # round trips per rank for the clock offset
 RANGE = "pipeengine/"
 
 
+def _warm_ranges() -> None:
+    """Open one range now, with no profiler on: torch's record_function imports a module on its first use
+    (torch.profiler._cupti_monitor, torch 2.13). Imported while the user's profiler records with_stack, that module's
+    code object is freed before the profiler reads the names of the Python calls it recorded, which point into it:
+    ``prof.events()`` then reads garbage (UnicodeDecodeError). Under a profiler already recording this changes
+    nothing."""
+    with torch.profiler.record_function(RANGE + "import"):
+        pass
+
+
+_warm_ranges()
+
+
 class _Span:
     """``with tracer.span(action):`` records the block as a span (when it completes); while a torch.profiler records
     (the user's), the block is also a range in it, named as the timeline names the action."""
