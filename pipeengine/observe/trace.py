@@ -8,8 +8,11 @@ at most half its round trip) and puts all spans on its own clock:
     rank r          └─ reads its clock t_r ─┘
 
 CUDA marks are events on the compute stream, read once at the end of the traced step
-(the only place tracing synchronises), with time zero taken as the step header's
-all_gather returns on each rank: aligned to about the collective's skew.
+(the only place tracing synchronises), with time zero taken as the traced step's
+barrier returns on each rank: aligned to about the collective's skew.
+
+Every rank's time zero is taken after that barrier (pipeengine.train.tracing), once all have set
+their tracing up: a timeline shows the step, not one rank's setup ahead of the others'.
 """
 
 from __future__ import annotations
