@@ -143,7 +143,7 @@ def test_in_process_ranks_trace_one_span_per_instruction_on_one_clock(traced_in_
 def test_plot_and_chrome_trace_of_a_measured_step(traced: tuple, tmp_path: Path) -> None:
     schedule, train, _ = traced
     predicted = simulate(schedule, Costs.from_timeline(train))
-    predicted.unit = "s"
+    assert predicted.unit == "s"  # the measured costs' seconds: one time axis, in ms
     figure = tmp_path / "measured.png"
     plot_timelines([train, predicted], str(figure), titles=["measured", "predicted"])
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
