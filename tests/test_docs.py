@@ -292,3 +292,20 @@ def test_the_home_page_leads_to_what_a_new_user_looks_for_first() -> None:
     for need, page in wanted.items():
         row = next((line for line in home.splitlines() if need in line), None)
         assert row is not None and f"]({page})" in row, (need, page, row)
+
+
+def test_the_readme_says_the_bubble_its_api_screen_leaves_to_the_schedule() -> None:
+    """The bubble the README tells a reader of its API screen to expect: its schedule's own (as
+    ``python -m schedules simulate`` prints it) for the ranks and micro-batches the block runs, computed here."""
+    from schedules import build_schedule, simulate
+
+    readme = (ROOT / "README.md").read_text()
+    block = next(block for block in BLOCKS if block.path.name == "README.md" and kind(block) == "in-process")
+    said = re.search(r"The schedule alone leaves ([\d.]+)% \(`python -m schedules simulate (\S+) -p (\d+) -m (\d+)`",
+                     readme)  # fmt: skip
+    assert said is not None, "the README's API screen says no bubble to expect"
+    figure, schedule, ranks, microbatches = said.groups()
+    assert f'schedule="{schedule}"' in block.code and f"nprocs={ranks}" in block.code, (schedule, ranks)
+    assert f"num_microbatches={microbatches}" in block.code, microbatches
+    bubble = simulate(build_schedule(schedule, int(ranks), int(microbatches))).bubble_fraction
+    assert figure == f"{bubble:.1%}"[:-1], (figure, bubble)

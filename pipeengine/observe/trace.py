@@ -8,8 +8,11 @@ at most half its round trip) and puts all spans on its own clock:
     rank r          └─ reads its clock t_r ─┘
 
 CUDA marks are events on the compute stream, read once at the end of the traced step
-(the only place tracing synchronises), with time zero taken as the step header's
-all_gather returns on each rank: aligned to about the collective's skew.
+(the only place tracing synchronises), with time zero taken as the traced step's
+barrier returns on each rank: aligned to about the collective's skew.
+
+Every rank's time zero is taken after that barrier (pipeengine.train.tracing), once all have set
+their tracing up: a timeline shows the step, not one rank's setup ahead of the others'.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ PINGS = 8  # round trips per rank for the clock offset
 # the prefix of an instruction's range in the user's profiler: "pipeengine/2F0" (a bare "2F0" reads as a C++ mangled
 # name, which the profiler demangles to "F0")
 RANGE = "pipeengine/"
+
+
+def _warm_ranges() -> None:
+    """Open one range now, with no profiler on: torch's record_function imports a module on its first use
+    (torch.profiler._cupti_monitor, torch 2.13). Imported while the user's profiler records with_stack, that module's
+    code object is freed before the profiler reads the names of the Python calls it recorded, which point into it:
+    ``prof.events()`` then reads garbage (UnicodeDecodeError). Under a profiler already recording this changes
+    nothing."""
+    with torch.profiler.record_function(RANGE + "import"):
+        pass
+
+
+_warm_ranges()
 
 
 class _Span:

@@ -177,7 +177,7 @@ class LayerProfile:
             latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
             all_reduce=reduce, gather=gather, processors=self._processors(prices, data_parallel),
             forward_wait=forward_wait, backward_wait=backward_wait, post=prices.post, post_message=prices.post_message,
-            sync_host=sync_host, sync_blocking=fsdp, wake=prices.wake,
+            sync_host=sync_host, sync_blocking=fsdp, wake=prices.wake, unit="s",
         )  # fmt: skip
 
     def _processors(self, prices: Prices, data_parallel: int) -> float | None:

@@ -77,7 +77,7 @@ class Tracing:
                 stacklevel=5,
             )
         if not step.train:
-            self._tracer.begin()
+            self._begin()
             yield self._tracer
         else:  # memory too: the sizes of this rank's stages, then what it holds after every instruction
             sizes = self._stage_sizes(executor, program, step, params, allocator)
@@ -85,12 +85,21 @@ class Tracing:
             batch += [t for target in (step.targets or ()) for t in unpack(target) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
             # the parameters a sync gathers whole (FSDP) are the state's, not activations, wherever they are
             ledger = Ledger(ignore=[*params, *batch], ignore_live=executor.syncs.gathered)  # the batch is the user's
-            self._tracer.begin(ledger, sum(s.state for s in sizes.values()), sizes)
             live = training_bytes(params, self.optimizer)
             with ledger.watching(), AllocatorWatch(self._tracer.device) if allocator else _nothing() as watch:
+                self._begin(ledger, sum(s.state for s in sizes.values()), sizes)
                 yield self._tracer
             self._tracer.allocated = live + watch.peak if watch is not None else None
         self.timeline = self._tracer.gather(f"{program.name} measured", self._pipeline, self._num_stages)
+
+    def _begin(self, ledger: Ledger | None = None, state: float = 0.0,
+               sizes: dict[int, StageSizes] | None = None) -> None:  # fmt: skip
+        """Time zero, once every rank of the pipeline has set its tracing up: what a rank does first in a traced step
+        (measuring its stages, starting the allocator's watch: up to seconds in a process's first) takes each rank its
+        own time, and the ranks ready first would start the step alone, their work drawn ahead of the others' by as
+        much. The barrier leaves them as aligned as the step's header leaves an untraced step."""
+        self._pipeline.barrier("the traced step's start")
+        self._tracer.begin(ledger, state, sizes)
 
     def _stage_sizes(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter],
                      allocator: bool) -> dict[int, StageSizes]:  # fmt: skip

@@ -35,7 +35,11 @@ CHUNK_LABELS = {"chunk-first": "a rank's first chunk (full shade)", "chunk-later
 
 def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[str] | None = None) -> Figure:
     """Draw timelines stacked on one time axis (e.g. GPipe, 1F1B, interleaved; or simulated vs measured); the
-    legend names each colour, and, where a rank runs several chunks (stages), which shade is which chunk."""
+    legend names each colour, and, where a rank runs several chunks (stages), which shade is which chunk.
+
+    One unit for the figure: timelines in seconds (measured, or simulated from measured costs:
+    ``simulate(schedule, Costs.from_timeline(measured))``) are drawn in milliseconds, their memory in MiB;
+    simulated ones in cost units. Timelines in different units are refused (ValueError)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -76,10 +80,24 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, titles: Sequence[st
 
 
 def _scale(timelines: Sequence[Timeline]) -> tuple[float, str]:
-    """Seconds are drawn in milliseconds; simulated timelines keep their cost units."""
-    if all(t.unit == "s" for t in timelines):
+    """Seconds are drawn in milliseconds; simulated timelines keep their cost units (or the unit they name)."""
+    units = {t.unit for t in timelines}
+    if len(units) > 1:
+        named = ", ".join(f"{t.label or f'timeline {i}'} in {t.unit or 'cost units'}" for i, t in enumerate(timelines))
+        raise ValueError(
+            f"plot_timelines draws one time unit on one axis, and these timelines have several ({named}); simulate "
+            "with the measured step's costs (Costs.from_timeline(measured): seconds) or plot them apart"
+        )
+    unit = units.pop()
+    if unit == "s":
         return 1e3, "ms"
-    return 1.0, "cost units"
+    return 1.0, unit or "cost units"
+
+
+def _mib(size: float) -> str:
+    """Bytes in MiB: one decimal from 1 MiB up, three significant digits below."""
+    mib = size / 2**20
+    return f"{mib:.1f} MiB" if mib >= 1 else f"{mib:.3g} MiB"
 
 
 def _draw(axis: Axes, timeline: Timeline, scale: float, end: float) -> set[Kind | str]:
@@ -121,7 +139,7 @@ def _draw_memory(axis: Axes, timeline: Timeline, scale: float) -> set[Kind | str
         ys = [rank + 0.48 - 0.36 * b / top for _, b, _ in samples]  # the row's lower part, growing upwards
         axis.step(xs, ys, where="post", color=COLOURS["memory"], linewidth=1.0)
         peak = timeline.peak_memory[rank]
-        label = f"{peak / 2**20:.1f} MiB" if timeline.unit == "s" else f"{peak:g}"
+        label = _mib(peak) if timeline.unit == "s" else f"{peak:g}"  # seconds: measured (or from measured) bytes
         axis.text(xs[-1], rank + 0.46, f"peak {label}", ha="right", va="bottom", fontsize=6, color=COLOURS["memory"])
     return {"memory"}
 

@@ -40,6 +40,8 @@ class Costs:
     done (FSDP's reduce-scatter) instead of running beside what follows. ``wake``: where ranks share processors, how
     late a compute woken by its input starts while other work runs, by that work's mean price ((price, seconds)
     points sorted by price; schedules.sim.sharing); empty: at once.
+    ``unit``: what the times are in, which the simulated timeline keeps: "s" for seconds (``from_timeline`` of a
+    measured step, the planner's prices), "" for cost units.
     """
 
     forward: PerStage = 1.0
@@ -60,11 +62,12 @@ class Costs:
     sync_host: PerStage = 0.0
     sync_blocking: bool = False
     wake: tuple[tuple[float, float], ...] = ()
+    unit: str = ""
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Costs:
         """A cost model from a (measured) timeline: the median time of each compute kind on each stage,
-        and the bytes each stage held, where the timeline measured them (``timeline.sizes``).
+        and the bytes each stage held, where the timeline measured them (``timeline.sizes``), in its unit.
 
         Communication is taken as free; kinds a stage never ran cost 0.
         """
@@ -88,6 +91,7 @@ class Costs:
             backward_input=medians(Kind.BACKWARD_INPUT),
             backward_weight=medians(Kind.BACKWARD_WEIGHT),
             memory=timeline.sizes,
+            unit=timeline.unit,
         )
 
     def per_stage(self, num_stages: int) -> dict[Kind, list[float]]:
@@ -125,7 +129,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     """
     costs = costs or Costs()
     times = run(schedule, costs)
-    timeline = _timeline(schedule, times, schedule.name)
+    timeline = _timeline(schedule, times, schedule.name, costs.unit)
     if costs.memory is not None:
         timeline.memory = track(schedule, times, costs.memory)
         timeline.sizes = costs.memory

@@ -303,6 +303,43 @@ def test_a_traced_step_inside_a_scheduled_profilers_warmup_leaves_it_alone() -> 
     launch(under_a_scheduled_profiler, 2, timeout=90)  # SIGSEGV on every rank before
 
 
+def under_a_profiler_with_stacks() -> None:
+    """A traced step inside the user's profiler with record_shapes and with_stack: every event's name reads back, and
+    the engine's ranges are among them. torch names a Python call by pointing into its code object: one freed before
+    the names are read (a module's, imported while the profiler recorded) leaves garbage, shown where its memory is
+    reused (filled with 0xff here, at random otherwise): so the engine imports nothing while the profiler records."""
+    import sys
+
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, trace=True)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    engine.train_step(x if engine.first else None, y if engine.last else None)  # warm: sizes measured unwatched
+    imported: list[str] = []
+    recording = False
+
+    def imports(event: str, args: tuple[object, ...]) -> None:
+        if event == "import" and recording and args[0] not in sys.modules:
+            imported.append(str(args[0]))
+
+    sys.addaudithook(imports)  # for the rest of this rank's process
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                with_stack=True) as prof:  # fmt: skip
+        recording = True
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        recording = False
+    assert not imported, f"the step imported {imported} while the profiler recorded"
+    junk = [b"\xff" * size for size in range(1, 256) for _ in range(64)]  # reuses what was freed: never UTF-8
+    names = {event.name for event in prof.events()}  # UnicodeDecodeError before
+    del junk
+    mine = {f"pipeengine/{op}" for op in engine.last_program.instructions[engine.rank]  # type: ignore[union-attr]
+            if isinstance(op, Instruction)}  # fmt: skip
+    assert mine <= names, f"the instructions {sorted(mine - names)} are not in the user's trace"
+
+
+@pytest.mark.timeout(120)
+def test_a_traced_step_under_a_profiler_with_stacks_leaves_every_event_name_readable() -> None:
+    launch(under_a_profiler_with_stacks, 2, timeout=90)
+
+
 def profile() -> torch.profiler.profile:
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from schedules import build_schedule, plot_timelines, simulate
+from schedules import Timeline, build_schedule, plot_timelines, simulate
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -74,3 +74,37 @@ def test_a_measured_memory_track_labels_its_peak_in_mib(tmp_path: Path) -> None:
     figure = plot_timelines([in_seconds], str(tmp_path / "memory.png"))
     labels = {text.get_text() for axis in figure.axes for text in axis.texts if text.get_text().startswith("peak ")}
     assert labels == {"peak 6.0 MiB", "peak 3.0 MiB"}, labels  # bytes / 2**20, as binary units are written
+
+
+def measured_and_predicted() -> tuple[Timeline, Timeline]:
+    """A 'measured' step (seconds, bytes), as pipeengine's trace makes one, and the simulator fed its costs."""
+    from schedules import Costs, Memory
+
+    schedule = build_schedule("1f1b", 2, 4)
+    ran = simulate(schedule, Costs(forward=[0.002, 0.003], backward=[0.004, 0.006], memory=Memory(activation=3e5)))
+    measured = dataclasses.replace(ran, unit="s", measured=True, label="1f1b measured")
+    return measured, simulate(schedule, Costs.from_timeline(measured))
+
+
+def test_a_timeline_simulated_from_measured_costs_is_in_their_seconds() -> None:
+    measured, predicted = measured_and_predicted()
+    assert predicted.unit == "s" and predicted.makespan == pytest.approx(measured.makespan)
+    assert simulate(build_schedule("1f1b", 2, 4)).unit == ""  # unit costs: cost units
+
+
+def test_measured_and_predicted_are_drawn_in_one_unit_ms_and_mib_on_one_time_axis(tmp_path: Path) -> None:
+    measured, predicted = measured_and_predicted()
+    figure = plot_timelines([measured, predicted], str(tmp_path / "both.png"), titles=["measured", "predicted"])
+    axes = figure.axes
+    assert axes[-1].get_xlabel() == "time (ms)"
+    titles = [axis.get_title(loc="left") for axis in axes]
+    assert all(title.endswith(" ms") for title in titles), titles
+    assert axes[0].get_xlim() == axes[1].get_xlim() == pytest.approx((0, 1e3 * measured.makespan))
+    peaks = [text.get_text() for axis in axes for text in axis.texts if text.get_text().startswith("peak ")]
+    assert len(peaks) == 4 and all(peak.endswith(" MiB") for peak in peaks), peaks  # never raw bytes
+
+
+def test_timelines_in_seconds_and_in_cost_units_are_not_drawn_on_one_axis(tmp_path: Path) -> None:
+    measured, _ = measured_and_predicted()
+    with pytest.raises(ValueError, match="one time unit"):
+        plot_timelines([measured, simulate(build_schedule("1f1b", 2, 4))], str(tmp_path / "mixed.png"))
