@@ -29,8 +29,8 @@ from pipeengine.core.bounds import bounds_from_counts, check_counts, stage_modul
 from pipeengine.core.config import AUTO, METHODS, EngineConfig
 from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
-from pipeengine.core.ties import Ties, find_ties
-from pipeengine.parallel import fsdp, gradient_syncs, tensor
+from pipeengine.core.ties import Ties
+from pipeengine.parallel import checked_ties, gradient_syncs, tensor
 from pipeengine.planner.costmodel import LayerCosts
 from pipeengine.planner.measure import measure
 from pipeengine.planner.partition import Partition, method_costs, solve
@@ -86,10 +86,7 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     joined = tensor.shards_output(model, plan)[:-1] if grid.tp > 1 else []
     partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device, config.compile,
                                 joined)  # fmt: skip
-    ties = find_ties(model, partition.bounds, lowered.placement)
-    if config.fsdp:
-        fsdp.check_shardable(model)
-        fsdp.refuse_shared_units(ties, lowered.placement)
+    ties = checked_ties(model, partition.bounds, lowered.placement, config.fsdp)
     lowered = dataclasses.replace(lowered, tied=ties.groups)
     schedule = with_tie_sync(with_gradient_sync(lowered) if config.data_parallel > 1 else lowered)
     num_stages = schedule.num_stages

@@ -4,6 +4,10 @@
         ...                                    # CPU: torch.profiler's memory events, every allocation and free
     watch.peak, watch.end                      # bytes above the level at the block's start: the most, and at its end
 
+    with AllocatorWatches(device) as watches:  # several blocks in one session (the planner's computes of a layer)
+        with watches.block("F"): ...
+    watches.peak["F"], watches.end["F"]
+
 On CPU, a block that frees memory allocated before the watch began makes torch's allocator log
 "Memory block of unknown size was allocated before the profiling started" (C++, to fd 2, at the
 first such free of the process and every 1000th after); ``AllocatorWatch(device, quiet=True)``
@@ -16,7 +20,14 @@ when it was launched, and one that reports after the profiler stopped corrupts m
 random).
 
 On CPU the profiler sees one process: in-process (loopback) ranks share one, so there it cannot
-tell ranks apart (``AllocatorWatch.available`` says where it works). ``live_bytes`` is what a set
+tell ranks apart (``AllocatorWatch.available`` says where it works).
+
+On CPU torch sizes a free by its record of the block last allocated at that address while a profiler ran; a block
+freed while none ran leaves its record, so a lone watch that frees memory allocated outside any watch counts it at
+the size of whatever block once held its address (a stale size), or at nothing: what it measures hangs on what the
+process watched before. ``AllocatorWatches`` runs one profiler through a session of blocks and counts a block's free
+only where a block of the session allocated the memory (its own, or an earlier block's still held), never memory
+allocated outside every block: the same measurement whatever the process watched before. ``live_bytes`` is what a set
 of tensors holds (each storage once): the level a watch's deltas sit on.
 """
 
@@ -29,12 +40,13 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from types import TracebackType
+from typing import Any
 
 import torch
 
 from pipeengine.core.dtensors import local
 
-__all__ = ["AllocatorWatch", "live_bytes", "optimizer_step_peak", "training_bytes"]
+__all__ = ["AllocatorWatch", "AllocatorWatches", "live_bytes", "optimizer_step_peak", "training_bytes"]
 
 
 @contextlib.contextmanager
@@ -165,6 +177,72 @@ class AllocatorWatch:
                 level += event.nbytes()  # type: ignore[union-attr]  # memory events carry it
                 peak = max(peak, level)
         self.peak, self.end = peak, level
+
+
+class AllocatorWatches:
+    """Blocks watched in one session (the module docstring): ``with watches.block(name):`` around each, then, after
+    the session, ``peak[name]`` and ``end[name]``, bytes above the level at the block's start, as AllocatorWatch's
+    (a name's last block, where several had it)."""
+
+    def __init__(self, device: torch.device, *, quiet: bool = False) -> None:
+        self.device = device
+        self.peak: dict[str, int] = {}
+        self.end: dict[str, int] = {}
+        self._session = AllocatorWatch(device, quiet=quiet) if device.type != "cuda" else None
+        self._blocks: list[str] = []  # each block's name, in order: the profiler's label for it is its index
+
+    def __enter__(self) -> AllocatorWatches:
+        if self._session is not None:
+            self._session.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
+        if self._session is None:
+            return
+        self._session.__exit__(kind, value, trace)
+        if kind is None:
+            self._count(self._session._profile.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+
+    @contextlib.contextmanager
+    def block(self, name: str) -> Iterator[None]:
+        if self._session is None:  # CUDA: the caching allocator's statistics, block by block
+            with AllocatorWatch(self.device) as watch:
+                yield
+            self.peak[name], self.end[name] = watch.peak, watch.end
+            return
+        self._blocks.append(name)
+        with torch.profiler.record_function(f"{_BLOCK}{len(self._blocks) - 1}"):
+            yield
+
+    def _count(self, roots: list[Any]) -> None:
+        """Each block's peak and end from the session's allocations: a free counts where a block allocated it."""
+        events, spans, todo = [], [(0, 0)] * len(self._blocks), list(roots)
+        while todo:
+            event = todo.pop()
+            todo += event.children
+            if event.name.startswith(_BLOCK):
+                spans[int(event.name.removeprefix(_BLOCK))] = (event.start_time_ns, event.end_time_ns)
+                continue
+            fields = event.extra_fields
+            if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+                events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        events.sort(key=lambda e: e[0])
+        held: dict[int, int | None] = {}  # address -> the block that allocated what is there (None: none did)
+        peak, end = [0] * len(spans), [0] * len(spans)
+        for time, address, size in events:
+            inside = next((block for block, (start, stop) in enumerate(spans) if start <= time <= stop), None)
+            if size > 0:
+                held[address] = inside
+            elif held.pop(address, None) is None:
+                continue  # memory no block allocated: not counted
+            if inside is not None:
+                end[inside] += size
+                peak[inside] = max(peak[inside], end[inside])
+        for block, name in enumerate(self._blocks):
+            self.peak[name], self.end[name] = peak[block], end[block]
+
+
+_BLOCK = "pipeengine.allocator.block."
 
 
 def training_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> int:

@@ -8,23 +8,40 @@ reduction (a GradientSync: pipeengine.parallel.gradsync), its memory and its che
     ties.py      weights tied across pipeline ranks: TieSum (TR)
     gradsync.py  the protocol they share, and Syncs: this rank's syncs, in their order
 
-``gradient_syncs`` makes a rank's Syncs.
+``gradient_syncs`` makes a rank's Syncs; ``checked_ties`` is what a cut of the model must meet to be built, for the
+engine's construction and the planner alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from pipeengine.comm.topology import Topology
-from pipeengine.core.ties import Ties
+from pipeengine.core.ties import Ties, find_ties
 from pipeengine.parallel.data import ReplicaMean
-from pipeengine.parallel.fsdp import ShardedReduce
+from pipeengine.parallel.fsdp import ShardedReduce, check_shardable, refuse_shared_units
 from pipeengine.parallel.gradsync import GradientSync, Syncs
 from pipeengine.parallel.tensor import tensor_sum
 from pipeengine.parallel.ties import TieSum, tie_groups
 from schedules import Schedule
 
-__all__ = ["gradient_syncs"]
+__all__ = ["checked_ties", "gradient_syncs"]
+
+
+def checked_ties(model: nn.Sequential, bounds: Sequence[tuple[int, int]], placement: Sequence[int],
+                 fsdp: bool = False) -> Ties:  # fmt: skip
+    """The ties of ``model`` cut at ``bounds`` onto pipeline ranks (``placement``: stage -> rank), or the ValueError
+    a build raises there: a buffer or memory two ranks would share (core.ties.find_ties), and with ``fsdp`` a layer
+    FSDP cannot shard or a weight two stages of one rank share (pipeengine.parallel.fsdp). The engine builds through
+    it, and the planner asks it of each candidate before pricing it: one rule, so tune offers no row the engine
+    refuses."""
+    ties = find_ties(model, bounds, placement)
+    if fsdp:
+        check_shardable(model)
+        refuse_shared_units(ties, placement)
+    return ties
 
 
 def gradient_syncs(ties: Ties, schedule: Schedule, topology: Topology, stages: dict[int, nn.Module],

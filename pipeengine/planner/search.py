@@ -39,6 +39,7 @@ from pipeengine.comm.base import Transport
 from pipeengine.core.config import CHECKPOINTING, EngineConfig, check_memory_limit
 from pipeengine.core.specs import Tensors, unpack
 from pipeengine.launcher.launch import keep_freed_memory
+from pipeengine.parallel import checked_ties
 from pipeengine.planner import calibration
 from pipeengine.planner.calibration import Prices
 from pipeengine.planner.costmodel import LayerCosts, LayerProfile
@@ -187,12 +188,13 @@ def tune(
     specs: list[tuple[Spec, Candidate]] = []  # each candidate to price, and what it is
     programs: dict[tuple[str, int, int, int, bool], Schedule | str] = {}  # shared by the layouts of one pipeline size
     cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]] = {}  # (rows, tp, alone, method, stages)
+    checked: dict[tuple[object, ...], str] = {}  # (bounds, placement, fsdp) -> why the engine refuses it ("": builds)
     for layout in found:
         dp, pp, tp = layout
         for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
             specs += _layout_candidates(
                 model, layout, sharded, names, counts[dp], per_replica[dp], profiles, methods, checkpoint,
-                transport, refused, programs, cuts, tp_plan)  # fmt: skip
+                transport, refused, programs, cuts, checked, tp_plan)  # fmt: skip
     priced = in_parallel(len(specs), lambda i: price(specs[i][0], rates, optimizer_copies, buffered), workers)
     candidates = [dataclasses.replace(candidate, step_time=step, bubble=bubble, peak_memory=peaks)
                   for (_, candidate), (step, bubble, peaks) in zip(specs, priced, strict=True)]  # fmt: skip
@@ -251,23 +253,16 @@ def _layout_candidates(
     model: nn.Sequential, layout: Layout, sharded: bool, names: Sequence[str], counts: Sequence[int], rows: int,
     profiles: Mapping[tuple[int, int, bool], LayerProfile], methods: Sequence[str], checkpoint: Sequence[str],
     transport: object, refused: dict[str, str], programs: dict[tuple[str, int, int, int, bool], Schedule | str],
-    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]], tp_plan: object,
+    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]], checked: dict[tuple[object, ...], str],
+    tp_plan: object,
 ) -> list[tuple[Spec, Candidate]]:  # fmt: skip
     """Every candidate of one layout (schedule, chunks, micro-batches, partition and checkpointing), to be priced:
     what it is priced from, and the candidate (unpriced). ``programs``: each program as the transport runs it (with
     the replicas' ARs), or why it cannot be built; ``cuts``: each partition by (rows, tp, one pipeline rank, method,
-    stages); both kept
-    across layouts and FSDP on and off."""
+    stages); ``checked``: why the engine refuses each cut on its placement (_refusal); all kept across layouts and
+    FSDP on and off. A cut the engine would refuse is no candidate."""
     dp, ranks, tp = layout
     layers = len(model)
-    if sharded:
-        from pipeengine.parallel.fsdp import check_shardable
-
-        try:
-            check_shardable(model)
-        except ValueError as error:
-            refused[_named(layout, True)] = str(error)
-            return []
     seen: dict[tuple[object, ...], int] = {}
     found: list[tuple[Spec, Candidate]] = []
     why: dict[str, str] = {}  # schedule -> why it gave this layout nothing
@@ -300,6 +295,10 @@ def _layout_candidates(
                     if bounds is None:
                         bounds = cuts[rows // m, tp, ranks == 1, method, stages] = solve(
                             method_costs(method, LayerCosts.of(profile, model)), stages, joined)  # fmt: skip
+                    refusal = _refusal(model, bounds, program.placement, sharded, checked)
+                    if refusal:  # the engine would refuse to build it
+                        why[name] = refusal
+                        continue
                     partition = tuple(b - a for a, b in bounds)
                     for option in checkpoint:
                         if option == "except_last" and stages == 1:
@@ -318,6 +317,20 @@ def _layout_candidates(
             f"no schedule of {list(names)} runs {ranks} pipeline ranks with m in {list(counts)} on {layers} layers"
             + "".join(f"; {name}: {reason}" for name, reason in why.items()))  # fmt: skip
     return found
+
+
+def _refusal(model: nn.Sequential, bounds: Sequence[tuple[int, int]], placement: Sequence[int], sharded: bool,
+             checked: dict[tuple[object, ...], str]) -> str:  # fmt: skip
+    """Why the engine would refuse to build this cut on this placement ("": it builds), by the engine's own rule
+    (pipeengine.parallel.checked_ties), asked once per cut: ``checked`` keeps each answer."""
+    key = (tuple(bounds), tuple(placement), sharded)
+    if key not in checked:
+        try:
+            checked_ties(model, bounds, placement, sharded)
+            checked[key] = ""
+        except ValueError as error:
+            checked[key] = str(error)
+    return checked[key]
 
 
 def _program(transport: object, name: str, ranks: int, m: int, chunks: int, synced: bool) -> Schedule | str:

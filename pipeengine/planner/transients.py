@@ -30,7 +30,7 @@ from torch import nn
 
 from pipeengine.core.dtensors import settle, settled
 from pipeengine.core.specs import Tensors, unpack
-from pipeengine.observe.allocator import AllocatorWatch
+from pipeengine.observe.allocator import AllocatorWatch, AllocatorWatches
 from pipeengine.runtime.backward import backward_input
 
 __all__: list[str] = []
@@ -64,35 +64,35 @@ def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, de
         """The gradients a backward made: a tensor-parallel layer's may be its collectives' (waited inside a watch)."""
         return [*(t.grad for t in inputs), *(p.grad for p in params)]
 
-    with AllocatorWatch(device, quiet=True) as f:
-        inputs, outputs = forward()  # what it keeps stays referenced here: the watch's end counts it
-    grads = tuple(torch.ones_like(o) for o in outputs)
-    del inputs, outputs
-    watches: dict[str, AllocatorWatch] = {}
-    for steady in (False, True):  # the first finds .grad None (it makes the gradients), the second adds to them
-        inputs, outputs = forward()
-        with AllocatorWatch(device, quiet=True) as watches["B" if steady else "first B"]:
-            if outputs:
-                torch.autograd.backward(outputs, grads)
-            settle(made(inputs))
-    layer.zero_grad(set_to_none=True)
-    for steady in (False, True):
-        inputs, outputs = forward()
-        with AllocatorWatch(device, quiet=True) as watches["I"]:
-            weight_pass = backward_input(outputs, grads, inputs, params)[1] if outputs else None
-            settle(made(inputs))
-        with AllocatorWatch(device, quiet=True) as watches["W" if steady else "first W"]:
-            if weight_pass is not None:
-                weight_pass.run()
-            settle(made(inputs))
-        del weight_pass
+    with AllocatorWatches(device, quiet=True) as watches:  # one session: what each compute frees, counted alike
+        with watches.block("F"):
+            inputs, outputs = forward()  # what it keeps stays referenced here: the watch's end counts it
+        grads = tuple(torch.ones_like(o) for o in outputs)
+        del inputs, outputs
+        for steady in (False, True):  # the first finds .grad None (it makes the gradients), the second adds to them
+            inputs, outputs = forward()
+            with watches.block("B" if steady else "first B"):
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
+                settle(made(inputs))
+        layer.zero_grad(set_to_none=True)
+        for steady in (False, True):
+            inputs, outputs = forward()
+            with watches.block("I"):
+                weight_pass = backward_input(outputs, grads, inputs, params)[1] if outputs else None
+                settle(made(inputs))
+            with watches.block("W" if steady else "first W"):
+                if weight_pass is not None:
+                    weight_pass.run()
+                settle(made(inputs))
+            del weight_pass
     layer.zero_grad(set_to_none=True)
     size = [p.numel() * p.element_size() for p in params]
-    peak = (f.peak, watches["B"].peak, watches["I"].peak, watches["W"].peak)
-    end = (f.end, watches["B"].end, watches["I"].end, watches["W"].end)
+    peak = tuple(watches.peak[compute] for compute in COMPUTES)
+    end = tuple(watches.end[compute] for compute in COMPUTES)
     return Allocation(
         tuple(float(x) for x in peak), tuple(float(x) for x in end),  # type: ignore[arg-type]
-        (float(watches["first B"].peak), float(watches["first W"].peak)), float(sum(size)),
+        (float(watches.peak["first B"]), float(watches.peak["first W"])), float(sum(size)),
         optimizer_step(params, device), float(sum(g.numel() * g.element_size() for g in grads)),
     )  # fmt: skip
 

@@ -17,13 +17,14 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.planner import calibration, probes, wakes
+from pipeengine.planner import calibration, measure, probes, wakes
 from pipeengine.planner.calibration import Link, Prices
 from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import tune
 from schedules import Costs, Instruction, Kind, build_schedule, simulate, with_gradient_sync
 from schedules.sim.simulation import summarize
 from tests.pipeengine import ranks
+from tests.pipeengine.gpt import one_process_loss, padded_batch, tied_gpt
 from tests.pipeengine.models import SEEDED, mse
 from tests.pipeengine.parity import OneProcess, train_like_one_process
 
@@ -91,6 +92,53 @@ def train_each(rows: list[dict[str, object]], prices: str) -> None:
         share = BATCH // dp
         parts = [(x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]) for r in range(dp)]
         train_like_one_process(engine, one, optimizers, 2, f"layout {kwargs}", lambda step, parts=parts: parts)  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def tied_v():  # type: ignore[no-untyped-def]
+    """A GPT whose head is its embedding's weight, ZB-V on 2 ranks: the layouts searched (8 sequences a step), and dp2
+    fixed (a replica's 4); the layers' times injected, so that both price from alike measurements."""
+    x, y = padded_batch(8, 0, 2)
+    options: dict[str, object] = dict(schedules=["zb-v"], microbatches=[1, 2], methods=("uniform",),
+                                      checkpoint=["never"], repeats=1)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(measure, "_time", lambda *args: (1e-4, 2e-4, 1e-4, 1e-4))
+        searched = tune(tied_gpt(blocks=2), one_process_loss, x, 2, target=y, **options)  # type: ignore[arg-type]
+        fixed = tune(tied_gpt(blocks=2), one_process_loss, x[:4], 2, target=y[:4], data_parallel=2, **options)  # type: ignore[arg-type]
+    return searched, fixed
+
+
+def test_every_row_offered_for_a_tied_model_on_a_v_builds(tied_v) -> None:  # type: ignore[no-untyped-def]
+    """ZB-V's V puts the embedding's stage and the head's on one rank, where FSDP cannot shard their weight (one root
+    per stage): the search asks each cut the engine's own rule (pipeengine.parallel.checked_ties), so it offers no
+    dp2 x pp1 fsdp row, and says why."""
+    searched, _ = tied_v
+    launch(build_each, 2, args=([c.engine_kwargs() for c in searched.rows],), timeout=120)
+    assert {(c.data_parallel, c.fsdp) for c in searched.rows} == {(1, False), (2, False)}
+    assert "both on pipeline rank 0" in searched.refused["dp2 x pp1 x tp1 fsdp"]
+
+
+def build_each(rows: list[dict[str, object]]) -> None:
+    for kwargs in rows:
+        PipelineEngine(tied_gpt(blocks=2), one_process_loss, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_layout_is_priced_alike_found_by_the_search_or_fixed(tied_v) -> None:  # type: ignore[no-untyped-def]
+    """dp2 x pp1 found among 2 ranks' layouts, or given (data_parallel=2): one price, peak and step. Each layer's
+    transients were measured by watches that counted a free of memory allocated outside them at the size of whatever
+    block an earlier watch saw at that address (torch's stale record), or not at all: the peaks hung on what the
+    process had measured before (observe.allocator: AllocatorWatches): measured again here, the same layers differed."""
+    x, y = padded_batch(8, 0, 2)
+    again = [profile_layers(tied_gpt(blocks=2), x, 4, device=torch.device("cpu"), loss=one_process_loss, target=y,
+                            allocator=True, timed=False).allocations for _ in range(2)]  # fmt: skip
+    assert again[0] == again[1]
+    searched, fixed = tied_v
+
+    def prices(result):  # type: ignore[no-untyped-def]
+        return {(c.fsdp, c.num_microbatches, c.partition): (c.step_time, c.peak_memory)
+                for c in result.rows if c.data_parallel == 2}  # fmt: skip
+
+    assert prices(searched) == prices(fixed) and {m for _, m, _ in prices(fixed)} == {1, 2}
 
 
 PRICES = Prices(0.0, Link(0.0, 0.0), {"all_reduce": {2: Link(1.0, 1e-3)}, "all_gather": {2: Link(0.5, 0.0)},
