@@ -1,8 +1,8 @@
 """launch: run a function on N local ranks with torch.distributed initialised, or join torchrun's group.
 
-    parent ── TCPStore(port 0) ──spawn──► rank 0 .. N-1: init_process_group(store) → fn(*args)
-       ▲                                      │ success, or (exception, traceback, time)
-       └──────────────── queue ◄──────────────┘
+    parent ── TCPStore(127.0.0.1) ──spawn──► rank 0 .. N-1: init_process_group(store) → fn(*args)
+       ▲                                         │ success, or (exception, traceback, time)
+       └─────────────────── queue ◄──────────────┘
 A failing rank exits at once, so its peers' pending transfers fail within a second
 (gloo: "connection closed"); ranks that hang are stopped after a grace period. The
 parent then re-raises the cause (see pipeengine.launcher.outcome), naming its rank and what each
@@ -22,6 +22,7 @@ import os
 import pickle
 import queue as queue_module
 import signal
+import socket
 import sys
 import threading
 import time
@@ -123,7 +124,7 @@ def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device
               reuse_memory: bool, grace: float) -> dict[int, Outcome]:  # fmt: skip
     """Start the ranks as fresh processes, wait for them all (stopping the others after a failure): their ends."""
     context = _context()
-    store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    store = _local_store(nprocs + 1)
     reports: multiprocessing.Queue[Outcome] = context.Queue()
     children = [
         context.Process(
@@ -141,6 +142,21 @@ def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device
         return _supervise(children, reports, grace)
     finally:
         _stop(started)
+
+
+def _local_store(world: int) -> dist.TCPStore:  # type: ignore[name-defined]
+    """The ranks' rendezvous store, listening on the loopback interface only: every rank is on this machine.
+
+    TCPStore binds every interface whatever its host name says (anyone on the network could join the group or
+    write its keys), so it is given a socket already bound to 127.0.0.1 (master_listen_fd), which it then owns.
+    """
+    listener = socket.create_server(("127.0.0.1", 0), backlog=world)
+    port = listener.getsockname()[1]
+    # the store closes the socket: a socket object still holding it would close its number again, maybe another file
+    # by then (should the store fail to start, it is left open rather than risk that)
+    fd = listener.detach()
+    return dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
+                         master_listen_fd=fd)  # fmt: skip
 
 
 def keep_freed_memory() -> bool:
