@@ -6,7 +6,8 @@
 A failing rank exits at once, so its peers' pending transfers fail within a second
 (gloo: "connection closed"); ranks that hang are stopped after a grace period. The
 parent then re-raises the cause (see pipeengine.launcher.outcome), naming its rank and what each
-other rank saw. Each rank dies with its launcher (a parent-death signal), however that dies.
+other rank saw. Each rank dies with its launcher, however that dies, and what a rank starts dies with the rank
+(pipeengine.launcher.lifetime).
 With ``in_process=True`` the ranks are threads of this process instead (pipeengine.comm.loopback).
 """
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from pipeengine.core import pending
 from pipeengine.core.config import DEFAULT_TIMEOUT
 from pipeengine.errors import PeerError
+from pipeengine.launcher.lifetime import children_end_with_me, die_with_parent
 from pipeengine.launcher.outcome import Outcome, cause, describe, raise_cause
 from pipeengine.launcher.torchrun import join
 
@@ -198,27 +200,6 @@ def _callers_models() -> list[str]:
     return ["transformers", "transformers.masking_utils", *models]
 
 
-def die_with_parent(parent: int) -> None:
-    """Have the kernel kill this process when its parent dies, by any signal (Linux): the launcher, or the fork
-    server it started, which exits when the launcher does.
-
-    The launcher may already be gone between the fork and this call: then exit at once. Elsewhere
-    (no prctl) nothing is set, and the ranks' timeouts stop them once the launcher is gone.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1  # from linux/prctl.h
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    try:
-        os.kill(parent, 0)  # the launcher is alive (its fork server, our parent, would follow it out)
-    except ProcessLookupError:
-        os._exit(1)
-    except PermissionError:
-        pass
-
-
 def _release_fork_server() -> None:
     """Close this rank's copy of the launcher's keep-alive pipe to the fork server.
 
@@ -251,6 +232,7 @@ def _child(
 ) -> None:
     _release_fork_server()
     die_with_parent(parent)
+    children_end_with_me()  # DataLoader workers, their fork server, any subprocess: killed as this rank ends
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
