@@ -144,15 +144,16 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("runner, sig, workers", [("launch", signal.SIGKILL, 1), ("launch", signal.SIGTERM, 0)])
+@pytest.mark.parametrize("runner, sig, workers", [("launch", signal.SIGKILL, 1), ("launch", signal.SIGTERM, 0),
+                                                  ("torchrun", signal.SIGKILL, 1)])  # fmt: skip
 def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(
     runner: str, sig: signal.Signals, workers: int, tmp_path: Path
 ) -> None:
     """Killed a few steps into training: every rank, what it started (a DataLoader worker, and under launch the fork
     server that started it) and, under launch, the fork server the ranks started from and multiprocessing's
     resource tracker are gone within seconds (a rank once kept the fork server alive through its keep-alive pipe,
-    and the fork server's death is what signals the ranks). A worker costs a fork server importing the script (and
-    torch) in each launch rank: in one case."""
+    and the fork server's death is what signals the ranks). A killed torchrun agent (its ranks' parent) once left
+    them training. A worker costs a fork server importing the script (and torch) in each launch rank: in one case."""
     script = tmp_path / "train.py"
     script.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
