@@ -1,12 +1,13 @@
 """launch: run a function on N local ranks with torch.distributed initialised, or join torchrun's group.
 
-    parent ── TCPStore(port 0) ──spawn──► rank 0 .. N-1: init_process_group(store) → fn(*args)
-       ▲                                      │ success, or (exception, traceback, time)
-       └──────────────── queue ◄──────────────┘
+    parent ── TCPStore(127.0.0.1) ──spawn──► rank 0 .. N-1: init_process_group(store) → fn(*args)
+       ▲                                         │ success, or (exception, traceback, time)
+       └─────────────────── queue ◄──────────────┘
 A failing rank exits at once, so its peers' pending transfers fail within a second
 (gloo: "connection closed"); ranks that hang are stopped after a grace period. The
 parent then re-raises the cause (see pipeengine.launcher.outcome), naming its rank and what each
-other rank saw. Each rank dies with its launcher (a parent-death signal), however that dies.
+other rank saw. Each rank dies with its launcher, however that dies, and what a rank starts dies with the rank
+(pipeengine.launcher.lifetime).
 With ``in_process=True`` the ranks are threads of this process instead (pipeengine.comm.loopback).
 """
 
@@ -22,6 +23,7 @@ import os
 import pickle
 import queue as queue_module
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from pipeengine.core import pending
 from pipeengine.core.config import DEFAULT_TIMEOUT
 from pipeengine.errors import PeerError
+from pipeengine.launcher.lifetime import children_end_with_me, die_with_parent
 from pipeengine.launcher.outcome import Outcome, cause, describe, raise_cause
 from pipeengine.launcher.torchrun import join
 
@@ -123,7 +126,7 @@ def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device
               reuse_memory: bool, grace: float) -> dict[int, Outcome]:  # fmt: skip
     """Start the ranks as fresh processes, wait for them all (stopping the others after a failure): their ends."""
     context = _context()
-    store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    store = _local_store(nprocs + 1)
     reports: multiprocessing.Queue[Outcome] = context.Queue()
     children = [
         context.Process(
@@ -141,6 +144,21 @@ def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device
         return _supervise(children, reports, grace)
     finally:
         _stop(started)
+
+
+def _local_store(world: int) -> dist.TCPStore:  # type: ignore[name-defined]
+    """The ranks' rendezvous store, listening on the loopback interface only: every rank is on this machine.
+
+    TCPStore binds every interface whatever its host name says (anyone on the network could join the group or
+    write its keys), so it is given a socket already bound to 127.0.0.1 (master_listen_fd), which it then owns.
+    """
+    listener = socket.create_server(("127.0.0.1", 0), backlog=world)
+    port = listener.getsockname()[1]
+    # the store closes the socket: a socket object still holding it would close its number again, maybe another file
+    # by then (should the store fail to start, it is left open rather than risk that)
+    fd = listener.detach()
+    return dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
+                         master_listen_fd=fd)  # fmt: skip
 
 
 def keep_freed_memory() -> bool:
@@ -182,27 +200,6 @@ def _callers_models() -> list[str]:
     return ["transformers", "transformers.masking_utils", *models]
 
 
-def die_with_parent(parent: int) -> None:
-    """Have the kernel kill this process when its parent dies, by any signal (Linux): the launcher, or the fork
-    server it started, which exits when the launcher does.
-
-    The launcher may already be gone between the fork and this call: then exit at once. Elsewhere
-    (no prctl) nothing is set, and the ranks' timeouts stop them once the launcher is gone.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1  # from linux/prctl.h
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    try:
-        os.kill(parent, 0)  # the launcher is alive (its fork server, our parent, would follow it out)
-    except ProcessLookupError:
-        os._exit(1)
-    except PermissionError:
-        pass
-
-
 def _release_fork_server() -> None:
     """Close this rank's copy of the launcher's keep-alive pipe to the fork server.
 
@@ -235,6 +232,7 @@ def _child(
 ) -> None:
     _release_fork_server()
     die_with_parent(parent)
+    children_end_with_me()  # DataLoader workers, their fork server, any subprocess: killed as this rank ends
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

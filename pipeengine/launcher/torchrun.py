@@ -4,6 +4,9 @@ torchrun --max-restarts starts every rank again after a failure; its agent's sto
 attempt's group (gloo's addresses, now dead), so an attempt after the first joins on keys of its own. On several
 machines a node restarted by another node's failure does not count the restart (TORCHELASTIC_RESTART_COUNT):
 there the attempts cannot be told apart (docs/guides/checkpoints.md: Restarts).
+
+A rank torchrun started dies with its agent, however that is killed, as launch's ranks die with their launcher,
+and what the rank starts dies with it (pipeengine.launcher.lifetime); the agent's own stop kills the rank's group.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.core import pending
+from pipeengine.launcher.lifetime import children_end_with_me, die_with_parent
 
 __all__ = ["join"]
 
@@ -31,6 +35,11 @@ def join(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], device: str, 
             f"launch(nprocs={nprocs}) runs under torchrun with {local_world} processes per node; "
             "make them agree (torchrun --nproc-per-node N)"
         )
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, our parent (another launcher that sets
+        # RANK, ... may mean its ranks to outlive their parent). An agent gone before this line (while this process
+        # imported) is not seen: the rank then cannot reach the agent's store, and its timeout stops it
+        die_with_parent()
+        children_end_with_me()
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

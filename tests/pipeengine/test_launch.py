@@ -87,6 +87,36 @@ def test_ranks_start_from_a_fork_server_that_imported_torch_and_let_go_of_its_pi
         assert "multiprocessing.forkserver" in command and loaded and alive is None, (rank, command, loaded, alive)
 
 
+def listening(port: int) -> list[str]:
+    """The local addresses of the TCP sockets listening on ``port`` on this machine, from /proc/net (Linux)."""
+    import socket
+
+    found = []
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        table = Path("/proc/net", name)
+        for line in table.read_text().splitlines()[1:] if table.exists() else []:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)  # 32-bit words in the host's (little-endian) order
+                found.append(socket.inet_ntop(family, b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
+    return found
+
+
+def report_store_listeners(path: str) -> None:
+    """Rank 0 writes where the launcher's store (MASTER_PORT) listens."""
+    if os.environ["RANK"] == "0":
+        Path(path).write_text(" ".join(listening(int(os.environ["MASTER_PORT"]))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net (Linux)")
+def test_the_launchers_store_listens_on_this_machine_only(tmp_path: Path) -> None:
+    """Its ranks are local: a store on every interface would let anyone on the network join or write keys."""
+    launch(report_store_listeners, 2, args=(str(tmp_path / "listeners"),))
+    assert (tmp_path / "listeners").read_text() == "127.0.0.1"
+
+
 @pytest.mark.timeout(60)
 def test_a_child_exception_is_re_raised_as_itself_naming_its_rank() -> None:
     with pytest.raises(KeyError, match="raised on purpose by rank 1") as caught:

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
-from pipeengine import LaunchError, PeerError, PipelineEngine, launch
+from pipeengine import LaunchError, PeerError, PipelineEngine, ReplicaLoader, launch
 from pipeengine.comm.calls import CallMismatch
 from tests.pipeengine import ranks
 from tests.pipeengine.models import SEEDED, mlp, mse
@@ -120,12 +121,14 @@ def test_train_step_under_inference_mode_is_refused_by_every_rank() -> None:
     assert re.search(r"rank [01]: ValueError: step refused by rank 0: train_step ran under", notes), notes
 
 
-def write_pid_and_train_forever(folder: str) -> None:
-    """Each rank trains a few steps, leaves its pid in ``folder`` (it is mid-training now, done with the launcher's
-    store), then trains until something stops it."""
+def write_pid_and_train_forever(folder: str, workers: int = 0) -> None:
+    """Each rank trains a few steps on batches from ``workers`` DataLoader workers, leaves its pid in ``folder`` (it
+    is mid-training now, done with the launcher's store), then trains until something stops it."""
     engine = PipelineEngine(mlp(), mse, num_microbatches=2)
-    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    samples = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 4))  # an epoch outlasts the test: no new workers
+    batches = iter(ReplicaLoader(samples, 4, num_workers=workers))
     for step in itertools.count():
+        x, y = next(batches)
         engine.train_step(x if engine.first else None, y if engine.last else None)
         if step == 3:
             Path(folder, f"rank{ranks.rank()}.pid").write_text(str(os.getpid()))
@@ -136,20 +139,28 @@ import sys
 from pipeengine import launch
 from tests.pipeengine.test_reliability import write_pid_and_train_forever
 if __name__ == "__main__":
-    launch(write_pid_and_train_forever, 2, args=(sys.argv[1],))
+    launch(write_pid_and_train_forever, 2, args=(sys.argv[1], int(sys.argv[2])))
 """
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(sig: signal.Signals, tmp_path: Path) -> None:
-    """Killed a few steps into training: every rank, the fork server they started from and multiprocessing's
+@pytest.mark.parametrize("runner, sig, workers", [("launch", signal.SIGKILL, 1), ("launch", signal.SIGTERM, 0),
+                                                  ("torchrun", signal.SIGKILL, 1)])  # fmt: skip
+def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(
+    runner: str, sig: signal.Signals, workers: int, tmp_path: Path
+) -> None:
+    """Killed a few steps into training: every rank, what it started (a DataLoader worker, and under launch the fork
+    server that started it) and, under launch, the fork server the ranks started from and multiprocessing's
     resource tracker are gone within seconds (a rank once kept the fork server alive through its keep-alive pipe,
-    and the fork server's death is what signals the ranks)."""
+    and the fork server's death is what signals the ranks). A killed torchrun agent (its ranks' parent) once left
+    them training. A worker costs a fork server importing the script (and torch) in each launch rank: in one case."""
     script = tmp_path / "train.py"
     script.write_text(LAUNCHER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(tmp_path), str(workers)]
+    if runner == "torchrun":
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     helpers: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -158,15 +169,15 @@ def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(sig: 
             time.sleep(0.2)
         pids = {int(path.read_text()) for path in tmp_path.glob("rank*.pid")}
         helpers = descendants(launcher.pid)
-        assert pids <= helpers and len(helpers) >= 4, (pids, helpers)  # the fork server and the resource tracker
+        assert pids <= helpers and len(helpers) >= 4, (pids, helpers)  # and the workers, fork servers, ...
         os.kill(launcher.pid, sig)
         launcher.wait(30)
-        deadline = time.monotonic() + 10  # the kernel signals each rank as the fork server exits
+        deadline = time.monotonic() + 10  # the kernel signals each rank as its parent exits
         while any(alive(pid) for pid in helpers) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in helpers
                 if alive(pid)}  # fmt: skip
-        assert not left, f"outlived their launcher killed by {sig.name}: {left}"
+        assert not left, f"outlived their {runner} killed by {sig.name}: {left}"
     finally:
         launcher.kill()
         for pid in helpers:
@@ -174,6 +185,46 @@ def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(sig: 
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def loads_then_dies_once(folder: str) -> None:
+    """Each rank reads a batch and writes down the processes below it; the first time through a DataLoader worker,
+    then rank 1 is killed (SIGKILL) and rank 0 fails waiting for it; the second time in the rank itself."""
+    first = not Path(folder, f"first.{ranks.rank()}").exists()
+    batches = iter(ReplicaLoader(TensorDataset(torch.arange(8)), 2, num_workers=1 if first else 0))
+    next(batches)
+    below = " ".join(str(pid) for pid in descendants(os.getpid()))
+    Path(folder, f"{'first' if first else 'again'}.{ranks.rank()}").write_text(below)
+    if first:
+        ranks.barrier()  # both wrote theirs down
+        if ranks.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ranks.barrier()  # rank 0: PeerError
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_processes_a_rank_started_end_with_it_however_it_ends(tmp_path: Path) -> None:
+    """The DataLoader worker (and the fork server it started from) of a killed rank and of a failed one: neither is
+    left once launch returns. They once ran forever (the fork server stayed up for the worker holding its keep-alive
+    pipe, the worker for its parent, the fork server)."""
+
+    def written() -> set[int]:
+        return {int(pid) for path in tmp_path.glob("*.[01]") for pid in path.read_text().split()}
+
+    try:
+        launch(loads_then_dies_once, 2, args=(str(tmp_path),), max_restarts=1, timeout=60)
+        pids = written()
+        assert len(pids) >= 2, pids  # a worker per rank, at least
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in pids if alive(pid)}
+        assert not left, f"outlived the rank that started them: {left}"
+    finally:
+        for pid in written():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def dies_between_steps(how: str, timeout: float) -> None:
