@@ -89,7 +89,7 @@ class PipelineEngine:
         self._expose(parts)
         self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, self.pipeline)
         self._checkpoints = Checkpoints(model, self._params, self.topology, self.config.fsdp)
-        self._calls = Calls(self.pipeline)
+        self._calls = Calls(self.pipeline, self.topology.world)
         self._tracing = Tracing(trace, self.device, self.pipeline, self.schedule.num_stages)
         layers = StageLayers(parts.stages, parts.meta_layers, self.bounds, self.schedule.placement)
         self._stepper = Stepper(parts.executor, parts.programs, self.topology, layers, self.config, loss_fn,
@@ -163,8 +163,7 @@ class PipelineEngine:
 
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, *,
              background: bool = False, keep: int | None = 1, **extra: Any) -> Path | Future[Path]:
-        """Checkpoint this rank's part, the optimizer, generators and ``extra`` (pipeengine.train.checkpoint);
-        ``keep``: how many numbered checkpoints stay, the new one among them (None: every one)."""
+        """Checkpoint this rank's part, the optimizer, generators, ``extra``; keep the ``keep`` newest (train.checkpoint)."""
         self._calls.agree(Call.SAVE)
         return self._checkpoints.save(directory, optimizer, extra, background, keep)
 

@@ -13,7 +13,9 @@ receive buffers, and a bad batch is refused by every rank. Each rank contributes
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -22,6 +24,8 @@ from pipeengine.core.specs import Boundary, Tensors, TensorSpec, unpack
 from pipeengine.errors import PipelineError
 
 __all__: list[str] = []
+
+_T = TypeVar("_T")
 
 MAX_TENSORS, MAX_DIMS = 8, 8
 _FIELDS = 2 + MAX_DIMS  # per input tensor
@@ -80,23 +84,55 @@ class Header:
 
 
 class Calls:
-    """An engine's collective calls, counted: each one starts with the header every rank of the pipeline exchanges."""
+    """An engine's collective calls, counted: each one starts with the header every rank of the pipeline exchanges.
 
-    def __init__(self, transport: Transport) -> None:
+    Where the world holds more than this pipeline (replicas, tensor-parallel ranks), the ranks of the world then
+    agree on the verdict too: each says its call, its count and whether its pipeline refused the call. A refusal
+    seen by one replica alone (its batch was empty) is raised on every rank of the world, instead of the other
+    replicas going on to a gradient all-reduce that the refusing one never joins."""
+
+    def __init__(self, transport: Transport, world: Transport | None = None) -> None:
         self.transport, self.made = transport, 0
+        self.world = world if world is not None and world.size > transport.size else None
 
     def agree(self, call: Call) -> None:
         """save, load, clip_grad_norm_, full_state_dict: every rank is making the same call, or every rank raises
         CallMismatch."""
         self.made += 1
-        agree(call, self.made, self.transport)
+        self._verdict(call, lambda: agree(call, self.made, self.transport))
 
     def exchange(self, call: Call, inputs: object, targets: object, *, first: bool, last: bool,
                  num_microbatches: int) -> Header:  # fmt: skip
         """train_step, eval_step: every rank learns the batch (or refuses it, together)."""
         self.made += 1
-        return exchange(call, self.made, inputs, targets, first=first, last=last, num_microbatches=num_microbatches,
-                        transport=self.transport)  # fmt: skip
+        def run() -> Header:
+            return exchange(call, self.made, inputs, targets, first=first, last=last,
+                            num_microbatches=num_microbatches, transport=self.transport)  # fmt: skip
+
+        return self._verdict(call, run)
+
+    def _verdict(self, call: Call, run: Callable[[], _T]) -> _T:
+        """``run`` (the pipeline's exchange), then the world's agreement on the call and on whether it was refused."""
+        if self.world is None:
+            return run()
+        try:
+            result, error = run(), None
+        except (ValueError, CallMismatch) as refused:  # the pipeline's ranks raise it alike
+            result, error = None, refused
+        mine = torch.tensor([int(call), self.made, error is not None], dtype=torch.int64, device=self.world.device)
+        rows = [r.tolist() for r in self.world.all_gather(mine, f"the world's ranks agreeing to {call}")]
+        if any(row[:2] != rows[0][:2] for row in rows):
+            calls = ", ".join(f"rank {rank} called {Call(row[0])} (call {row[1]})" for rank, row in enumerate(rows))
+            raise CallMismatch(f"the ranks of the world are not making the same call: {calls}; every rank of every "
+                               "replica must call train_step, eval_step, save, load and clip_grad_norm_ together, "
+                               "in the same order")  # fmt: skip
+        if any(row[2] for row in rows):
+            said = self.world.all_gather_object(None if error is None else str(error), f"why {call} was refused")
+            first = next(rank for rank, text in enumerate(said) if text is not None)
+            if error is not None:
+                raise error
+            raise ValueError(f"{call} refused on rank {first} (another replica or tensor-parallel rank): {said[first]}")
+        return result  # type: ignore[return-value]
 
 
 def agree(call: Call, number: int, transport: Transport) -> None:

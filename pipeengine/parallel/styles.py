@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -31,7 +30,7 @@ class ReplicatedGradSum(ParallelStyle):
     training step (TensorSum). For a norm applied per head after a column-wise projection: each rank's gradient of its
     weight comes from its own heads alone, and the true gradient is the sum over the ranks."""
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         setattr(module, SUMMED, True)
         return module
 
@@ -50,18 +49,18 @@ class HeadRows(ParallelStyle):
         super().__init__()
         self.heads_dim = heads_dim
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         heads_dim = self.heads_dim
 
-        def partition(name: str, inner: nn.Module, mesh: DeviceMesh) -> None:
+        def partition(name: str, inner: nn.Module, mesh: Any) -> None:
             for key, param in list(inner.named_parameters(recurse=False)):
                 rows = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=self.src_data_rank)
                 inner.register_parameter(key, nn.Parameter(rows, requires_grad=param.requires_grad))
 
-        def inputs(inner: nn.Module, args: Any, mesh: DeviceMesh) -> Any:
+        def inputs(inner: nn.Module, args: Any, mesh: Any) -> Any:
             return tuple(_heads_shard(a, mesh, heads_dim) for a in args)
 
-        def outputs(inner: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        def outputs(inner: nn.Module, output: Any, mesh: Any) -> Any:
             return output.to_local() if isinstance(output, DTensor) else output
 
         distribute_module(module, device_mesh, partition, inputs, outputs)
@@ -71,7 +70,7 @@ class HeadRows(ParallelStyle):
         return f"HeadRows(heads_dim={self.heads_dim})"
 
 
-def _heads_shard(value: object, mesh: DeviceMesh, heads_dim: int) -> object:
+def _heads_shard(value: object, mesh: Any, heads_dim: int) -> object:
     """This rank's heads (a plain tensor) as its shard of the whole along ``heads_dim``; anything else as it is."""
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
         return DTensor.from_local(value, mesh, [Shard(heads_dim % value.dim())], run_check=False)

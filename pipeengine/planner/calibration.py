@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeengine.core.files import write_atomically
 from pipeengine.planner import calibration_file, probes, wakes
-from pipeengine.train.files import write_atomically
 
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 

@@ -17,9 +17,9 @@ data-parallel replica writes whole tensors; with fsdp=True every rank writes its
 instead (format 2, pipeengine.parallel.fsdp_checkpoint). Either loads into any partition, replica count
 and sharding. The directory must be shared by all ranks.
 
-A load runs no code from the directory (tensors and plain data: weights_only, JSON, pipeengine.parallel.
-shards_reader) and is all or nothing: every rank reads and checks its whole part, then the ranks agree, then each
-loads.
+A load runs no code from the directory (tensors and plain data: weights_only, JSON, and DCP's files through
+pipeengine.parallel.fsdp_checkpoint's SafeReader) and is all or nothing: every rank reads and checks its whole part,
+then the ranks agree, then each loads.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import spread, whole
 from pipeengine.parallel import fsdp_checkpoint
 from pipeengine.train import extras
-from pipeengine.train.files import few, latest_number, read_meta, resolve
+from pipeengine.train.files import few, latest_number, read_meta, refused, resolve
 from pipeengine.train.parameters import Parameters
 from pipeengine.train.writing import Background, Snapshot, check_keep, commit, write
 
@@ -271,9 +271,8 @@ def _part(path: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; load another or save "
                                 "again") from None  # fmt: skip
     except Exception as error:  # noqa: BLE001  (truncated, corrupt, or a refused global: named, never run)
-        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}): it is "
-                         "truncated, damaged or not written by engine.save; load another checkpoint or save "
-                         "again") from None  # fmt: skip
+        raise ValueError(f"{path} cannot be read ({refused(error)}): it is truncated, damaged or not written by "
+                         "engine.save, and nothing in it was run; load another checkpoint or save again") from None
     shaped = isinstance(payload, dict) and isinstance(payload.get("model"), dict) and all(
         isinstance(v, torch.Tensor) for v in payload["model"].values()) and (payload.get("optimizer") is None or (
         isinstance(payload["optimizer"], dict) and {"state", "param_groups"} <= set(payload["optimizer"])))  # fmt: skip

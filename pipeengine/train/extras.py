@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeengine.train.files import write_atomically
+from pipeengine.train.files import refused, write_atomically
 
 __all__ = ["Loaded", "is_stateful"]
 
@@ -84,9 +84,8 @@ def check(target: Path, extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         try:
             saved = torch.load(target / EXTRAS, map_location="cpu", weights_only=True)
         except Exception as error:  # noqa: BLE001  (damaged, or a refused global: named, never run)
-            raise ValueError(f"{target / EXTRAS} cannot be read ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0][:200]}): load another checkpoint or save "
-                             "again") from None  # fmt: skip
+            raise ValueError(f"{target / EXTRAS} cannot be read ({refused(error)}); nothing in it was run: load "
+                             "another checkpoint or save again") from None
         if not isinstance(saved, dict) or not all(isinstance(e, dict) and ("state" in e or "value" in e)
                                                   for e in saved.values()):  # fmt: skip
             raise ValueError(f"{target / EXTRAS} is not a checkpoint's extras: load one written by engine.save")
@@ -113,8 +112,8 @@ def read_rng(target: Path, world_rank: int) -> dict[str, Any] | None:
     try:
         rng = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  (damaged, or a refused global: named, never run)
-        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}): the "
-                         "checkpoint is damaged; load another or save again") from None  # fmt: skip
+        raise ValueError(f"{path} cannot be read ({refused(error)}); nothing in it was run: the checkpoint is "
+                         "damaged; load another or save again") from None
     if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor) or "python" not in rng:
         raise ValueError(f"{path} is not a rank's generator states: load a checkpoint written by engine.save")
     return rng

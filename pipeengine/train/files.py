@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LATEST", "latest_checkpoint"]
+from pipeengine.core.files import refused, write_atomically
+
+__all__ = ["LATEST", "latest_checkpoint", "refused", "write_atomically"]
 
 LATEST = "latest"
 NUMBERED = re.compile(r"checkpoint-(\d+)")  # what engine.save names its checkpoints: only these are ever removed
-_UMASK = os.umask(0o022)  # read (it can only be set): put back at once
-os.umask(_UMASK)
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -79,27 +77,6 @@ def resolve(root: Path) -> Path:
     if found is None:
         raise FileNotFoundError(f"{root} holds no checkpoint (no '{LATEST}' file): save one with engine.save()")
     return found
-
-
-def write_atomically(path: Path, write: Callable[[str], Any]) -> None:
-    """Write to a temporary file beside ``path``, flush it to the disk, then rename it over: readers see the old file
-    or the new, after a crash of the machine too (as DCP's writer syncs its files)."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        write(temporary)
-        with open(temporary, "rb+") as written:
-            os.fsync(written.fileno())
-        os.chmod(temporary, 0o666 & ~_UMASK)  # as open() would have made it (mkstemp's are the owner's alone)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself
-    finally:
-        os.close(folder)
 
 
 def few(names: list[str], shown: int = 6) -> str:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipeengine import LaunchError, PeerError, PipelineEngine, PipelineError, launch
+from pipeengine.comm.calls import CallMismatch
 from schedules import build_schedule
 from tests.pipeengine import ranks
 from tests.pipeengine.models import mlp, mse
@@ -205,3 +206,26 @@ def test_an_output_that_differs_from_the_inferred_shape_is_caught_before_sending
 
 def test_peer_error_is_a_pipeline_error() -> None:
     assert issubclass(PeerError, PipelineError)
+
+
+def one_replica_refused() -> None:
+    """dp=2 x pp=2: the second replica's batch is empty (then uneven), the first's is good; every rank of the world
+    refuses the step, and the next good step trains on every rank (no replica was left a collective behind)."""
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule="1f1b", data_parallel=2)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    for bad in (0, 3):
+        rows = bad if engine.dp_rank == 1 else 4
+        with pytest.raises(ValueError, match=r"(empty batch|a batch of 3 does not split).*"):
+            engine.train_step(x[:rows] if engine.first else None, y[:rows] if engine.last else None)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    assert len(set(ranks.all_gather_object(loss))) == 1  # both replicas took the same batch: one mean loss
+    with pytest.raises(CallMismatch, match=r"ranks of the world are not making the same call: .*called save"):
+        if engine.dp_rank == 1:
+            engine.save("unused")
+        else:
+            engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_one_replica_refuses_is_refused_by_every_replica() -> None:
+    launch(one_replica_refused, 4, timeout=20, in_process=True)
