@@ -154,17 +154,16 @@ class PipelineEngine:
         """Reset this rank's gradients, as nn.Module.zero_grad does (an optimizer's zero_grad does the same)."""
         self._params.zero_grad(set_to_none)
 
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:  # fmt: skip
         """Clip every gradient by the model's total norm, as torch.nn.utils.clip_grad_norm_ (after train_step)."""
         self._calls.agree(Call.CLIP)
         return self._params.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, *,
              background: bool = False, keep: int | None = 1, **extra: Any) -> Path | Future[Path]:
-        """Checkpoint this rank's part, the optimizer, generators, ``extra``; keep the ``keep`` newest (train.checkpoint)."""
-        self._calls.agree(Call.SAVE)
+        """Checkpoint this rank's part, optimizer, generators, ``extra``; ``keep``: how many stay (train.checkpoint)."""
+        self._calls.agree(Call.SAVE_BACKGROUND if background else Call.SAVE)
         return self._checkpoints.save(directory, optimizer, extra, background, keep)
 
     def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, **extra: Any

@@ -46,9 +46,11 @@ class Call(enum.IntEnum):
     LOAD = 4
     CLIP = 5
     EXPORT = 6
+    SAVE_BACKGROUND = 7  # its writes' own group joins at the commit: ranks saving either way would never meet
 
     def __str__(self) -> str:
-        names = {1: "train_step", 2: "eval_step", 3: "save", 4: "load", 5: "clip_grad_norm_", 6: "full_state_dict"}
+        names = {1: "train_step", 2: "eval_step", 3: "save", 4: "load", 5: "clip_grad_norm_", 6: "full_state_dict",
+                 7: "save(background=True)"}  # fmt: skip
         return names[self.value]
 
 

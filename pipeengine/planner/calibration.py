@@ -278,14 +278,23 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
         return Prices()
     again = f"delete it or run {CALIBRATE} again"
     try:
-        data = json.loads(source.read_text())
-    except (OSError, ValueError) as error:  # not a file to read, or not JSON
+        data = json.loads(source.read_text(), object_pairs_hook=_once)
+    except (OSError, ValueError) as error:  # not a file to read, or not JSON, or a key written twice
         read = f"{type(error).__name__}: {error}"
         raise ValueError(f"calibration file {source} cannot be read ({read}); {again}") from error
     try:
         return Prices.from_json(data, f"calibrated on {calibration_file.measured(data)} ({source})")
     except ValueError as error:
         raise ValueError(f"calibration file {source} is refused: {error}; {again}") from error
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each written once (json keeps the last of a key written twice, silently)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"the key {', '.join(map(repr, twice))} is written twice in one object")
+    return dict(pairs)
 
 
 def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int] = COLLECTIVE_SIZES) -> Prices:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipeengine import PipelineEngine, consolidate, launch
+from pipeengine.comm.calls import CallMismatch
 from tests.pipeengine import ranks
 from tests.pipeengine.models import batch, mlp, mse
 
@@ -188,3 +189,34 @@ def test_keep_below_one_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"keep=0: keep is how many checkpoints to keep"):
         launch(save_keeping_none, 1, args=(str(tmp_path),), timeout=30, in_process=True)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_crafted_part_file_is_named_with_what_it_names_and_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    launch(save_two_stages, 2, args=(str(tmp_path), False), timeout=30, in_process=True)
+    torch.save({"model": Planted(marker), "optimizer": None}, tmp_path / "checkpoint-1" / "part-0.pt")
+    with pytest.raises(ValueError, match=r"part-0\.pt cannot be read \(it names exec, which loading with weights_only"):
+        consolidate(tmp_path)
+    assert not marker.exists()
+
+
+def test_a_truncated_shard_file_is_named_on_every_rank(tmp_path: Path) -> None:
+    target = sharded_checkpoint(tmp_path, mlp())
+    (chunks,) = (target / "shards").glob("*.distcp")
+    chunks.write_bytes(chunks.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"\.distcp is truncated: 'model\.\d+\.(weight|bias)' needs .* has 100;"):
+        consolidate(tmp_path)
+    with pytest.raises(ValueError, match=r"rank 0: .*\.distcp is truncated.*rank 1: .*nothing was loaded, on any rank"):
+        launch(load_with_optimizer, 2, args=(str(tmp_path),), timeout=30, in_process=True)
+
+
+def save_one_in_the_background(directory: str) -> None:
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2)
+    with pytest.raises(CallMismatch, match=r"rank 0 called save\(background=True\) \(call 1\), rank 1 called save "):
+        engine.save(directory, background=engine.first)
+    engine.save(directory)  # the ranks are still in step
+
+
+def test_ranks_saving_one_in_the_background_and_one_not_are_refused_at_once(tmp_path: Path) -> None:
+    launch(save_one_in_the_background, 2, args=(str(tmp_path),), timeout=20, in_process=True)
+    assert (tmp_path / "latest").read_text() == "checkpoint-1"

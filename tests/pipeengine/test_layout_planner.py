@@ -535,6 +535,14 @@ def test_an_odd_calibration_file_is_refused_naming_the_field_its_value_and_the_r
         calibration.load(path)
 
 
+def test_a_calibration_file_with_a_key_written_twice_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "twice.json"
+    text = json.dumps(FIXED)
+    path.write_text(text.replace('"overhead": ', '"overhead": 1.0, "overhead": ', 1))
+    with pytest.raises(ValueError, match=r"cannot be read \(ValueError: the key 'overhead' is written twice"):
+        calibration.load(path)
+
+
 def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -> None:
     """calibration's processors from each rank's (host, seconds alone, (start, end) of each run all at once)."""
     one = [("a", 1.0, [(0.0, 2.0), (0.0, 2.0)])] * 4  # 4 ranks, each 1 s alone, all done 2 s after the first began
