@@ -333,7 +333,7 @@ def test_tune_says_how_far_the_measuring_is_and_no_profiler_line_reaches_the_use
     assert [line for line in err.splitlines() if line != "the layer's own line, watched"] == [
         f"measuring 3 layers at 2 settings: {done}/6" for done in range(7)
     ], err
-    assert err.count("the layer's own line, watched\n") == 2, err  # its forward watched at each size: passed on
+    assert err.count("the layer's own line, watched\n") >= 2, err  # its computes watched at each size: passed on
     assert not recwarn.list, [str(w.message) for w in recwarn.list]
     lines = io.StringIO()  # not a terminal: a line at the start, at each tenth of the way, at the end
     printer = progress_printer(lines)
