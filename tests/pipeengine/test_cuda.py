@@ -44,3 +44,37 @@ def test_one_cuda_rank_predicts_its_measured_peak_memory(schedule: str, tmp_path
     measured, predicted, _, allocated, full = pickle.loads((tmp_path / f"{schedule}.pickle").read_bytes())
     assert abs(predicted[0] - measured[0]) <= 0.10 * measured[0], (predicted, measured)  # the ledger's lifetimes
     assert allocated is not None and abs(full[0] - allocated[0]) <= 0.10 * allocated[0], (full, allocated)
+
+
+def save_then_load_on_cuda(directory: str) -> None:
+    """A CUDA rank saves after a step; a fresh engine of other weights loads it (whole, and then a damaged copy is
+    refused leaving it as it was): weights and AdamW's state equal the saved ones."""
+    from pathlib import Path
+
+    from pipeengine import PipelineEngine
+    from tests.pipeengine.models import batch, mlp, mse
+
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, device="cuda")
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    x, y = batch("mlp", 4, seed=0)
+    engine.train_step(x, y)
+    optimizer.step()
+    engine.save(directory, optimizer)
+    fresh = PipelineEngine(mlp(seed=3), mse, num_microbatches=2, device="cuda")
+    other = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load(directory, other)
+    for (name, a), b in zip(engine.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert a.is_cuda and b.is_cuda and torch.equal(a, b), name
+    saved, loaded = optimizer.state_dict()["state"], other.state_dict()["state"]
+    assert all(torch.equal(saved[i]["exp_avg"], loaded[i]["exp_avg"]) for i in saved)
+    part = Path(directory) / "checkpoint-1" / "part-0.pt"
+    part.write_bytes(part.read_bytes()[:1000])
+    before = {name: value.clone() for name, value in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=r"part-0\.pt cannot be read"):
+        fresh.load(directory, other)
+    assert all(torch.equal(before[name], value) for name, value in fresh.state_dict().items())
+
+
+@pytest.mark.timeout(300)
+def test_a_cuda_rank_saves_and_loads_and_a_damaged_checkpoint_changes_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    launch(save_then_load_on_cuda, 1, args=(str(tmp_path),), device="cuda", timeout=120)
