@@ -1,0 +1,223 @@
+"""A GPU machine as data: one accelerator's figures and the two link tiers between accelerators.
+
+Why data: issue 59's planner prices a layout for hundreds or thousands of GPUs from a laptop, so nothing can be
+measured where it runs; "a model of the machine is data (a hardware description), not constants measured here".
+A description is a JSON file (``load(path)``) or one of the presets shipped beside this module
+(``presets/*.json``: a100-80gb, h100-sxm, h200), and every figure in it carries the source it was taken from
+(``sources``, keyed by the figure's path: "intra.bandwidth"), so a reader can tell a datasheet figure from a
+measured one and from an assumption. A file is checked as it is read: a field missing, unknown, or written twice, a
+number written as text, zero, negative, NaN or infinite is refused naming the file, the field's path, its value,
+the rule and what to write instead, not with a ZeroDivisionError when a layout is priced.
+
+The figures' meanings, chosen so the pricing in ``collectives`` needs no other constant:
+
+- ``peak_flops``: dense FLOP/s by dtype from the datasheet (no 2:4 sparsity; NVIDIA's headline figures for TF32,
+  BF16 and FP16 are with sparsity, twice the dense ones).
+- ``matmul_efficiency``: the measured fraction of the BF16/FP16 peak a large matmul reaches (Stas Bekman's
+  "Maximum Achievable Matmul FLOPS", MAMF, is the reference measurement; see each preset's sources).
+- ``Link.bandwidth``: NCCL bus bandwidth per GPU in bytes/s, "busbw" as nccl-tests define it
+  (NVIDIA/nccl-tests doc/PERFORMANCE.md: the figure that "should reflect the speed of the hardware bottleneck",
+  independent of the number of ranks); ``Link.latency``: seconds per algorithm step (one hop of a ring or tree).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DTYPES", "FIGURES", "PRESETS", "Hardware", "Link", "load", "parse"]
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16")  # peak_flops must name these; others (fp8, ...) may follow
+FIELDS = ("name", "devices_per_node", "memory_bytes", "memory_bandwidth", "peak_flops", "matmul_efficiency", "intra",
+          "inter", "sources")  # fmt: skip
+LINK_FIELDS = ("bandwidth", "latency")
+# every figure a description holds, by its path: each needs a source (which may say "assumed")
+FIGURES = ("devices_per_node", "memory_bytes", "memory_bandwidth", "peak_flops", "matmul_efficiency",
+           "intra.bandwidth", "intra.latency", "inter.bandwidth", "inter.latency")  # fmt: skip
+
+POSITIVE = "not a positive, finite number"
+CITED = 'where the figure comes from (a datasheet, a measurement, or "assumed" and why)'
+# what to write for each figure, said in the refusal of a wrong one
+WANTED = {
+    "devices_per_node": "a whole number of accelerators in one node, 1 or more (8 on a DGX/HGX node)",
+    "memory_bytes": "the accelerator's memory in bytes (80e9 for 80 GB)",
+    "memory_bandwidth": "the memory bandwidth in bytes/s from the datasheet (2.039e12 for 2,039 GB/s)",
+    "peak_flops": "dense FLOP/s by dtype from the datasheet, without sparsity (312e12 for 312 TFLOPS)",
+    "matmul_efficiency": "the measured fraction of the bf16/fp16 peak a large matmul reaches, in (0, 1] (0.869)",
+    "bandwidth": "the NCCL bus bandwidth per GPU in bytes/s, busbw as nccl-tests define it (2.35e11 for 235 GB/s)",
+    "latency": "seconds per algorithm step (3.4e-6 for 3.4 us)",
+    "intra": 'the link within a node: {"bandwidth": bytes/s, "latency": s}',
+    "inter": 'the link across nodes, per GPU: {"bandwidth": bytes/s, "latency": s}',
+    "sources": "where each figure comes from, by its path",
+    "name": "the accelerator's name",
+}
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value) if isinstance(value, (str, bool, int, float, type(None))) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _refused(where: str, path: str, value: object, rule: str) -> ValueError:
+    key = "peak_flops" if path.startswith("peak_flops.") else path.rsplit(".", 1)[-1]  # intra.latency: latency
+    return ValueError(f"{where}: {path} = {_shown(value)} is refused: {rule}; write {WANTED[key]}")
+
+
+def _number(where: str, path: str, value: object, at_most: float | None = None) -> float:
+    """``value`` as a float where it is a positive finite JSON number (not text, not true/false) and, with
+    ``at_most``, no larger; else a ValueError naming ``where`` and ``path``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "text" if isinstance(value, str) else "true/false" if isinstance(value, bool) else "not a number"
+        raise _refused(where, path, value, f"{POSITIVE} ({kind}; a number is written without quotes)")
+    if not math.isfinite(value) or value <= 0:
+        raise _refused(where, path, value, POSITIVE)
+    if at_most is not None and value > at_most:
+        raise _refused(where, path, value, f"larger than {at_most:g}")
+    return float(value)
+
+
+def _whole(where: str, path: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _refused(where, path, value, "not a whole number, 1 or more")
+    return value
+
+
+def _object(where: str, path: str, value: object, known: tuple[str, ...], extra: bool = False) -> dict[str, Any]:
+    """``value`` as a dict holding every key of ``known`` (and, unless ``extra``, no other), else a ValueError."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {path or 'the file'} = {_shown(value)} is refused: not a JSON object; write an "
+                         f"object with {', '.join(map(json.dumps, known))}")  # fmt: skip
+    prefix = f"{path}." if path else ""
+    for key in known:
+        if key not in value:
+            wanted = {"peak_flops": WANTED["peak_flops"], "sources": CITED}.get(path, WANTED.get(key, "it"))
+            raise ValueError(f"{where}: {prefix}{key} is missing; write {wanted}")
+    if not extra:
+        unknown = [key for key in value if key not in known]
+        if unknown:
+            raise ValueError(f"{where}: {prefix}{unknown[0]} is not a field here (fields: {', '.join(known)}); "
+                             "remove it or correct its spelling")  # fmt: skip
+    return value
+
+
+@dataclass(frozen=True)
+class Link:
+    """One tier of links between accelerators as NCCL sees it."""
+
+    bandwidth: float  # bytes/s: NCCL bus bandwidth per GPU ("busbw" as nccl-tests define it)
+    latency: float  # s per algorithm step (one hop of a ring or a tree)
+
+    def __post_init__(self) -> None:
+        _number("Link", "bandwidth", self.bandwidth)
+        _number("Link", "latency", self.latency)
+
+    def to_json(self) -> dict[str, float]:
+        return {"bandwidth": self.bandwidth, "latency": self.latency}
+
+    @classmethod
+    def from_json(cls, data: object, where: str, path: str) -> Link:
+        record = _object(where, path, data, LINK_FIELDS)
+        return cls(*(_number(where, f"{path}.{key}", record[key]) for key in LINK_FIELDS))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator model and its node: what the planner prices compute, memory and collectives with."""
+
+    name: str
+    devices_per_node: int
+    memory_bytes: float  # bytes of accelerator memory (datasheet; decimal GB unless its source says otherwise)
+    memory_bandwidth: float  # bytes/s, datasheet
+    peak_flops: dict[str, float] = field(hash=False)  # dense FLOP/s by dtype "fp32", "tf32", "bf16", "fp16"
+    matmul_efficiency: float  # achieved fraction of the bf16/fp16 peak for large matmuls, measured (cited)
+    intra: Link  # within a node (NVLink/NVSwitch)
+    inter: Link  # across nodes (InfiniBand): per GPU, one NIC each
+    sources: dict[str, str] = field(hash=False)  # where each figure (by its path, FIGURES) comes from
+
+    def __post_init__(self) -> None:
+        for tier in ("intra", "inter"):
+            if not isinstance(getattr(self, tier), Link):
+                raise ValueError(f"Hardware {self.name!r}: {tier} = {getattr(self, tier)!r} is not a Link")
+        _values(self.to_json(), f"Hardware {self.name!r}")  # one built in code is held to the rules a file is
+
+    def to_json(self) -> dict[str, Any]:
+        """The description as a JSON object, read back equal by from_json."""
+        return {"name": self.name, "devices_per_node": self.devices_per_node, "memory_bytes": self.memory_bytes,
+                "memory_bandwidth": self.memory_bandwidth, "peak_flops": dict(self.peak_flops),
+                "matmul_efficiency": self.matmul_efficiency, "intra": self.intra.to_json(),
+                "inter": self.inter.to_json(), "sources": dict(self.sources)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: object, where: str) -> Hardware:
+        """The description in ``data`` (a parsed JSON object), refused with a ValueError naming ``where`` (the
+        file), the field's path, its value, the rule it breaks and what to write instead."""
+        return cls(**_values(data, where))
+
+
+def _values(data: object, where: str) -> dict[str, Any]:
+    """Hardware's fields read from the JSON object ``data``, each checked (Hardware.from_json)."""
+    record = _object(where, "", data, FIELDS)
+    name = record["name"]
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{where}: name = {_shown(name)} is refused: not a name; write the accelerator's name")
+    peaks = _object(where, "peak_flops", record["peak_flops"], DTYPES, extra=True)
+    sources = _object(where, "sources", record["sources"], FIGURES)
+    for key, text in sources.items():
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{where}: sources.{key} = {_shown(text)} is refused: not text; write {CITED}")
+    return {
+        "name": name,
+        "devices_per_node": _whole(where, "devices_per_node", record["devices_per_node"]),
+        "memory_bytes": _number(where, "memory_bytes", record["memory_bytes"]),
+        "memory_bandwidth": _number(where, "memory_bandwidth", record["memory_bandwidth"]),
+        "peak_flops": {str(k): _number(where, f"peak_flops.{k}", v) for k, v in peaks.items()},
+        "matmul_efficiency": _number(where, "matmul_efficiency", record["matmul_efficiency"], at_most=1.0),
+        "intra": Link.from_json(record["intra"], where, "intra"),
+        "inter": Link.from_json(record["inter"], where, "inter"),
+        "sources": dict(sources),
+    }
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each written once (json keeps the last of a key written twice, silently)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"the key {', '.join(map(repr, twice))} is written twice in one object")
+    return dict(pairs)
+
+
+def parse(text: str, where: str) -> Hardware:
+    """The description in JSON ``text`` read from ``where``: refused if it is not JSON, writes a key twice, or
+    breaks a rule of Hardware.from_json."""
+    try:
+        data = json.loads(text, object_pairs_hook=_once)
+    except ValueError as error:  # not JSON, or a key written twice
+        raise ValueError(f"{where}: cannot be read as a hardware description ({error}); correct the file") from error
+    return Hardware.from_json(data, where)
+
+
+_PRESETS = files("pipeengine.planner.cluster") / "presets"
+PRESETS: tuple[str, ...] = tuple(sorted(p.name[:-5] for p in _PRESETS.iterdir() if p.name.endswith(".json")))
+
+
+def load(name_or_path: str | os.PathLike[str]) -> Hardware:
+    """The preset named ``name_or_path`` (PRESETS: "a100-80gb", "h100-sxm", "h200") or the description in the
+    JSON file at that path."""
+    if isinstance(name_or_path, str) and name_or_path in PRESETS:
+        preset = _PRESETS / f"{name_or_path}.json"
+        return parse(preset.read_text(encoding="utf-8"), f"preset {name_or_path} ({preset})")
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"{str(name_or_path)!r} is neither a preset nor a hardware description file: name one of "
+                         f"{', '.join(PRESETS)}, or the path of a JSON file written like them")  # fmt: skip
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: cannot be read ({type(error).__name__}: {error})") from error
+    return parse(text, str(path))
