@@ -1,0 +1,174 @@
+"""One layout of a transformer on a cluster, priced from a hardware description: step time, throughput, memory.
+
+A layout is (tp, pp, dp, micro-batch, micro-batch count, schedule, chunks, recomputation), tensor parallelism
+innermost, as Megatron-LM lays ranks out. The price comes from three sources, none measured on the target:
+
+- each block's computes, traced on the meta device at the tensor-parallel rank's own shapes
+  (pipeengine.planner.cluster.costs), priced per operation as a roofline: a matmul at the device's peak times its
+  measured matmul efficiency, anything at the device's memory bandwidth, whichever is longer;
+- each collective at the bus bandwidth of the link tier its group spans (pipeengine.planner.cluster.collectives):
+  tensor parallelism's two all-reduces per block per forward (and per backward, and per recomputed forward, as
+  Megatron-LM's RowParallel/ColumnParallel layers make them), the pipeline's messages between nodes, the replicas'
+  gradient all-reduce after the last backward (not overlapped, as Megatron-LM's 2021 data parallelism ran);
+- the pipeline's bubble from the schedule itself: the simulator replays the schedule (schedules.sim) with the
+  stages' forward and backward times and the messages' times.
+
+The step also pays the optimizer (read and written once: memory-bound). Memory per device: weights, gradients and
+Adam's state as mixed precision keeps them (2 + 2 + 4 + 4 + 4 bytes a parameter: fp16 weight and gradient, fp32
+master, two fp32 moments), and activations: with full recomputation each block keeps its input per micro-batch in
+flight (1F1B keeps up to pp of them on the first stage), plus one block's whole activations while it is recomputed.
+
+One pricing path: ``price`` is what the search calls for every candidate and what a user's fixed layout is priced
+by, so a layout costs the same however it was found.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeengine.planner.cluster import collectives
+from pipeengine.planner.cluster.costs import Op
+from pipeengine.planner.cluster.hardware import Hardware
+
+__all__ = ["Layout", "Price", "Transformer", "price"]
+
+SCHEDULES = ("1f1b", "interleaved")  # the ones Megatron-LM ran (Narayanan et al. 2021)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    chunks: int = 1
+    recompute: bool = True
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        chunks = f" v={self.chunks}" if self.chunks > 1 else ""
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp} b={self.micro_batch} m={self.num_microbatches} "
+                f"{self.schedule}{chunks}{' recompute' if self.recompute else ''}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """What the pricing needs of a decoder-only transformer: its sizes, and the ops of one block (and of the
+    embedding and head) at a tensor-parallel rank's shapes, traced on the meta device."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    parameters: float  # the whole model's
+    block_ops: Callable[[int, int], list[Op]]  # (tp, micro_batch) -> a block's forward and backward ops
+    head_ops: Callable[[int, int], list[Op]]  # (tp, micro_batch) -> the embedding's, the head's and the loss's
+    dtype_bytes: int = 2
+
+    def flops_per_step(self, global_batch: int) -> float:
+        """The FLOPs one step computes, as Narayanan et al. 2021 count them (their eq. 3, recomputation included):
+        96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+        b, s, h, layer, v = global_batch, self.seq, self.hidden, self.layers, self.vocab
+        return 96 * b * s * layer * h * h * (1 + s / (6 * h) + v / (16 * layer * h))
+
+
+@dataclass(frozen=True)
+class Price:
+    layout: Layout
+    step_s: float
+    tokens_per_s: float
+    tflops_per_device: float  # the model's FLOPs (Narayanan et al.'s count) per device per second, in TFLOP/s
+    mfu: float  # of the device's peak
+    peak_bytes: float
+    parts: dict[str, float]  # seconds of the step by cause (per device, on the critical rank)
+    refused: str = ""  # why the layout cannot run (it is then priced nonetheless, for the table)
+
+
+def _roofline(ops: list[Op], hw: Hardware, dtype: str) -> dict[str, float]:
+    """Seconds of each phase's ops: a matmul or attention at the matmul rate, anything else at the memory rate."""
+    fast = hw.peak_flops[dtype] * hw.matmul_efficiency
+    slow = hw.peak_flops.get("fp32", fast)
+    out = {"forward": 0.0, "backward": 0.0}
+    for op in ops:
+        rate = fast if op.kind in ("matmul", "attention") else slow
+        out[op.phase] += max(op.flops / rate, op.bytes / hw.memory_bandwidth)
+    return out
+
+
+def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16") -> Price:
+    """The layout's step time and memory per device (the module's docstring says how)."""
+    from schedules import Costs
+    from schedules.sim.simulation import summarize
+
+    t, p, d, b, m = layout.tp, layout.pp, layout.dp, layout.micro_batch, layout.num_microbatches
+    v = layout.chunks
+    block = _roofline(model.block_ops(t, b), hw, dtype)
+    ends = _roofline(model.head_ops(t, b), hw, dtype)
+    activation = b * model.seq * model.hidden * model.dtype_bytes  # a block's input, one micro-batch
+    tp_link = collectives.group_link(hw, t, 1)
+    tp_ar = collectives.all_reduce(activation, t, tp_link) if t > 1 else 0.0
+    recomputed = block["forward"] if layout.recompute else 0.0
+    f_block = block["forward"] + 2 * tp_ar
+    b_block = block["backward"] + 2 * tp_ar + recomputed + (2 * tp_ar if layout.recompute else 0.0)
+    per_stage = model.layers / (p * v)
+    stages = p * v
+    forward = [per_stage * f_block for _ in range(stages)]
+    backward = [per_stage * b_block for _ in range(stages)]
+    forward[0] += ends["forward"] / 2  # the embedding on the first stage, the head and loss on the last: half each
+    backward[0] += ends["backward"] / 2
+    forward[-1] += ends["forward"] / 2
+    backward[-1] += ends["backward"] / 2
+    pp_link = collectives.group_link(hw, p, t)
+    message = collectives.send_recv(activation / t, pp_link) if p > 1 else 0.0  # Megatron's scatter/gather: 1/t a rank
+    if p > 1 and t > 1:
+        message += collectives.all_gather(activation, t, tp_link)
+    name = layout.schedule if v == 1 or layout.schedule != "1f1b" else "interleaved"
+    schedule = _schedule(name, p, m, v if name == "interleaved" else None)
+    costs = Costs(forward=forward, backward_input=backward, backward_weight=[0.0] * stages, latency=message)
+    pipeline = summarize(schedule, costs).makespan if p > 1 else m * (forward[0] + backward[0])
+    params_device = model.parameters / (t * p)
+    dp_ar = collectives.all_reduce(params_device * model.dtype_bytes, d, collectives.group_link(hw, d, t * p)) \
+        if d > 1 else 0.0  # fmt: skip
+    optimizer = params_device * 38 / hw.memory_bandwidth  # fp16 grad read, fp32 master, moments read and written
+    step = pipeline + dp_ar + optimizer
+    global_batch = b * m * d
+    model_flops = model.flops_per_step(global_batch)
+    tflops = model_flops / step / layout.devices / 1e12
+    peak = _memory(model, layout, activation)
+    refused = "" if peak <= hw.memory_bytes else (f"needs {peak / 2**30:.1f} GiB a device, the device has "
+                                                  f"{hw.memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+    parts = {"pipeline": pipeline, "data-parallel all-reduce": dp_ar, "optimizer": optimizer,
+             "tensor-parallel all-reduces": m * per_stage * v * (6 if layout.recompute else 4) * tp_ar}  # fmt: skip
+    return Price(layout, step, global_batch * model.seq / step, tflops, tflops * 1e12 / hw.peak_flops[dtype], peak,
+                 parts, refused)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, p: int, m: int, chunks: int | None):  # type: ignore[no-untyped-def]
+    from schedules import build_schedule
+
+    return build_schedule(name, p, m, chunks=chunks)
+
+
+def _memory(model: Transformer, layout: Layout, activation: float) -> float:
+    """Bytes a device of the first stage holds at its peak (the module's docstring)."""
+    t, p = layout.tp, layout.pp
+    state = model.parameters / (t * p) * 16
+    in_flight = min(layout.num_microbatches, p)  # 1F1B's first stage
+    per_stage = model.layers / p
+    h, s, a, b = model.hidden, model.seq, model.heads, layout.micro_batch
+    whole_block = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # Korthikanti et al. 2022, eq. 2 (bytes, fp16)
+    if layout.recompute:
+        kept = in_flight * per_stage * activation + whole_block
+    else:
+        kept = in_flight * per_stage * whole_block
+    return state + kept
+
