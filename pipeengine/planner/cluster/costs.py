@@ -1,0 +1,480 @@
+"""A layer's cost on a target GPU, priced from its shapes on this machine: no run on the target, no allocation.
+
+A cluster plan prices a layer on hardware it cannot reach, for models too large to hold here. So the layer
+runs on the meta device (``with torch.device("meta")``: shapes and dtypes, no storage) under a dispatch mode
+that records every aten op its forward, and its backward, would run (``trace``). Each op gets:
+
+* FLOPs from ``torch.utils.flop_counter``'s registry, called as ``FlopCounterMode`` calls it (the op's args
+  and output; an op outside the registry is decomposed first, as there). The formulas are PyTorch's, not
+  copied here, so a layer's FLOPs are ``FlopCounterMode``'s by construction (the tests hold it to that).
+  Ops outside the registry (element-wise, norms, softmax) count no FLOPs, as there.
+* Bytes: its tensor inputs read once and its outputs written once (a broadcast dimension, stride 0, read once),
+  the traffic a roofline charges. Views and metadata ops (``_FREE``) move nothing and are not recorded.
+* A kind: ``matmul`` (mm, addmm, bmm, baddbmm, scaled mm, convolutions), ``attention`` (the fused
+  scaled-dot-product kernels and their backwards) or ``other``.
+
+On the meta device ``F.scaled_dot_product_attention`` falls back to the math path (two bmm and a softmax over
+an S x S matrix), which is not what a GPU runs; ``fused_attention`` routes it to the fused kernel a GPU would
+pick (flash without a mask, memory-efficient with one), whose meta kernels give the output, and whose flop
+formulas are in the registry.
+
+A layer's time is a roofline per op (``LayerCost.time``): each op takes the longer of its compute at the
+device's peak times its efficiency (tensor cores for matmul and attention; the vector units for the rest) and
+its bytes at the memory bandwidth, and a phase's time is the sum over its ops. Ops are summed, not overlapped:
+a kernel runs at a time on a stream.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["KINDS", "PHASES", "LayerCost", "Op", "PhaseCost", "PhaseTimes", "fused_attention", "trace"]
+
+Kind = Literal["matmul", "attention", "other"]
+Phase = Literal["forward", "backward"]
+KINDS: tuple[Kind, ...] = ("matmul", "attention", "other")
+PHASES: tuple[Phase, ...] = ("forward", "backward")
+
+aten = torch.ops.aten
+
+
+def _packets(namespace: Any, *names: str) -> frozenset[Any]:
+    """The ops of these names this torch has (older ones lack some)."""
+    return frozenset(getattr(namespace, name) for name in names if hasattr(namespace, name))
+
+
+# Views, metadata and allocation without a write: no kernel reads or writes memory for them.
+_FREE = _packets(
+    aten,
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "_reshape_alias",
+    "view_as",
+    "transpose",
+    "t",
+    "permute",
+    "expand",
+    "expand_as",
+    "slice",
+    "select",
+    "narrow",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "chunk",
+    "diagonal",
+    "movedim",
+    "unfold",
+    "as_strided",
+    "alias",
+    "detach",
+    "lift_fresh",
+    "view_as_real",
+    "view_as_complex",
+    "_neg_view",
+    "_conj",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "size",
+    "sym_size",
+    "stride",
+    "sym_stride",
+    "storage_offset",
+    "sym_storage_offset",
+    "numel",
+    "sym_numel",
+    "dim",
+    "is_contiguous",
+    "sym_is_contiguous",
+    "is_strides_like_format",
+    "is_non_overlapping_and_dense",
+) | _packets(torch.ops.prim, "layout", "device")
+
+_MATMUL = _packets(
+    aten,
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "convolution",
+    "_convolution",
+    "cudnn_convolution",
+    "convolution_overrideable",
+    "_slow_conv2d_forward",
+    "convolution_backward",
+)
+
+_ATTENTION = _packets(
+    aten,
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_scaled_dot_product_fused_attention_overrideable_backward",
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+    "_efficient_attention_forward",
+    "_efficient_attention_backward",
+)
+
+# Ops that write their first argument without reading it: it is counted once, as the output.
+_WRITE_ONLY = _packets(aten, "copy_", "fill_", "zero_")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One aten op a layer runs: its FLOPs (PyTorch's formula, 0 outside the registry) and the bytes it moves."""
+
+    name: str
+    kind: Kind
+    phase: Phase
+    flops: int
+    bytes: int
+    shapes: tuple[tuple[int, ...], ...] = ()  # its tensor inputs' shapes: an efficiency measured at a shape
+    dtype: str = ""  # its first tensor input's dtype, e.g. "torch.bfloat16"
+
+
+def _kind(packet: Any) -> Kind:
+    if packet in _MATMUL:
+        return "matmul"
+    if packet in _ATTENTION:
+        return "attention"
+    return "other"
+
+
+def _footprint(tensor: torch.Tensor) -> int:
+    """The bytes a kernel touches reading (or writing) ``tensor`` once: a broadcast (stride-0) dimension once."""
+    if tensor.numel() == 0:
+        return 0
+    if tensor.layout != torch.strided:
+        return tensor.numel() * tensor.element_size()
+    count = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if stride != 0:
+            count *= size
+    return count * tensor.element_size()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The distinct tensors in ``tree`` (one tensor passed twice is read once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            seen.setdefault(id(leaf), leaf)
+    return list(seen.values())
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each aten op run under it as an ``Op`` of the current phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.phase: Phase = "forward"
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        packet = func._overloadpacket
+        if packet in _FREE:
+            return func(*args, **kwargs)
+        if packet not in flop_registry:
+            # As FlopCounterMode: an op without a formula is decomposed where it can be, its parts counted.
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(packet)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        inputs = _tensors((args, kwargs))
+        outputs = _tensors(out)
+        if packet in _WRITE_ONLY and args and isinstance(args[0], torch.Tensor):
+            inputs = [t for t in inputs if t is not args[0]]
+        moved = sum(_footprint(t) for t in inputs) + sum(_footprint(t) for t in outputs)
+        self.ops.append(
+            Op(
+                name=str(func),
+                kind=_kind(packet),
+                phase=self.phase,
+                flops=flops,
+                bytes=moved,
+                shapes=tuple(tuple(int(s) for s in t.shape) for t in inputs),
+                dtype=str(inputs[0].dtype) if inputs else "",
+            )
+        )
+        return out
+
+
+def _sdpa_args(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool, float | None, bool]:
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def _fused_sdpa(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """``F.scaled_dot_product_attention`` through the fused kernel a GPU would run, or None where none applies."""
+    query, key, value, mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return None
+    batch, heads, length_q, head_dim = query.shape
+    if key.shape[0] != batch or value.shape[0] != batch or key.shape[-1] != head_dim or value.shape[-1] != head_dim:
+        return None
+    kv_heads = key.shape[1]
+    if value.shape[1] != kv_heads or heads % kv_heads != 0 or (kv_heads != heads and not enable_gqa):
+        return None
+    if mask is None:
+        # Flash attention: no mask, grouped key/value heads read in place.
+        result = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)
+        return result[0]  # type: ignore[no-any-return]
+    if is_causal:
+        return None  # torch refuses a mask with is_causal; let it say so
+    if kv_heads != heads:
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf"))  # as sdpa makes a boolean mask additive
+    bias = mask.to(query.dtype).expand(batch, heads, length_q, key.shape[2])
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias))
+    result = aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, needs_grad, dropout_p, False, scale=scale
+    )
+    return result[0]  # type: ignore[no-any-return]
+
+
+_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is, unpatched
+
+
+def _sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+    fused = _fused_sdpa(*args, **kwargs)
+    return _SDPA(*args, **kwargs) if fused is None else fused
+
+
+class _FusedAttention(TorchFunctionMode):
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is _SDPA:
+            return _sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def fused_attention() -> Iterator[None]:
+    """Route ``F.scaled_dot_product_attention`` to the fused kernel a GPU would run (``trace`` does, by default).
+
+    Without a mask: ``_scaled_dot_product_flash_attention`` (grouped key/value heads in place); with one:
+    ``_scaled_dot_product_efficient_attention`` (key/value heads repeated, a boolean mask made additive). Inputs
+    neither takes (not 4-D, differing head dims) keep PyTorch's own path.
+
+    Two hooks, as neither sees every call: a function mode sees the builtin wherever it is called from, except
+    inside a Python function torch dispatches to modes itself (``F.multi_head_attention_forward``: the mode is
+    off inside it), which looks the name up in ``torch.nn.functional``, patched for the context (process-wide:
+    don't run attention in other threads meanwhile).
+    """
+    patched = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _sdpa
+    try:
+        with _FusedAttention():
+            yield
+    finally:
+        F.scaled_dot_product_attention = patched
+
+
+def _check_meta(module: torch.nn.Module, inputs: Any) -> None:
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.device.type != "meta":
+            raise ValueError(
+                f"trace needs a module on the meta device: {name} is on {tensor.device}; "
+                'build it under `with torch.device("meta"):` (nothing is allocated there)'
+            )
+    for tensor in _tensors(inputs):
+        if tensor.device.type != "meta":
+            raise ValueError(
+                f"trace needs meta inputs: a tensor of shape {tuple(tensor.shape)} is on {tensor.device}; "
+                'make it under `with torch.device("meta"):`'
+            )
+
+
+def trace(
+    module: torch.nn.Module,
+    *example_inputs: Any,
+    backward: bool = True,
+    example_kwargs: Mapping[str, Any] | None = None,
+    fused: bool = True,
+) -> list[Op]:
+    """The aten ops ``module(*example_inputs, **example_kwargs)`` runs, then its backward, on the meta device.
+
+    The module and the inputs must be on the meta device (a ValueError says which is not): nothing is allocated.
+    The backward starts from a gradient of ones on each floating output that requires grad and reaches the
+    parameters and inputs that require grad (returned, not left in ``.grad``); ops it runs are of phase
+    "backward". ``fused`` routes scaled-dot-product attention to the GPU's fused kernels
+    (``fused_attention``); without it, the meta device's math path (bmm, softmax) is recorded.
+    """
+    kwargs = dict(example_kwargs or {})
+    _check_meta(module, (example_inputs, kwargs))
+    recorder = _Recorder()
+    with ExitStack() as stack:
+        stack.enter_context(torch.device("meta"))
+        if fused:
+            stack.enter_context(fused_attention())
+        with recorder:
+            out = module(*example_inputs, **kwargs)
+        roots = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+        leaves = [t for t in [*module.parameters(), *_tensors((example_inputs, kwargs))] if t.requires_grad]
+        if backward and roots and leaves:
+            seeds = [torch.ones_like(t) for t in roots]
+            recorder.phase = "backward"
+            with recorder:
+                # the gradients are returned, not accumulated into .grad: a second trace records the same ops
+                torch.autograd.grad(roots, leaves, seeds, allow_unused=True)
+    return recorder.ops
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """A phase's totals per kind."""
+
+    flops: dict[Kind, int]
+    bytes: dict[Kind, int]
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds of a forward and of a backward on the device."""
+
+    forward: float
+    backward: float
+
+
+Efficiency = float | Callable[[Op], float]
+
+
+def _efficiency(efficiency: Efficiency, op: Op) -> float:
+    value = efficiency(op) if callable(efficiency) else efficiency
+    if not 0 < value <= 1:
+        raise ValueError(f"an efficiency is a fraction of the peak in (0, 1]: {value} for {op.name} at {op.shapes}")
+    return value
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """A layer's recorded ops, their totals per phase and kind, and their time on a device (a roofline per op)."""
+
+    ops: tuple[Op, ...]
+    trace_seconds: float = field(default=0.0, compare=False)  # how long the trace took here
+
+    @classmethod
+    def of(
+        cls,
+        module: torch.nn.Module,
+        *example_inputs: Any,
+        backward: bool = True,
+        example_kwargs: Mapping[str, Any] | None = None,
+        fused: bool = True,
+    ) -> LayerCost:
+        """Trace ``module`` on meta inputs (``trace``) and keep its ops."""
+        start = _time.perf_counter()
+        ops = trace(module, *example_inputs, backward=backward, example_kwargs=example_kwargs, fused=fused)
+        return cls(tuple(ops), _time.perf_counter() - start)
+
+    def phase(self, phase: Phase) -> PhaseCost:
+        flops: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        moved: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        for op in self.ops:
+            if op.phase == phase:
+                flops[op.kind] += op.flops
+                moved[op.kind] += op.bytes
+        return PhaseCost(flops, moved)
+
+    @property
+    def forward(self) -> PhaseCost:
+        return self.phase("forward")
+
+    @property
+    def backward(self) -> PhaseCost:
+        return self.phase("backward")
+
+    def flops(self, phase: Phase | None = None, kind: Kind | None = None) -> int:
+        return sum(op.flops for op in self.ops if phase in (None, op.phase) and kind in (None, op.kind))
+
+    def bytes(self, phase: Phase | None = None, kind: Kind | None = None) -> int:
+        return sum(op.bytes for op in self.ops if phase in (None, op.phase) and kind in (None, op.kind))
+
+    def time(
+        self,
+        peak_flops: float,
+        matmul_efficiency: Efficiency,
+        memory_bandwidth: float,
+        vector_flops: float | None = None,
+        attention_efficiency: Efficiency | None = None,
+    ) -> PhaseTimes:
+        """Seconds per phase: the sum over ops of max(compute time, memory time).
+
+        ``peak_flops``: the tensor-core peak (FLOP/s) at the layer's dtype; ``matmul_efficiency``: the fraction
+        of it a matmul reaches, a number or a function of the op (its shapes, its dtype: measured or preset);
+        ``attention_efficiency``: the same for attention kernels (default: the matmul's); ``memory_bandwidth``:
+        bytes/s; ``vector_flops``: the peak of the non-tensor-core units, for other ops (default: peak_flops; ops
+        outside the flop registry count no FLOPs, so those are priced by their bytes).
+        """
+        vector = peak_flops if vector_flops is None else vector_flops
+        _positive(peak_flops=peak_flops, memory_bandwidth=memory_bandwidth, vector_flops=vector)
+        attention = matmul_efficiency if attention_efficiency is None else attention_efficiency
+        seconds: dict[Phase, float] = dict.fromkeys(PHASES, 0.0)
+        for op in self.ops:
+            if op.kind == "matmul":
+                compute = op.flops / (peak_flops * _efficiency(matmul_efficiency, op)) if op.flops else 0.0
+            elif op.kind == "attention":
+                compute = op.flops / (peak_flops * _efficiency(attention, op)) if op.flops else 0.0
+            else:
+                compute = op.flops / vector
+            seconds[op.phase] += max(compute, op.bytes / memory_bandwidth)
+        return PhaseTimes(seconds["forward"], seconds["backward"])
