@@ -110,6 +110,16 @@ def test_tune_search_times_the_search_per_world_size(tmp_path: Path) -> None:
     assert all(r["candidates"] > 0 and r["search_s"] > 0 and r["measure_s"] > 0 for r in rows)
 
 
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "megatron_sc21_table1.csv").exists(),
+                    reason="the published figures (shared/data) are not beside this checkout")
+def test_cluster_plan_prices_rows_of_megatrons_table_beside_the_paper(tmp_path: Path) -> None:
+    bench("cluster_plan.py", "--rows", "1", "5", out=tmp_path)
+    rows = json.loads((tmp_path / "cluster_plan.json").read_text())
+    assert [(r["gpus"], r["layout"].split(" b=")[0]) for r in rows] == [(32, "tp1 pp1 dp32"), (512, "tp8 pp2 dp32")]
+    assert all(r["predicted_tflops"] > 0 and abs(r["error"] - (r["predicted_tflops"] / r["paper_tflops"] - 1)) < 1e-3
+               for r in rows)  # fmt: skip
+
+
 @pytest.mark.timeout(300)
 def test_vs_torch_tp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path: Path) -> None:
     out = bench("vs_torch_tp.py", "--schedules", "1f1b", "--width", "64", "--batch", "8", "--rounds", "1",

@@ -317,3 +317,9 @@ def replicas_parity(model_name: str, schedule: str, data_parallel: int, m: int, 
         lambda step: [batch(model_name, size, seed=100 * step + replica) for replica in range(data_parallel)],
     )  # fmt: skip
     check_weights(engine, one, f"{what} after {steps} steps")
+
+
+def backward_from_ones(outputs: list[torch.Tensor]) -> None:
+    """A one-process backward from a gradient of ones on each output: what a reference that is not an engine's (a
+    FLOP count of a layer's backward, the shapes of its gradients) runs."""
+    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])

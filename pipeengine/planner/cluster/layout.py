@@ -8,8 +8,10 @@ innermost, as Megatron-LM lays ranks out. The price comes from three sources, no
   measured matmul efficiency, anything at the device's memory bandwidth, whichever is longer;
 - each collective at the bus bandwidth of the link tier its group spans (pipeengine.planner.cluster.collectives):
   tensor parallelism's two all-reduces per block per forward (and per backward, and per recomputed forward, as
-  Megatron-LM's RowParallel/ColumnParallel layers make them), the pipeline's messages between nodes, the replicas'
-  gradient all-reduce after the last backward (not overlapped, as Megatron-LM's 2021 data parallelism ran);
+  Megatron-LM's RowParallel/ColumnParallel layers make them), the pipeline's messages between nodes (each rank
+  sends 1/t of an activation and the t ranks all-gather it, Megatron-LM's scatter/gather; an exchange holds both
+  ranks until it is done, as Megatron-LM's p2p_communication waits and synchronizes after batch_isend_irecv), the
+  replicas' gradient all-reduce after the last backward (not overlapped, as Megatron-LM's 2021 data parallelism ran);
 - the pipeline's bubble from the schedule itself: the simulator replays the schedule (schedules.sim) with the
   stages' forward and backward times and the messages' times.
 
@@ -130,9 +132,12 @@ def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16")
     message = collectives.send_recv(activation / t, pp_link) if p > 1 else 0.0  # Megatron's scatter/gather: 1/t a rank
     if p > 1 and t > 1:
         message += collectives.all_gather(activation, t, tp_link)
+    if p > 1:  # Megatron-LM's exchanges block both ranks until done (batch_isend_irecv, wait, cuda.synchronize)
+        forward = [f + message for f in forward]
+        backward = [b_ + message for b_ in backward]
     name = layout.schedule if v == 1 or layout.schedule != "1f1b" else "interleaved"
     schedule = _schedule(name, p, m, v if name == "interleaved" else None)
-    costs = Costs(forward=forward, backward_input=backward, backward_weight=[0.0] * stages, latency=message)
+    costs = Costs(forward=forward, backward_input=backward, backward_weight=[0.0] * stages)
     pipeline = summarize(schedule, costs).makespan if p > 1 else m * (forward[0] + backward[0])
     params_device = model.parameters / (t * p)
     dp_ar = collectives.all_reduce(params_device * model.dtype_bytes, d, collectives.group_link(hw, d, t * p)) \

@@ -1,0 +1,69 @@
+"""A layout on a cluster priced by hand (issue 59, first step): per-op rooflines, tensor parallelism's all-reduces,
+the replicas' all-reduce and the optimizer on one pipeline rank; the schedule's replay on two; memory refused past
+the device's. Injected ops and links: no processes, nothing measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeengine.planner.cluster import Hardware, Link, all_reduce, load
+from pipeengine.planner.cluster.costs import Op
+from pipeengine.planner.cluster.layout import Layout, Transformer, price
+
+LINK = Link(bandwidth=100e9, latency=1e-9)  # latency: a nanosecond a step (it must be positive)
+
+
+def machine(memory: float = 80e9) -> Hardware:
+    described = load("a100-80gb").to_json()
+    described.update(intra=LINK.to_json(), inter=LINK.to_json(), memory_bytes=memory, memory_bandwidth=1e12,
+                     matmul_efficiency=0.5, peak_flops={"fp32": 10e12, "tf32": 100e12, "bf16": 200e12,
+                                                        "fp16": 200e12})  # fmt: skip
+    return Hardware.from_json(described, "test")
+
+
+def model(layers: int = 4) -> Transformer:
+    """Each block: a matmul of 1e12 FLOPs (10 ms at 100 TFLOP/s) forward, twice that backward, and an element-wise
+    op moving 1e9 bytes (1 ms at 1 TB/s) each way, whatever tp and the micro-batch (the pricing scales nothing)."""
+
+    def block(tp: int, micro_batch: int) -> list[Op]:
+        return [Op("mm", "matmul", "forward", 10**12, 10**6), Op("gelu", "other", "forward", 0, 10**9),
+                Op("mm", "matmul", "backward", 2 * 10**12, 10**6), Op("gelu", "other", "backward", 0, 10**9)]
+
+    def ends(tp: int, micro_batch: int) -> list[Op]:
+        return []
+
+    return Transformer(layers, 1024, 8, 512, 1000, 1e9, block, ends)
+
+
+def test_one_pipeline_rank_costs_its_blocks_their_all_reduces_the_replicas_and_the_optimizer() -> None:
+    hw = machine()
+    layout = Layout(tp=2, pp=1, dp=4, micro_batch=2, num_microbatches=3, recompute=True)
+    priced = price(model(), layout, hw)
+    activation = 2 * 512 * 1024 * 2  # b s h, fp16
+    tp_ar = all_reduce(activation, 2, LINK)
+    forward = 0.011 + 2 * tp_ar  # 10 ms of matmul, 1 ms element-wise, two all-reduces
+    backward = 0.021 + 2 * tp_ar + 0.011 + 2 * tp_ar  # its own, and the recomputed forward with its all-reduces
+    pipeline = 3 * 4 * (forward + backward)  # 3 micro-batches through 4 blocks, no bubble on one rank
+    replicas = all_reduce(1e9 / 2 * 2, 4, LINK)  # this rank's half of the parameters, fp16 gradients
+    optimizer = 1e9 / 2 * 38 / 1e12
+    assert priced.parts["pipeline"] == pytest.approx(pipeline)
+    assert priced.parts["data-parallel all-reduce"] == pytest.approx(replicas)
+    assert priced.step_s == pytest.approx(pipeline + replicas + optimizer)
+    assert priced.tokens_per_s == pytest.approx(2 * 3 * 4 * 512 / priced.step_s)
+    assert not priced.refused
+
+
+def test_two_pipeline_ranks_pay_the_schedules_bubble_and_the_messages() -> None:
+    hw = machine()
+    one = price(model(), Layout(tp=1, pp=1, dp=1, micro_batch=1, num_microbatches=4, recompute=False), hw)
+    two = price(model(), Layout(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=4, recompute=False), hw)
+    stage = 2 * (0.011 + 0.021)  # 2 blocks a stage
+    message = 1e-9 + 512 * 1024 * 2 / 100e9  # one activation, point to point
+    assert one.parts["pipeline"] == pytest.approx(4 * 2 * stage)
+    assert two.parts["pipeline"] == pytest.approx((4 + 2 - 1) * (stage + 2 * message))  # 1F1B: (m + p - 1) slots
+
+
+def test_a_layout_past_the_devices_memory_is_priced_and_refused_saying_how_much() -> None:
+    priced = price(model(), Layout(tp=1, pp=1, dp=1, micro_batch=1, num_microbatches=1), machine(memory=10e9))
+    assert priced.peak_bytes > 10e9  # 16 bytes a parameter: 16 GB of state alone
+    assert priced.refused.startswith("needs 14.9 GiB a device, the device has 9.3 GiB")
