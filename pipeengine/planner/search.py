@@ -314,8 +314,9 @@ def _layout_candidates(
                                                 option, tp_plan if tp > 1 else None)))  # type: ignore[arg-type]  # fmt: skip
     if not found:
         refused[_named(layout, sharded)] = (
-            f"no schedule of {list(names)} runs {ranks} pipeline ranks with m in {list(counts)} on {layers} layers"
-            + "".join(f"; {name}: {reason}" for name, reason in why.items()))  # fmt: skip
+            f"this layout builds with no schedule of {list(names)} (m in {list(counts)}, {ranks} pipeline "
+            f"rank{'s' if ranks != 1 else ''}, {layers} layers)" + "".join(f"; {name}: {reason}" for name, reason
+                                                                          in why.items()))  # fmt: skip
     return found
 
 

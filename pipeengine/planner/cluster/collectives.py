@@ -40,6 +40,7 @@ node.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from typing import Literal
@@ -101,11 +102,19 @@ def group_link(hw: Hardware, group_size: int, stride_in_ranks: int) -> Link:
     node, block = hw.devices_per_node, group_size * stride_in_ranks
     if group_size == 1 or node % block == 0:
         return hw.intra
-    # the groups repeat every lcm(block, node) ranks: count each one's members per node there
-    members: dict[int, Counter[int]] = {}
-    for rank in range(math.lcm(block, node)):
-        group = rank // block * stride_in_ranks + rank % stride_in_ranks
-        members.setdefault(group, Counter())[rank // node] += 1
-    fewest, nodes = min((min(count.values()), len(count)) for count in members.values() if len(count) > 1)
+    fewest, nodes = _spread(node, group_size, stride_in_ranks)
     latency = ((group_size - nodes) * hw.intra.latency + (nodes - 1) * hw.inter.latency) / (group_size - 1)
     return Link(bandwidth=min(hw.intra.bandwidth, fewest * hw.inter.bandwidth), latency=latency)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spread(node: int, group_size: int, stride: int) -> tuple[int, int]:
+    """(members per node, nodes) of the group spanning nodes with the fewest members on some node: the groups repeat
+    every lcm(block, node) ranks, so each one's members per node are counted there (once per shape: a search asks
+    the same shapes of thousands of layouts)."""
+    block = group_size * stride
+    members: dict[int, Counter[int]] = {}
+    for rank in range(math.lcm(block, node)):
+        group = rank // block * stride + rank % stride
+        members.setdefault(group, Counter())[rank // node] += 1
+    return min((min(count.values()), len(count)) for count in members.values() if len(count) > 1)

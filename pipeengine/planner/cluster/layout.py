@@ -34,7 +34,7 @@ from pipeengine.planner.cluster import collectives
 from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.hardware import Hardware
 
-__all__ = ["Layout", "Price", "Transformer", "price"]
+__all__ = ["Layout", "Price", "Transformer", "estimate", "price"]
 
 SCHEDULES = ("1f1b", "interleaved")  # the ones Megatron-LM ran (Narayanan et al. 2021)
 
@@ -74,10 +74,13 @@ class Transformer:
     block_ops: Callable[[int, int], list[Op]]  # (tp, micro_batch) -> a block's forward and backward ops
     head_ops: Callable[[int, int], list[Op]]  # (tp, micro_batch) -> the embedding's, the head's and the loss's
     dtype_bytes: int = 2
+    flops_per_sequence: float | None = None  # the model's FLOPs a sequence (None: Narayanan et al.'s count)
 
     def flops_per_step(self, global_batch: int) -> float:
-        """The FLOPs one step computes, as Narayanan et al. 2021 count them (their eq. 3, recomputation included):
-        96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+        """The FLOPs one step computes: ``flops_per_sequence`` a sequence, or as Narayanan et al. 2021 count them
+        (their eq. 3, recomputation included): 96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+        if self.flops_per_sequence is not None:
+            return self.flops_per_sequence * global_batch
         b, s, h, layer, v = global_batch, self.seq, self.hidden, self.layers, self.vocab
         return 96 * b * s * layer * h * h * (1 + s / (6 * h) + v / (16 * layer * h))
 
@@ -105,21 +108,28 @@ def _roofline(ops: list[Op], hw: Hardware, dtype: str) -> dict[str, float]:
     return out
 
 
-def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16") -> Price:
-    """The layout's step time and memory per device (the module's docstring says how)."""
-    from schedules import Costs
-    from schedules.sim.simulation import summarize
+@dataclass(frozen=True)
+class _Parts:
+    """A layout's stage times and the rest of its step, before the schedule is replayed."""
 
-    t, p, d, b, m = layout.tp, layout.pp, layout.dp, layout.micro_batch, layout.num_microbatches
-    v = layout.chunks
+    forward: list[float]  # seconds of each stage's forward of one micro-batch, its exchange included
+    backward: list[float]
+    tp_all_reduces: float  # seconds a micro-batch spends in tensor parallelism's all-reduces, on one stage
+    replicas: float  # the replicas' gradient all-reduce
+    optimizer: float
+    peak_bytes: float
+
+
+def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str) -> _Parts:
+    t, p, b, v = layout.tp, layout.pp, layout.micro_batch, layout.chunks
     block = _roofline(model.block_ops(t, b), hw, dtype)
     ends = _roofline(model.head_ops(t, b), hw, dtype)
     activation = b * model.seq * model.hidden * model.dtype_bytes  # a block's input, one micro-batch
     tp_link = collectives.group_link(hw, t, 1)
     tp_ar = collectives.all_reduce(activation, t, tp_link) if t > 1 else 0.0
-    recomputed = block["forward"] if layout.recompute else 0.0
+    recomputed = block["forward"] + 2 * tp_ar if layout.recompute else 0.0
     f_block = block["forward"] + 2 * tp_ar
-    b_block = block["backward"] + 2 * tp_ar + recomputed + (2 * tp_ar if layout.recompute else 0.0)
+    b_block = block["backward"] + 2 * tp_ar + recomputed
     per_stage = model.layers / (p * v)
     stages = p * v
     forward = [per_stage * f_block for _ in range(stages)]
@@ -128,32 +138,58 @@ def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16")
     backward[0] += ends["backward"] / 2
     forward[-1] += ends["forward"] / 2
     backward[-1] += ends["backward"] / 2
-    pp_link = collectives.group_link(hw, p, t)
-    message = collectives.send_recv(activation / t, pp_link) if p > 1 else 0.0  # Megatron's scatter/gather: 1/t a rank
-    if p > 1 and t > 1:
-        message += collectives.all_gather(activation, t, tp_link)
     if p > 1:  # Megatron-LM's exchanges block both ranks until done (batch_isend_irecv, wait, cuda.synchronize)
+        message = collectives.send_recv(activation / t, collectives.group_link(hw, p, t))  # scatter: 1/t a rank
+        if t > 1:
+            message += collectives.all_gather(activation, t, tp_link)  # and gather
         forward = [f + message for f in forward]
         backward = [b_ + message for b_ in backward]
-    name = layout.schedule if v == 1 or layout.schedule != "1f1b" else "interleaved"
-    schedule = _schedule(name, p, m, v if name == "interleaved" else None)
-    costs = Costs(forward=forward, backward_input=backward, backward_weight=[0.0] * stages)
-    pipeline = summarize(schedule, costs).makespan if p > 1 else m * (forward[0] + backward[0])
     params_device = model.parameters / (t * p)
-    dp_ar = collectives.all_reduce(params_device * model.dtype_bytes, d, collectives.group_link(hw, d, t * p)) \
+    d = layout.dp
+    replicas = collectives.all_reduce(params_device * model.dtype_bytes, d, collectives.group_link(hw, d, t * p)) \
         if d > 1 else 0.0  # fmt: skip
     optimizer = params_device * 38 / hw.memory_bandwidth  # fp16 grad read, fp32 master, moments read and written
-    step = pipeline + dp_ar + optimizer
-    global_batch = b * m * d
-    model_flops = model.flops_per_step(global_batch)
-    tflops = model_flops / step / layout.devices / 1e12
-    peak = _memory(model, layout, activation)
-    refused = "" if peak <= hw.memory_bytes else (f"needs {peak / 2**30:.1f} GiB a device, the device has "
-                                                  f"{hw.memory_bytes / 2**30:.1f} GiB")  # fmt: skip
-    parts = {"pipeline": pipeline, "data-parallel all-reduce": dp_ar, "optimizer": optimizer,
-             "tensor-parallel all-reduces": m * per_stage * v * (6 if layout.recompute else 4) * tp_ar}  # fmt: skip
-    return Price(layout, step, global_batch * model.seq / step, tflops, tflops * 1e12 / hw.peak_flops[dtype], peak,
-                 parts, refused)  # fmt: skip
+    tp_time = per_stage * v * (6 if layout.recompute else 4) * tp_ar
+    return _Parts(forward, backward, tp_time, replicas, optimizer, _memory(model, layout, activation))
+
+
+def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts: _Parts, pipeline: float) -> Price:
+    step = pipeline + parts.replicas + parts.optimizer
+    global_batch = layout.micro_batch * layout.num_microbatches * layout.dp
+    flops = model.flops_per_step(global_batch) / step / layout.devices
+    refused = "" if parts.peak_bytes <= hw.memory_bytes else (
+        f"needs {parts.peak_bytes / 2**30:.1f} GiB a device, the device has {hw.memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+    shares = {"pipeline": pipeline, "data-parallel all-reduce": parts.replicas, "optimizer": parts.optimizer,
+              "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces}  # fmt: skip
+    return Price(layout, step, global_batch * model.seq / step, flops / 1e12, flops / hw.peak_flops[dtype],
+                 parts.peak_bytes, shares, refused)  # fmt: skip
+
+
+def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16") -> Price:
+    """The layout's step time and memory per device (the module's docstring says how): the schedule replayed."""
+    from schedules import Costs
+    from schedules.sim.simulation import summarize
+
+    parts = _parts(model, layout, hw, dtype)
+    p, m, v = layout.pp, layout.num_microbatches, layout.chunks
+    if p == 1:
+        pipeline = m * sum(parts.forward + parts.backward)  # one rank: its stages back to back, no bubble
+    else:
+        name = "interleaved" if v > 1 else layout.schedule
+        schedule = _schedule(name, p, m, v if name == "interleaved" else None)
+        costs = Costs(forward=parts.forward, backward_input=parts.backward, backward_weight=[0.0] * (p * v))
+        pipeline = summarize(schedule, costs).makespan
+    return _priced(model, layout, hw, dtype, parts, pipeline)
+
+
+def estimate(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16") -> Price:
+    """``price`` with the pipeline's bubble from the formula instead of the replay: (m + (p - 1) / v) slots of the
+    slowest stage's forward and backward (Narayanan et al. 2021, section 2.2). What the search prunes by."""
+    parts = _parts(model, layout, hw, dtype)
+    p, m, v = layout.pp, layout.num_microbatches, layout.chunks
+    slot = max(f + b for f, b in zip(parts.forward, parts.backward, strict=True)) * v
+    pipeline = (m + (p - 1) / v) * slot if p > 1 else m * sum(parts.forward + parts.backward)
+    return _priced(model, layout, hw, dtype, parts, pipeline)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,97 @@
+"""The layout search at cluster scale: every tp x pp x dp, micro-batch, schedule, chunks and recomputation for a
+global batch on W devices, priced from a hardware description in seconds.
+
+Every candidate is priced by ``layout.estimate`` (the bubble from its formula; its memory from the same model as
+``price``); those past the device's memory are refused with the reason. The best ``replayed`` by that estimate are
+priced again by ``layout.price``, the schedule replayed by the simulator, and ranked by it: the bounds prune, the
+simulator ranks what is left. A layout the user fixes is priced by the same ``price``, so it costs the same however
+it was found.
+
+What is searched: tp dividing the devices of a node and the heads (tensor parallelism stays inside a node); pp
+dividing the layers; dp = W / (tp pp) dividing the global batch; micro-batch sizes dividing a replica's batch (up to
+``max_micro_batch``); 1F1B, and interleaved 1F1B with v chunks where v divides the layers of a stage and the
+micro-batches divide by pp (Megatron-LM's rule); full recomputation or none (``recompute``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pipeengine.planner.cluster.hardware import Hardware
+from pipeengine.planner.cluster.layout import Layout, Price, Transformer, estimate, price
+
+__all__ = ["ClusterPlan", "search"]
+
+
+@dataclass
+class ClusterPlan:
+    rows: list[Price]  # the replayed candidates, fastest first
+    considered: int
+    refused: dict[str, str] = field(default_factory=dict)  # a layout -> why it cannot run
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Price:
+        if not self.rows:
+            raise ValueError(f"no layout of the {self.considered} considered fits: "
+                             f"{next(iter(self.refused.values()), 'none was possible')}")  # fmt: skip
+        return self.rows[0]
+
+
+def _divisors(n: int, at_most: int | None = None) -> list[int]:
+    return [d for d in range(1, (at_most or n) + 1) if n % d == 0]
+
+
+def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
+               max_micro_batch: int = 16, schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> list[Layout]:  # fmt: skip
+    """Every layout the module docstring lists."""
+    if recompute not in ("always", "never", "search"):
+        raise ValueError(f"recompute={recompute!r}: one of 'always', 'never', 'search'")
+    recomputing = {"always": (True,), "never": (False,), "search": (True, False)}[recompute]
+    out = []
+    for tp in _divisors(hw.devices_per_node):
+        if model.heads % tp or devices % tp:
+            continue
+        for pp in _divisors(model.layers):
+            if devices % (tp * pp):
+                continue
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            replica = global_batch // dp
+            for b in _divisors(replica, min(replica, max_micro_batch)):
+                m = replica // b
+                chunks = [1] if pp == 1 else [1] + ([v for v in _divisors(model.layers // pp, 8)[1:]
+                                                      if m % pp == 0] if "interleaved" in schedules else [])  # fmt: skip
+                for v in chunks:
+                    if v == 1 and "1f1b" not in schedules and pp > 1:
+                        continue
+                    for again in recomputing:
+                        out.append(Layout(tp, pp, dp, b, m, "interleaved" if v > 1 else "1f1b", v, again))
+    return out
+
+
+def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
+           dtype: str = "fp16", replayed: int = 3, max_micro_batch: int = 16,
+           schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> ClusterPlan:  # fmt: skip
+    """The fastest layouts of ``model`` on ``devices`` devices of ``hw`` for ``global_batch`` sequences a step."""
+    started = time.perf_counter()
+    if devices < 1 or global_batch < 1:
+        raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be 1 or more")
+    layouts = candidates(model, devices, hw, global_batch, recompute, max_micro_batch, schedules)
+    if not layouts:
+        raise ValueError(f"no layout of {devices} devices ({hw.devices_per_node} a node) splits {model.layers} layers, "
+                         f"{model.heads} heads and a global batch of {global_batch}: change one of them")  # fmt: skip
+    refused: dict[str, str] = {}
+    fitting: list[Price] = []
+    for layout in layouts:
+        guess = estimate(model, layout, hw, dtype)
+        if guess.refused:
+            refused[layout.describe()] = guess.refused
+        else:
+            fitting.append(guess)
+    fitting.sort(key=lambda priced: priced.step_s)
+    rows = sorted((price(model, guessed.layout, hw, dtype) for guessed in fitting[:replayed]),
+                  key=lambda priced: priced.step_s)  # fmt: skip
+    return ClusterPlan(rows, len(layouts), refused, time.perf_counter() - started)
