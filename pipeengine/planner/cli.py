@@ -2,6 +2,7 @@
 
     python -m pipeengine.tune examples.train_gpt:planning --world-size 4 --memory-limit 64MiB
     python -m pipeengine.tune --calibrate --world-size 4
+    python -m pipeengine.tune --model config.json --devices 512 --hardware a100-80gb --global-batch 1536 --seq 2048
 """
 
 from __future__ import annotations
@@ -69,7 +70,13 @@ def parse_bytes(text: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = None) -> int:
-    """The command line; ``engine``: PipelineEngine, for --calibrate (pipeengine.tune.main gives it)."""
+    """The command line; ``engine``: PipelineEngine, for --calibrate (pipeengine.tune.main gives it). With --devices:
+    a GPU cluster, planned from its description (pipeengine.planner.cluster.cli)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if any(word == "--devices" or word.startswith("--devices=") for word in words):
+        from pipeengine.planner.cluster import cli as cluster
+
+        return cluster.main(words)
     from pipeengine.planner.search import tune
 
     parser = argparse.ArgumentParser(prog="python -m pipeengine.tune", description=__doc__.split("\n")[0])

@@ -157,8 +157,8 @@ def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts:
     step = pipeline + parts.replicas + parts.optimizer
     global_batch = layout.micro_batch * layout.num_microbatches * layout.dp
     flops = model.flops_per_step(global_batch) / step / layout.devices
-    refused = "" if parts.peak_bytes <= hw.memory_bytes else (
-        f"needs {parts.peak_bytes / 2**30:.1f} GiB a device, the device has {hw.memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+    need, have = parts.peak_bytes / 2**30, hw.memory_bytes / 2**30
+    refused = f"needs {need:.1f} GiB a device, the device has {have:.1f} GiB" if need > have else ""
     shares = {"pipeline": pipeline, "data-parallel all-reduce": parts.replicas, "optimizer": parts.optimizer,
               "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces}  # fmt: skip
     return Price(layout, step, global_batch * model.seq / step, flops / 1e12, flops / hw.peak_flops[dtype],

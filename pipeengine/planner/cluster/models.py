@@ -65,7 +65,7 @@ def from_config(config: Any, seq: int) -> Transformer:
         with torch.device("meta"):
             local = _sharded(config, tp)
             local.num_hidden_layers = 1
-            return AutoModelForCausalLM.from_config(local, torch_dtype=dtype)
+            return AutoModelForCausalLM.from_config(local, dtype=dtype)
 
     @functools.cache
     def block_ops(tp: int, micro_batch: int) -> list[Op]:
@@ -87,7 +87,7 @@ def from_config(config: Any, seq: int) -> Transformer:
         return trace(ends, tokens)
 
     with torch.device("meta"):
-        whole = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        whole = AutoModelForCausalLM.from_config(config, dtype=dtype)
     parameters = float(sum(p.numel() for p in whole.parameters()))
     layers, hidden = config.num_hidden_layers, config.hidden_size
     flops = 6 * parameters * seq + 12 * layers * hidden * seq * seq

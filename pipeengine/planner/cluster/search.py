@@ -43,8 +43,11 @@ def _divisors(n: int, at_most: int | None = None) -> list[int]:
     return [d for d in range(1, (at_most or n) + 1) if n % d == 0]
 
 
+SCHEDULES = ("1f1b", "interleaved")
+
+
 def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
-               max_micro_batch: int = 16, schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> list[Layout]:  # fmt: skip
+               max_micro_batch: int = 16, schedules: tuple[str, ...] = SCHEDULES) -> list[Layout]:  # fmt: skip
     """Every layout the module docstring lists."""
     if recompute not in ("always", "never", "search"):
         raise ValueError(f"recompute={recompute!r}: one of 'always', 'never', 'search'")
@@ -62,8 +65,8 @@ def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int
             replica = global_batch // dp
             for b in _divisors(replica, min(replica, max_micro_batch)):
                 m = replica // b
-                chunks = [1] if pp == 1 else [1] + ([v for v in _divisors(model.layers // pp, 8)[1:]
-                                                      if m % pp == 0] if "interleaved" in schedules else [])  # fmt: skip
+                interleaved = pp > 1 and m % pp == 0 and "interleaved" in schedules  # Megatron-LM's rule
+                chunks = [1] + (_divisors(model.layers // pp, 8)[1:] if interleaved else [])
                 for v in chunks:
                     if v == 1 and "1f1b" not in schedules and pp > 1:
                         continue
@@ -74,7 +77,7 @@ def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int
 
 def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
            dtype: str = "fp16", replayed: int = 3, max_micro_batch: int = 16,
-           schedules: tuple[str, ...] = ("1f1b", "interleaved")) -> ClusterPlan:  # fmt: skip
+           schedules: tuple[str, ...] = SCHEDULES) -> ClusterPlan:  # fmt: skip
     """The fastest layouts of ``model`` on ``devices`` devices of ``hw`` for ``global_batch`` sequences a step."""
     started = time.perf_counter()
     if devices < 1 or global_batch < 1:

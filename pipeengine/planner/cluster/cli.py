@@ -1,0 +1,160 @@
+"""``python -m pipeengine.tune --devices N ...``: a layout for a model on a GPU cluster, planned from this machine.
+
+    python -m pipeengine.tune --model config.json --devices 512 --devices-per-node 8 --hardware a100-80gb \\
+        --global-batch 1536 --seq 2048 [--precision bf16|fp16] [--recompute always|never|search] [--json rows.json]
+    python -m pipeengine.tune --model config.json --devices 512 --hardware h100-sxm --global-batch 1536 --seq 2048 \\
+        --fix tp=8,pp=2,dp=32,micro_batch=4,schedule=1f1b,chunks=1
+
+``--model``: a Hugging Face config.json (the model is described from it on the meta device, nothing allocated), or
+module:function returning a transformers config or a pipeengine.planner.cluster.layout.Transformer. ``--hardware``:
+a preset (a100-80gb, h100-sxm, h200) or a hardware description's JSON file. Prints the ranked rows and writes a
+plot of where each row's step goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeengine.planner.cluster.hardware import PRESETS, load
+from pipeengine.planner.cluster.layout import Layout, Price, Transformer, price
+from pipeengine.planner.cluster.search import search
+
+__all__ = ["main"]
+
+FIXED = ("tp", "pp", "dp", "micro_batch")  # what --fix must name; schedule, chunks and recompute may follow
+
+
+def parser() -> argparse.ArgumentParser:
+    made = argparse.ArgumentParser(prog="python -m pipeengine.tune", description=__doc__.split("\n")[0])
+    made.add_argument("--model", required=True, help="a Hugging Face config.json, or module:function")
+    made.add_argument("--devices", type=int, required=True, help="GPUs in all")
+    made.add_argument("--devices-per-node", type=int, help="GPUs a node (default: the hardware's)")
+    made.add_argument("--hardware", default="a100-80gb", help=f"one of {', '.join(PRESETS)}, or a JSON file")
+    made.add_argument("--global-batch", type=int, required=True, help="sequences a step, all replicas together")
+    made.add_argument("--seq", type=int, required=True, help="tokens a sequence")
+    made.add_argument("--precision", choices=("bf16", "fp16"), default="bf16")
+    made.add_argument("--recompute", choices=("always", "never", "search"), default="search")
+    made.add_argument("--fix", help="price this one layout: tp=8,pp=2,dp=32,micro_batch=4[,schedule=1f1b,chunks=1,"
+                      "recompute=always]")  # fmt: skip
+    made.add_argument("--json", type=Path, help="write the rows here")
+    made.add_argument("--plot", type=Path, default=Path("out/plan/cluster_plan.png"), help="where the plot goes")
+    return made
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    made = parser()
+    args = made.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        hw = load(args.hardware)
+        if args.devices_per_node is not None:
+            hw = dataclasses.replace(hw, devices_per_node=args.devices_per_node)
+        model = _model(args.model, args.seq)
+        if args.fix:
+            layout = _fixed(args.fix, args.global_batch)
+            if layout.devices != args.devices:
+                raise ValueError(f"--fix lays out tp x pp x dp = {layout.devices} devices, --devices is "
+                                 f"{args.devices}: make them agree")  # fmt: skip
+            rows, said = [price(model, layout, hw, args.precision)], f"{layout.describe()} priced"
+        else:
+            plan = search(model, args.devices, hw, args.global_batch, recompute=args.recompute, dtype=args.precision)
+            rows = plan.rows
+            said = (f"{plan.considered} layouts considered in {plan.seconds:.2f} s, {len(plan.refused)} refused "
+                    f"(past the device's memory), the best {len(rows)} replayed")  # fmt: skip
+    except (ValueError, TypeError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{hw.name}, {args.devices} devices ({hw.devices_per_node} a node), {model.layers} layers, "
+          f"{model.parameters / 1e9:.1f}B parameters, {args.global_batch} x {args.seq} tokens a step: {said}")
+    for row in rows:
+        print(_line(row))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([_record(row) for row in rows], indent=1))
+    if rows:
+        _plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _model(spec: str, seq: int) -> Transformer:
+    from pipeengine.planner.cluster.models import from_config, load_config
+
+    if spec.endswith(".json"):
+        return from_config(load_config(spec), seq)
+    module, _, function = spec.partition(":")
+    if not module or not function:
+        raise ValueError(f"--model must be a config.json or module:function, got {spec!r}")
+    sys.path.insert(0, ".")
+    made = getattr(importlib.import_module(module), function)()
+    if isinstance(made, Transformer):
+        return made
+    if hasattr(made, "num_hidden_layers"):
+        return from_config(made, seq)
+    raise TypeError(f"{spec}() returned a {type(made).__name__}: return a transformers config or a Transformer")
+
+
+def _fixed(text: str, global_batch: int) -> Layout:
+    fields: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"--fix {text!r}: {part!r} is not key=value")
+        fields[key.strip()] = value.strip()
+    missing = [key for key in FIXED if key not in fields]
+    unknown = sorted(set(fields) - {*FIXED, "schedule", "chunks", "recompute"})
+    if missing or unknown:
+        raise ValueError(f"--fix {text!r}: missing {missing or 'none'}, unknown {unknown or 'none'}; name "
+                         f"{', '.join(FIXED)} (and schedule, chunks, recompute=always|never)")  # fmt: skip
+    tp, pp, dp, b = (int(fields[key]) for key in FIXED)
+    if global_batch % (dp * b):
+        raise ValueError(f"--fix: dp={dp} x micro_batch={b} does not divide --global-batch {global_batch}")
+    chunks = int(fields.get("chunks", 1))
+    schedule = fields.get("schedule", "interleaved" if chunks > 1 else "1f1b")
+    return Layout(tp, pp, dp, b, global_batch // (dp * b), schedule, chunks, fields.get("recompute", "always") ==
+                  "always")  # fmt: skip
+
+
+def _line(row: Price) -> str:
+    memory = f"{row.peak_bytes / 2**30:.1f} GiB" + (f" (refused: {row.refused})" if row.refused else "")
+    return (f"  {row.layout.describe():<48} step {row.step_s:8.3f} s  {row.tokens_per_s:12,.0f} tokens/s  "
+            f"MFU {row.mfu:5.1%}  peak {memory}")  # fmt: skip
+
+
+def _record(row: Price) -> dict[str, object]:
+    layout = row.layout
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": False, "schedule": layout.schedule,
+            "chunks": layout.chunks, "micro_batch": layout.micro_batch, "num_microbatches": layout.num_microbatches,
+            "recompute": "always" if layout.recompute else "never", "step_time_s": row.step_s,
+            "tokens_per_s": row.tokens_per_s, "mfu": row.mfu, "peak_bytes": row.peak_bytes,
+            "refused": row.refused}  # fmt: skip
+
+
+def _plot(rows: list[Price], path: Path) -> None:
+    """Each row's step, split by cause: one horizontal bar a row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    causes = [cause for cause in rows[0].parts if cause != "tensor-parallel all-reduces"]  # inside the pipeline's
+    figure, axes = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
+    for index, row in enumerate(rows):
+        left = 0.0
+        for number, cause in enumerate(causes):
+            axes.barh(index, row.parts[cause], left=left, color=f"C{number}", label=cause if index == 0 else None)
+            left += row.parts[cause]
+    axes.set_yticks(range(len(rows)), [row.layout.describe() for row in rows], fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel("seconds a step (predicted)")
+    axes.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,74 @@
+"""The cluster planner end to end on a tiny Hugging Face config (issue 59, first step): the search's rows fit the
+device and are ranked by the replayed step; a layout fixed by the user is priced exactly as the search priced it;
+the command line's table, JSON rows and refusals. No processes, nothing allocated (the meta device)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeengine.planner.cli import main
+from pipeengine.planner.cluster import load
+from pipeengine.planner.cluster.layout import price
+from pipeengine.planner.cluster.models import from_config
+from pipeengine.planner.cluster.search import search
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}  # fmt: skip
+
+
+def tiny() -> object:
+    return transformers.LlamaConfig(**CONFIG)
+
+
+def test_the_search_ranks_what_fits_by_the_replayed_step_and_a_fixed_layout_costs_the_same() -> None:
+    hw = load("a100-80gb")
+    model = from_config(tiny(), 32)
+    plan = search(model, 16, hw, 32)
+    assert plan.rows and [row.step_s for row in plan.rows] == sorted(row.step_s for row in plan.rows)
+    assert all(not row.refused and row.peak_bytes <= hw.memory_bytes for row in plan.rows)
+    layouts = {(row.layout.tp, row.layout.pp, row.layout.dp) for row in plan.rows}
+    assert all(tp in (1, 2, 4) and pp in (1, 2, 4) and tp * pp * dp == 16 for tp, pp, dp in layouts)  # tp | heads
+    for row in plan.rows:  # one pricing path: the user's fixed layout is the search's row
+        assert price(model, row.layout, hw) == row
+
+
+def test_the_command_line_prints_the_rows_writes_them_and_prices_a_fixed_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(tiny().to_json_string())
+    common = ["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", "--plot",
+              str(tmp_path / "plan.png")]  # fmt: skip
+    assert main([*common, "--json", str(tmp_path / "rows.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "16 devices (8 a node), 4 layers" in printed and "MFU" in printed and (tmp_path / "plan.png").exists()
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    fields = {"tp", "pp", "dp", "fsdp", "schedule", "chunks", "micro_batch", "num_microbatches", "recompute",
+              "step_time_s", "tokens_per_s", "mfu", "peak_bytes"}  # fmt: skip
+    assert rows and all(fields <= set(row) for row in rows)
+    best = rows[0]
+    fix = (f"tp={best['tp']},pp={best['pp']},dp={best['dp']},micro_batch={best['micro_batch']},"
+           f"schedule={best['schedule']},chunks={best['chunks']},recompute={best['recompute']}")  # fmt: skip
+    assert main([*common, "--fix", fix, "--json", str(tmp_path / "fixed.json")]) == 0
+    assert json.loads((tmp_path / "fixed.json").read_text())[0]["step_time_s"] == best["step_time_s"]
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (["--fix", "tp=2,pp=2,dp=2,micro_batch=1"], r"--fix lays out tp x pp x dp = 8 devices, --devices is 16"),
+    (["--fix", "tp=2,pp=2"], r"missing \['dp', 'micro_batch'\]"),
+    (["--hardware", "b300"], r"b300"),
+])  # fmt: skip
+def test_the_command_line_refuses_what_cannot_be_planned_saying_why(
+    tmp_path: Path, extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(tiny().to_json_string())
+    code = main(["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", *extra])
+    assert code == 2
+    assert re.search(said, capsys.readouterr().err)
