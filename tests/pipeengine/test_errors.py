@@ -181,6 +181,20 @@ def test_a_killed_rank_is_named_and_the_others_stop() -> None:
     assert not multiprocessing.active_children()
 
 
+def die_while_the_other_computes() -> None:
+    """Rank 1 dies at once, without a report; rank 0 is in a long compute (no collective would tell it)."""
+    if ranks.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_dead_without_a_report_stops_the_others_at_once_not_when_they_finish() -> None:
+    with pytest.raises(LaunchError, match=r"rank 1 died from signal SIGKILL") as caught:
+        launch(die_while_the_other_computes, 2, timeout=120, grace=1)
+    assert "rank 0: was still running 1 s after the first failure and was stopped" in str(caught.value)
+
+
 @pytest.mark.timeout(120)
 def test_a_hung_rank_is_found_by_the_timeout_and_stopped() -> None:
     with pytest.raises(LaunchError, match=r"rank 2 was still running .* and was stopped") as caught:

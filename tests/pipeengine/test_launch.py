@@ -138,8 +138,9 @@ def test_cuda_ranks_need_a_gpu_each() -> None:
 
 
 def resume_or_crash(directory: str) -> None:
-    """The README's resume idiom over 4 steps, a checkpoint after each; the first time, rank 1 is killed in step 2.
-    Each run writes down the step it started from."""
+    """The README's resume idiom over 4 steps, a checkpoint after each; rank 1 is killed in step 2 the first time and
+    in step 3 the second (a third attempt's group must not meet the second's keys). Each run writes down the step it
+    started from."""
     import signal
 
     import torch
@@ -154,7 +155,7 @@ def resume_or_crash(directory: str) -> None:
     with open(f"{directory}/starts.{ranks.rank()}", "a") as out:
         out.write(f"{start}\n")
     for step in range(start, 4):
-        if step == 2 and ranks.rank() == 1 and start == 0:
+        if ranks.rank() == 1 and (step, start) in ((2, 0), (3, 2)):
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch("mlp", 4, seed=step)
         engine.train_step(x if engine.first else None, y if engine.last else None)
@@ -174,7 +175,7 @@ def test_under_torchrun_launch_joins_its_group_and_max_restarts_resumes(tmp_path
         f"    launch(report_world, 2, args=({str(tmp_path / 'world')!r},))\n"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", str(script)]  # fmt: skip
+               "--max-restarts", "2", str(script)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = tmp_path / "torchrun.log"
     with log.open("w") as out:
@@ -187,8 +188,8 @@ def test_under_torchrun_launch_joins_its_group_and_max_restarts_resumes(tmp_path
         "0 2 gloo",
         "1 2 gloo",
     ]
-    # torchrun started both ranks again once; they resumed after the last checkpoint before the kill (step 2)
-    assert [(tmp_path / f"starts.{r}").read_text().split() for r in range(2)] == [["0", "2"], ["0", "2"]]
+    # torchrun started both ranks again twice; each time they resumed after the last checkpoint before the kill
+    assert [(tmp_path / f"starts.{r}").read_text().split() for r in range(2)] == [["0", "2", "3"], ["0", "2", "3"]]
     assert (tmp_path / "latest").read_text() == "checkpoint-4"
 
 
