@@ -95,12 +95,14 @@ def whole_parameters(stages: Iterable[nn.Module]) -> list[tuple[str, nn.Paramete
     return list(found.values())
 
 
-def check_replicated(params: Sequence[tuple[str, nn.Parameter]], tensor: Transport, world: Transport) -> None:
+def check_replicated(params: Sequence[tuple[str, nn.Parameter]], tensor: Transport, world: Transport) -> bool:
     """After a training step's every reduction: each of ``params`` (whole_parameters) has the same gradient on every
     rank of ``tensor`` (the stage's tensor-parallel ranks), or every rank of ``world`` raises PlanError naming each
-    that differs and by how much. Every rank of the world calls it, once: a sum, two norms and a sample's weighted sum
-    per parameter, gathered over ``tensor`` in one collective; one int summed over ``world``. Only where some rank
-    finds a difference, the differing gradients themselves are gathered, and the findings."""
+    that differs and by how much. Every rank of the world calls it at the same step: a sum, two norms and a sample's
+    weighted sum per parameter, gathered over ``tensor`` in one collective; two ints summed over ``world``. Only where
+    some rank finds a difference, the differing gradients themselves are gathered, and the findings. False where a
+    gradient was not finite anywhere (fp16's overflow, its step skipped): nothing told, every rank checks again at the
+    next training step."""
     rows = [_summary(param) for _, param in params]
     rows.append(torch.zeros(STATS, dtype=torch.float64, device=tensor.device))  # no parameter: still one row
     tables = tensor.all_gather(torch.stack(rows).to(tensor.device), "the whole parameters' gradient summaries")
@@ -109,10 +111,11 @@ def check_replicated(params: Sequence[tuple[str, nn.Parameter]], tensor: Transpo
     scale = table.abs().amax(0)[:, [1, 1, 2, 1]].clamp_min(torch.finfo(torch.float64).tiny)  # sums against the L1
     relative = (spread / scale).amax(1)
     differ = [i for i, (_, param) in enumerate(params) if relative[i] > _rtol(param)]
-    count = torch.tensor([len(differ)], dtype=torch.int64, device=world.device)
+    nonfinite = int(not torch.isfinite(table).all())
+    count = torch.tensor([len(differ), nonfinite], dtype=torch.int64, device=world.device)
     world.all_reduce(count, "the number of whole parameters whose gradients differ over tensor-parallel ranks")
-    if not count.item():
-        return
+    if not count[0].item():
+        return not count[1].item()
     findings = _differences([params[i] for i in differ], tensor) if differ else {}
     merged: dict[str, tuple[float, float]] = {}
     for theirs in world.all_gather_object(findings, "the whole parameters whose gradients differ"):
@@ -153,7 +156,7 @@ def _summary(param: nn.Parameter) -> torch.Tensor:
 
 def _rtol(param: nn.Parameter) -> float:
     """RTOL, or 4 ulps of a coarser gradient (bfloat16, float16), relative to the gradient's size."""
-    dtype = param.grad.dtype if param.grad is not None else param.dtype
+    dtype = param.dtype  # its gradient's, alike on every rank (whether it has one or not)
     return max(RTOL, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else RTOL
 
 

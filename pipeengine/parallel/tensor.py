@@ -255,14 +255,14 @@ class TensorSum(GradientSync):
     Every rank with tensor parallelism has one (``modules`` maybe empty): after the first training step's reductions
     (its own the last of them) it checks that every parameter the ranks hold whole got the same gradient on each, or
     refuses the plan on every rank (leftout.check_replicated), before an optimizer steps on it; once passed, never
-    again."""
+    again (a step whose gradients were not finite somewhere, fp16's overflow, passes nothing: the next checks)."""
 
     kind: ClassVar[Kind | None] = None
     tensor: Transport  # this stage's tensor-parallel ranks
     modules: list[nn.Module]  # the modules marked SUMMED; their own parameters looked up each step (FSDP swaps them)
     world: Transport  # every rank of the engine: each learns whether any rank's check failed
     stages: list[nn.Module]  # this rank's stages: their whole parameters checked at the first training step's end
-    checked: bool = field(default=False, init=False)  # the check passed: never run again
+    checked: bool = field(default=False, init=False)  # the check passed, on every rank alike: never run again
     _due: bool = field(default=False, init=False)  # a training step's end: check at its finish
 
     @property
@@ -296,10 +296,9 @@ class TensorSum(GradientSync):
 
     def finish(self, tracer: Tracer) -> None:
         super().finish(tracer)
-        if self._due:  # once per engine: a few numbers a parameter, gathered in one collective
+        if self._due:  # once per engine: a few numbers a parameter, gathered in one collective (leftout)
             self._due = False
-            check_replicated(whole_parameters(self.stages), self.tensor, self.world)
-            self.checked = True
+            self.checked = check_replicated(whole_parameters(self.stages), self.tensor, self.world)
 
 
 def tensor_sum(topology: Topology, stages: Mapping[int, nn.Module]) -> TensorSum | None:
