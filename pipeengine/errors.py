@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PipelineError", "PeerError", "LaunchError"]
+__all__ = ["PipelineError", "PeerError", "LaunchError", "PlanError"]
 
 
 class PipelineError(RuntimeError):
@@ -11,6 +11,11 @@ class PipelineError(RuntimeError):
 
 class PeerError(PipelineError):
     """Waiting on another rank failed (it died, raised, or did not answer within the timeout)."""
+
+
+class PlanError(ValueError):
+    """A parallelism plan found wrong by what a step computed (every rank finds it alike, and raises it): a
+    ValueError, as a plan refused when the engine is built is; the step's context comes first in its message."""
 
 
 class LaunchError(RuntimeError):

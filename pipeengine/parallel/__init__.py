@@ -5,6 +5,8 @@ reduction (a GradientSync: pipeengine.parallel.gradsync), its memory and its che
     fsdp.py      FSDP2 over the replicas: shard_stage, refusals, ShardedReduce (AR), gather/reshard, pricing
     tensor.py    tensor parallelism: the device mesh, the tp_plan applied, tied weights re-tied, TensorSum
     styles.py    tp_plan styles of pipeengine's own: ReplicatedGradSum (per-head norms), HeadRows (per-head weights)
+    leftout.py   what a tp_plan leaves out, refused: at build (a weight with a row per head), at the first step (a whole
+                 parameter whose gradient differs over the tensor-parallel ranks; TensorSum runs it)
     ties.py      weights tied across pipeline ranks: TieSum (TR)
     gradsync.py  the protocol they share, and Syncs: this rank's syncs, in their order
 
@@ -48,7 +50,8 @@ def gradient_syncs(ties: Ties, schedule: Schedule, topology: Topology, stages: d
                    fsdp: bool = False, reshard_after_forward: bool = False) -> Syncs:  # fmt: skip
     """What this rank's AR and TR instructions start: the replicas' mean (FSDP2's reduce-scatter with fsdp), and the
     tied weights' sum (after the reduce-scatter with fsdp: it adds reduced shards); and at the step's end, after
-    them, the sum over the tensor-parallel ranks of the gradients each computes only its part of (TensorSum)."""
+    them, the sum over the tensor-parallel ranks of the gradients each computes only its part of (TensorSum: with
+    tensor parallelism always, for the first step's check of the whole parameters' gradients)."""
     syncs: list[GradientSync] = []
     if topology.data is not None and fsdp:
         on_gloo = topology.world.device.type != "cuda"

@@ -13,7 +13,9 @@ Each parallelism implements GradientSync in its own module:
     TieSum         TR  a tied weight's gradient summed over the ranks that hold it (pipeengine.parallel.ties)
     TensorSum      --  a parameter each tensor-parallel rank holds whole but computes only its part of the gradient
                        of (a norm over its own heads), summed over the stage's tensor-parallel ranks at the step's
-                       end, after the replicas' AR (pipeengine.parallel.tensor)
+                       end, after the replicas' AR (pipeengine.parallel.tensor); at the first training step's
+                       end, after every reduction, each whole parameter's gradient checked equal over those ranks
+                       (a plan that left one out refused on every rank: pipeengine.parallel.leftout)
 
 The ordering is explicit: a sync names the kinds that must have *finished* before its reductions start
 (``after``); Syncs defers its starts until then and finishes in an order that respects it (a tie sum under

@@ -11,7 +11,10 @@ backward (their gradients need no reduction of ours: a replica's AR reduces each
     fake_mesh / shard_layer    the planner's probe: one layer sharded as one rank holds it, on torch's fake backend
     TensorSum / tensor_sum     the gradient of a parameter each rank holds whole but computes only its part of (a
                                norm over its own heads: styles.ReplicatedGradSum marks its module), summed over the
-                               stage's tensor-parallel ranks at the step's end (a GradientSync: parallel.gradsync)
+                               stage's tensor-parallel ranks at the step's end (a GradientSync: parallel.gradsync);
+                               at the first training step's end, every whole parameter's gradient checked equal over
+                               them: one the plan left out is refused (parallel.leftout, as a per-head weight with a
+                               row per head is by plan_matches)
 Its checkpoint form is the DTensor itself (pipeengine.core.dtensors: whole, spread); a stage whose output is a
 shard is refused where the stage runs (pipeengine.runtime.stage).
 """
@@ -23,7 +26,7 @@ import dataclasses
 import fnmatch
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -37,6 +40,7 @@ from pipeengine.core.ties import Ties
 from pipeengine.errors import PipelineError
 from pipeengine.observe.trace import Tracer
 from pipeengine.parallel.gradsync import GradientSync
+from pipeengine.parallel.leftout import check_replicated, refuse_headwise, whole_parameters
 from schedules import Action, Instruction, Kind
 
 if TYPE_CHECKING:
@@ -80,7 +84,8 @@ def group_mesh(group: object, device_type: str, name: str) -> object:
 def plan_matches(model: nn.Module, plan: Mapping[str, object], degree: int = 1) -> dict[str, object]:
     """The tp_plan resolved to the model's module names (the later pattern wins a name two match); a pattern that
     matches none is refused, naming it. A style with a ``check_degree(degree)`` (pipeengine.hf's attention, which
-    splits by heads) refuses a degree it cannot run at, on every rank, before any stage is cut."""
+    splits by heads) refuses a degree it cannot run at, on every rank, before any stage is cut; so is a weight with
+    a row per head beside a column-wise projection that the plan leaves out (leftout.refuse_headwise)."""
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, object] = {}
     for pattern, style in plan.items():
@@ -96,6 +101,7 @@ def plan_matches(model: nn.Module, plan: Mapping[str, object], degree: int = 1) 
         check = getattr(style, "check_degree", None)
         if check is not None:
             check(degree)
+    refuse_headwise(model, resolved)
     return resolved
 
 
@@ -244,11 +250,20 @@ class TensorSum(GradientSync):
     norm after a column-wise q_proj sees this rank's heads alone: the true gradient is the sum over the ranks),
     summed over the stage's tensor-parallel ranks. No instruction starts it: at a training step's end, after the
     replicas' AR (a mean of each rank's part, then their sum: the same sum) and the ties' TR, which write the same
-    gradients back. Its flat buffer (the norms' weights: head_dim a norm) is not priced in the memory trace."""
+    gradients back. Its flat buffer (the norms' weights: head_dim a norm) is not priced in the memory trace.
+
+    Every rank with tensor parallelism has one (``modules`` maybe empty): after the first training step's reductions
+    (its own the last of them) it checks that every parameter the ranks hold whole got the same gradient on each, or
+    refuses the plan on every rank (leftout.check_replicated), before an optimizer steps on it; once passed, never
+    again (a step whose gradients were not finite somewhere, fp16's overflow, passes nothing: the next checks)."""
 
     kind: ClassVar[Kind | None] = None
     tensor: Transport  # this stage's tensor-parallel ranks
     modules: list[nn.Module]  # the modules marked SUMMED; their own parameters looked up each step (FSDP swaps them)
+    world: Transport  # every rank of the engine: each learns whether any rank's check failed
+    stages: list[nn.Module]  # this rank's stages: their whole parameters checked at the first training step's end
+    checked: bool = field(default=False, init=False)  # the check passed, on every rank alike: never run again
+    _due: bool = field(default=False, init=False)  # a training step's end: check at its finish
 
     @property
     def after(self) -> tuple[Kind, ...]:
@@ -277,11 +292,19 @@ class TensorSum(GradientSync):
             grads.append(param.grad)
         what = "the sum of the per-head parameters' gradients over the tensor-parallel ranks"
         self._reduce(None, grads, self.tensor, what, 1)
+        self._due = not self.checked
+
+    def finish(self, tracer: Tracer) -> None:
+        super().finish(tracer)
+        if self._due:  # once per engine: a few numbers a parameter, gathered in one collective (leftout)
+            self._due = False
+            self.checked = check_replicated(whole_parameters(self.stages), self.tensor, self.world)
 
 
 def tensor_sum(topology: Topology, stages: Mapping[int, nn.Module]) -> TensorSum | None:
-    """This rank's TensorSum: its stages' modules a style marked SUMMED; None without tensor parallelism or any."""
-    marked = [m for module in stages.values() for m in module.modules() if getattr(m, SUMMED, False)]
-    if topology.tensor is None or not marked:
+    """This rank's TensorSum: its stages' modules a style marked SUMMED (maybe none: it checks the first step's whole
+    parameters still); None without tensor parallelism."""
+    if topology.tensor is None:
         return None
-    return TensorSum(topology.tensor, marked)
+    marked = [m for module in stages.values() for m in module.modules() if getattr(m, SUMMED, False)]
+    return TensorSum(topology.tensor, marked, topology.world, list(stages.values()))

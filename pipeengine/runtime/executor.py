@@ -16,7 +16,7 @@ import torch
 
 from pipeengine.comm.base import Transport
 from pipeengine.core.specs import Boundary, Tensors
-from pipeengine.errors import PipelineError
+from pipeengine.errors import PipelineError, PlanError
 from pipeengine.observe.trace import NULL_TRACER, Tracer
 from pipeengine.parallel.gradsync import Syncs
 from pipeengine.runtime.mailbox import Mailbox
@@ -89,6 +89,8 @@ class Executor:
             self.syncs.finish(tracer, step.train)
         except Exception as error:
             context = state.where(index, action)
+            if isinstance(error, PlanError):  # the user's plan refused, on every rank: a ValueError still
+                raise PlanError(f"{context}: {error}") from error
             if isinstance(error, PipelineError):
                 if not str(error).startswith("rank "):  # raised here without context: give it one
                     raise type(error)(f"{context}: {error}") from error
