@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeengine.auto import resolve_auto
 from pipeengine.comm.calls import Call, Calls
 from pipeengine.comm.connect import connect
 from pipeengine.comm.consensus import agree_on_model
-from pipeengine.construction.assembly import Assembly, assemble, resolve_auto
+from pipeengine.construction.assembly import Assembly, assemble
 from pipeengine.core.config import DEFAULT_TIMEOUT, EngineConfig, check_arguments
 from pipeengine.core.specs import Tensors
 from pipeengine.runtime.precision import GradScaler
@@ -83,8 +84,7 @@ class PipelineEngine:
         world = connect(group, self.config.device, self.config.timeout)
         # first: in-process ranks build their models one at a time until here; the options every rank must share
         agree_on_model(model, world, self.config.shared())
-        # schedule="auto": the pipeengine.planner.search candidate every rank built (self.tuned), else None
-        self.config, self.tuned = resolve_auto(self.config, model, loss_fn, sample, world, type(self))
+        self.config, self.tuned = resolve_auto(self.config, model, loss_fn, sample, world, type(self))  # "auto"
         parts: Assembly = assemble(model, loss_fn, self.config, sample, world)
         self._expose(parts)
         self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, self.pipeline)

@@ -5,6 +5,9 @@ that names it, share helpers that import no test module, and run the one-process
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,8 @@ ROOT = Path(__file__).parent.parent
 # lowest first: a module imports from its own folder or from folders strictly below it; "" is the package's top
 LAYERS = {
     "schedules": [["ir"], ["proof"], ["sim"], ["passes"], ["compilers"], [""]],
-    "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["parallel"], ["runtime"], ["planner"],
-                   ["construction"], ["train", "hf"], [""]],  # fmt: skip
+    "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["parallel"], ["runtime"],
+                   ["construction"], ["train", "hf"], ["planner"], [""]],  # fmt: skip
 }
 
 
@@ -89,6 +92,23 @@ def test_imports_run_down_the_layers(package: str) -> None:
             if theirs != mine and rank[theirs] >= rank[mine] and not (mine == "" and theirs == ""):
                 wrong.append(f"{module} ({mine or 'top'}) imports {target} ({theirs or 'top'})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_nothing_outside_the_planner_imports_it_and_importing_pipeengine_loads_none_of_it() -> None:
+    """The planner (search, pricing, calibration, the CPU host model) sits above everything the engine runs: outside
+    planner/ only the top's tune (its command) and auto (schedule="auto", asked inside a function) import it, and
+    ``import pipeengine`` loads no planner module."""
+    importers = sorted(module for module, targets in graph("pipeengine").items()
+                       if folder("pipeengine", module) != "planner"
+                       and any(folder("pipeengine", target) == "planner" for target in targets))  # fmt: skip
+    assert importers == ["pipeengine.auto", "pipeengine.tune"], importers
+    auto = ast.parse((ROOT / "pipeengine" / "auto.py").read_text())
+    at_top = [node for node in auto.body if isinstance(node, ast.Import | ast.ImportFrom)]
+    assert not [ast.unparse(node) for node in at_top if "pipeengine.planner" in ast.unparse(node)]
+    code = "import pipeengine, sys; print(sorted(m for m in sys.modules if m.startswith('pipeengine.planner')))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)  # fmt: skip
+    assert run.stdout.strip() == "[]", run.stdout + run.stderr
 
 
 def test_the_facade_reads_as_a_table_of_contents() -> None:

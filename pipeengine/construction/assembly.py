@@ -16,7 +16,7 @@ Nothing here runs at step time: the step (pipeengine.train.stepping) is handed t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,16 +24,16 @@ from torch import nn
 
 from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
+from pipeengine.construction.layercosts import LayerCosts
+from pipeengine.construction.measure import measure
+from pipeengine.construction.partition import Partition, method_costs, solve
 from pipeengine.construction.transform import transform_stage
 from pipeengine.core.bounds import bounds_from_counts, check_counts, stage_module
-from pipeengine.core.config import AUTO, METHODS, EngineConfig
+from pipeengine.core.config import METHODS, EngineConfig
 from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.core.ties import Ties
 from pipeengine.parallel import checked_ties, gradient_syncs, tensor
-from pipeengine.planner.costmodel import LayerCosts
-from pipeengine.planner.measure import measure
-from pipeengine.planner.partition import Partition, method_costs, solve
 from pipeengine.runtime.backward import keep_compiled_graphs
 from pipeengine.runtime.executor import Executor
 from pipeengine.runtime.programs import Programs
@@ -58,18 +58,6 @@ class Assembly:
     programs: Programs
     meta_layers: list[nn.Module]  # every layer on the meta device: every rank infers every boundary
     mesh: object | None = None  # torch's DeviceMesh over the grid, where a stage transform needed one
-
-
-def resolve_auto(config: EngineConfig, model: nn.Sequential, loss_fn: LossFn, sample: object, world: Transport,
-                 engine: Callable[..., object]) -> tuple[EngineConfig, object | None]:  # fmt: skip
-    """schedule="auto": the planner's choice (pipeengine.planner.search), the same on every rank, and the candidate it
-    built; any other schedule as it is, and None. ``engine``: the engine's class (the planner's calibration runs
-    it where this machine's prices are not kept)."""
-    if config.schedule != AUTO:
-        return config, None
-    from pipeengine.planner.search import choose  # here: `python -m pipeengine.tune` must find it not yet imported
-
-    return choose(config, model, loss_fn, sample, world, engine)
 
 
 def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:

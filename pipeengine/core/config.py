@@ -13,7 +13,7 @@ from schedules import SCHEDULES, Schedule
 __all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "METHODS", "PRECISIONS", "EngineConfig", "check_arguments",
            "check_memory_limit"]
 
-METHODS = ("uniform", "parameters", "time", "memory")  # how partition= cuts the model (pipeengine.planner.partition)
+METHODS = ("uniform", "parameters", "time", "memory")  # how partition= cuts a model (construction.partition)
 
 AUTO = "auto"  # schedule="auto": pipeengine.tune chooses schedule, micro-batches, chunks and partition
 

@@ -5,7 +5,7 @@ shown what the engine itself holds: the inputs and outputs a stage keeps for its
 received buffers, gradients waiting to be sent or taken, what a split backward keeps for W.
 Each storage counts once and parameters never (they are the step-long state). StageSizes is
 what one stage holds per micro-batch, as measured (pipeengine.train.tracing) or profiled
-(pipeengine.planner.measure) under a ledger.
+(pipeengine.construction.measure) under a ledger.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from pipeengine.parallel.leftout import check_replicated, refuse_headwise, whole
 from schedules import Action, Instruction, Kind
 
 if TYPE_CHECKING:
-    from pipeengine.planner.costmodel import LayerCosts
+    from pipeengine.construction.layercosts import LayerCosts
 
 __all__ = ["SUMMED", "TensorSum", "agree_on_ties", "apply", "device_mesh", "fake_mesh", "group_mesh", "plan_matches",
            "retie", "shard_costs", "shard_layer", "shards_output", "tensor_sum"]

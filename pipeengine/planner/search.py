@@ -36,16 +36,17 @@ from torch import nn
 
 from pipeengine.comm.backends import backend as backend_named
 from pipeengine.comm.base import Transport
+from pipeengine.construction.layercosts import LayerCosts
+from pipeengine.construction.partition import cut_points, method_costs, solve
 from pipeengine.core.config import CHECKPOINTING, EngineConfig, check_memory_limit
 from pipeengine.core.specs import Tensors, unpack
 from pipeengine.launcher.launch import keep_freed_memory
 from pipeengine.parallel import checked_ties
 from pipeengine.planner import calibration
 from pipeengine.planner.calibration import Prices
-from pipeengine.planner.costmodel import LayerCosts, LayerProfile
+from pipeengine.planner.costmodel import LayerProfile
 from pipeengine.planner.elsewhere import one_process
 from pipeengine.planner.measure import profile_layers
-from pipeengine.planner.partition import cut_points, method_costs, solve
 from pipeengine.planner.pricing import Spec, in_parallel, price
 from pipeengine.planner.result import Candidate, TuneResult
 from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, with_gradient_sync

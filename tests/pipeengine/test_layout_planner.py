@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.planner import calibration, measure, probes, wakes
+from pipeengine.construction import measure
+from pipeengine.planner import calibration, probes, wakes
 from pipeengine.planner.calibration import Link, Prices
 from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import tune
@@ -102,7 +103,7 @@ def tied_v():  # type: ignore[no-untyped-def]
     options: dict[str, object] = dict(schedules=["zb-v"], microbatches=[1, 2], methods=("uniform",),
                                       checkpoint=["never"], repeats=1)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(measure, "_time", lambda *args: (1e-4, 2e-4, 1e-4, 1e-4))
+        patch.setattr(measure, "time_layer", lambda *args: (1e-4, 2e-4, 1e-4, 1e-4))
         searched = tune(tied_gpt(blocks=2), one_process_loss, x, 2, target=y, **options)  # type: ignore[arg-type]
         fixed = tune(tied_gpt(blocks=2), one_process_loss, x[:4], 2, target=y[:4], data_parallel=2, **options)  # type: ignore[arg-type]
     return searched, fixed
@@ -223,16 +224,14 @@ def test_tensor_parallel_collectives_are_measured_per_layer_and_priced_inside_th
 def test_each_timed_run_of_a_layer_starts_with_the_caches_flushed() -> None:
     """On the CPU a layer's F, B, I and W are each timed right after the caches are written over (a rank meets its
     stage's weights cold in a step), with a buffer the size of the processor's largest cache."""
-    from pipeengine.planner import measure
-
     order: list[str] = []
     layer = nn.Linear(4, 4)
     layer.register_forward_pre_hook(lambda *_: order.append("F"))
     layer.register_full_backward_pre_hook(lambda *_: order.append("B"))
-    measure._time(layer, torch.randn(2, 4), False, torch.device("cpu"), lambda: order.append("flush"))
+    measure.time_layer(layer, torch.randn(2, 4), False, torch.device("cpu"), lambda: order.append("flush"))
     # F, B, then F again untimed (I and W need its graph), I, W: each timed one after a flush
     assert order == ["flush", "F", "flush", "B", "F", "flush", "B", "flush"]
-    from pipeengine.planner.caches import last_level_cache
+    from pipeengine.construction.caches import last_level_cache
 
     assert last_level_cache() >= 2**20
 
@@ -242,8 +241,6 @@ def test_a_layout_of_one_pipeline_rank_is_priced_from_layers_timed_with_the_host
     """warm=True: each timed compute follows the flush and a forward and backward of a copy of the layer (its own
     weights: the layer's stay cold). tune measures the layouts of one pipeline rank (dp=2 of 2 ranks) so, and only
     them, and prices them from those times."""
-    from pipeengine.planner import measure
-
     order: list[tuple[str, int]] = []
     layer = nn.Sequential(nn.Linear(4, 4))
     layer.register_forward_pre_hook(lambda module, _: order.append(("F", module[0].weight.data_ptr())))

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from pipeengine import Partition, PipelineEngine, launch, measure, plan, solve
+from pipeengine.construction.partition import method_costs
 from pipeengine.core.bounds import bounds_from_counts, check_bounds, stage_module
-from pipeengine.planner.partition import method_costs
 from schedules import Costs, build_schedule, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch

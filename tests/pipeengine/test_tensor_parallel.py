@@ -306,8 +306,8 @@ def default_partition_around_shards() -> None:
 def test_the_engines_own_partition_reads_which_layers_end_in_a_shard() -> None:
     """Read from the plan's styles (resolved names): column-wise to row-wise is sharded between, a layer with no
     style keeps what came in; a block whose last style is row-wise ends whole."""
+    from pipeengine.construction.partition import solve
     from pipeengine.parallel.tensor import plan_matches, shards_output
-    from pipeengine.planner.partition import solve
 
     model, tp_plan = flat_model_and_plan()
     flags = shards_output(model, plan_matches(model, tp_plan))

@@ -1,6 +1,7 @@
 """The processor's caches emptied before a layer is timed: a rank meets its stage's weights cold in a pipeline step
 (between two of its computes other layers, micro-batches, communication and the ranks sharing the machine run), so
-the planner times each layer's F, B, I and W from cold caches on the CPU (pipeengine.planner.measure)."""
+the layer measurement times each layer's F, B, I and W from cold caches on the CPU (pipeengine.construction.measure:
+the engine's partition by time and the planner's profile alike)."""
 
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeengine.construction.layercosts import LayerCosts
+from pipeengine.construction.measure import measure
 from pipeengine.core.bounds import Bounds, bounds_from_counts, check_counts
 from pipeengine.core.config import METHODS
 from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors
-from pipeengine.planner.costmodel import LayerCosts
-from pipeengine.planner.measure import measure
 
 __all__ = ["METHODS", "Partition", "cut_points", "plan", "solve"]
 
