@@ -47,3 +47,13 @@ def refused(error: BaseException) -> str:
         detail = " ".join(text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0].split())
         return f"it is not plain data that weights_only=True reads ({detail[:160]})"
     return f"{type(error).__name__}: {text.strip().splitlines()[0][:200] if text.strip() else 'no detail'}"
+
+
+def once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads(..., object_pairs_hook=once_each): an object whose keys are each written once (json would keep the
+    last of a key written twice, silently)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"the key {', '.join(map(repr, twice))} is written twice in one object")
+    return dict(pairs)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeengine.core.files import write_atomically
+from pipeengine.core.files import once_each, write_atomically
 from pipeengine.planner import calibration_file, probes, wakes
 
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
@@ -278,7 +278,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
         return Prices()
     again = f"delete it or run {CALIBRATE} again"
     try:
-        data = json.loads(source.read_text(), object_pairs_hook=_once)
+        data = json.loads(source.read_text(), object_pairs_hook=once_each)
     except (OSError, ValueError) as error:  # not a file to read, or not JSON, or a key written twice
         read = f"{type(error).__name__}: {error}"
         raise ValueError(f"calibration file {source} cannot be read ({read}); {again}") from error
@@ -286,15 +286,6 @@ def load(path: str | os.PathLike[str] | None = None) -> Prices:
         return Prices.from_json(data, f"calibrated on {calibration_file.measured(data)} ({source})")
     except ValueError as error:
         raise ValueError(f"calibration file {source} is refused: {error}; {again}") from error
-
-
-def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are each written once (json keeps the last of a key written twice, silently)."""
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
-    if twice:
-        raise ValueError(f"the key {', '.join(map(repr, twice))} is written twice in one object")
-    return dict(pairs)
 
 
 def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int] = COLLECTIVE_SIZES) -> Prices:

@@ -30,6 +30,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from pipeengine.core.files import once_each
+
 __all__ = ["DTYPES", "FIGURES", "PRESETS", "Hardware", "Link", "load", "parse"]
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")  # peak_flops must name these; others (fp8, ...) may follow
@@ -183,20 +185,11 @@ def _values(data: object, where: str) -> dict[str, Any]:
     }
 
 
-def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are each written once (json keeps the last of a key written twice, silently)."""
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
-    if twice:
-        raise ValueError(f"the key {', '.join(map(repr, twice))} is written twice in one object")
-    return dict(pairs)
-
-
 def parse(text: str, where: str) -> Hardware:
     """The description in JSON ``text`` read from ``where``: refused if it is not JSON, writes a key twice, or
     breaks a rule of Hardware.from_json."""
     try:
-        data = json.loads(text, object_pairs_hook=_once)
+        data = json.loads(text, object_pairs_hook=once_each)
     except ValueError as error:  # not JSON, or a key written twice
         raise ValueError(f"{where}: cannot be read as a hardware description ({error}); correct the file") from error
     return Hardware.from_json(data, where)
