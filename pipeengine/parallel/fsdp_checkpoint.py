@@ -29,6 +29,7 @@ DTensor still reads only its own shard.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -36,14 +37,14 @@ import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.futures import Future
 
 from pipeengine.core.dtensors import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 from pipeengine.core.files import refused
 
 __all__: list[str] = []
@@ -190,6 +191,8 @@ def read_metadata(path: Path) -> Metadata:
 
 def _check(metadata: Any, path: Path) -> None:
     """Tensor entries only, each chunk stored in a plain file of the folder, untransformed."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ValueError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata: load a checkpoint written "
                          "by engine.save")  # fmt: skip
@@ -213,60 +216,74 @@ def _check(metadata: Any, path: Path) -> None:
                              ", which pipeengine does not read: save it again with engine.save")  # fmt: skip
 
 
-class SafeReader(FileSystemReader):
+def SafeReader(folder: Path) -> Any:  # noqa: N802  (a class, made once: DCP is imported only when a load needs it)
     """DCP's FileSystemReader that reads `.metadata` with ``read_metadata`` and every tensor with weights_only."""
+    return _reader_class()(folder)
 
-    def __init__(self, folder: Path) -> None:
-        super().__init__(str(folder))
-        self.folder = folder
-        self.metadata: Metadata | None = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.metadata is None:
-            self.metadata = read_metadata(self.folder / ".metadata")
-            if getattr(self.metadata, "storage_meta", None) is None:
-                self.metadata.storage_meta = StorageMeta()
-        if hasattr(self, "load_id") and self.metadata.storage_meta is not None:
-            self.metadata.storage_meta.load_id = self.load_id  # as DCP's reader does: this load's id
-        return self.metadata
+@functools.cache
+def _reader_class() -> type:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.futures import Future
 
-    def read_data(self, plan: Any, planner: Any) -> Future[None]:
-        per_file: dict[str, list[Any]] = {}
-        for request in plan.items:
-            per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
-        for name, requests in per_file.items():
-            if not (self.folder / name).is_file():
-                raise FileNotFoundError(f"{self.folder / name} is missing: the checkpoint's shards are incomplete; "
-                                        "load another checkpoint or save again")  # fmt: skip
-            with open(self.folder / name, "rb") as stream:
-                for request in requests:
-                    tensor = self._tensor(stream, name, request)
-                    for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths, strict=True)):
-                        tensor = tensor.narrow(dim, start, length)  # the part this rank asked for
-                    target = planner.resolve_tensor(request).detach()
-                    if target.size() != tensor.size():
-                        raise ValueError(f"{self.folder / name}: {request.storage_index.fqn!r} reads as "
-                                         f"{list(tensor.shape)} where {list(target.shape)} was planned")  # fmt: skip
-                    target.copy_(tensor)
-                    planner.commit_tensor(request, target)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+    class SafeReader(FileSystemReader):
+        """DCP's FileSystemReader that reads `.metadata` with ``read_metadata`` and every tensor with weights_only."""
 
-    def _tensor(self, stream: Any, name: str, request: Any) -> torch.Tensor:
-        info = self.storage_data[request.storage_index]
-        fqn = request.storage_index.fqn
-        stream.seek(info.offset)
-        data = stream.read(info.length)
-        if len(data) != info.length:
-            raise ValueError(f"{self.folder / name} is truncated: {fqn!r} needs bytes {info.offset}-"
-                             f"{info.offset + info.length}, the file has {os.fstat(stream.fileno()).st_size}; load "
-                             "another checkpoint or save again")  # fmt: skip
-        try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001  (a refused global or a corrupt record: named, never run)
-            raise ValueError(f"{self.folder / name}: {fqn!r} cannot be read ({refused(error)}); nothing in it was "
-                             "run: the file is damaged; load another checkpoint or save again") from None
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{self.folder / name}: {fqn!r} holds a {type(tensor).__name__}, not a tensor")
-        return tensor
+        def __init__(self, folder: Path) -> None:
+            super().__init__(str(folder))
+            self.folder = folder
+            self.metadata: Metadata | None = None
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            if self.metadata is None:
+                self.metadata = read_metadata(self.folder / ".metadata")
+                if getattr(self.metadata, "storage_meta", None) is None:
+                    self.metadata.storage_meta = StorageMeta()
+            if hasattr(self, "load_id") and self.metadata.storage_meta is not None:
+                self.metadata.storage_meta.load_id = self.load_id  # as DCP's reader does: this load's id
+            return self.metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Future[None]:
+            per_file: dict[str, list[Any]] = {}
+            for request in plan.items:
+                per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
+            for name, requests in per_file.items():
+                if not (self.folder / name).is_file():
+                    raise FileNotFoundError(f"{self.folder / name} is missing: the checkpoint's shards are incomplete; "
+                                            "load another checkpoint or save again")  # fmt: skip
+                with open(self.folder / name, "rb") as stream:
+                    for request in requests:
+                        tensor = self._tensor(stream, name, request)
+                        parts = zip(request.storage_offsets, request.lengths, strict=True)
+                        for dim, (start, length) in enumerate(parts):
+                            tensor = tensor.narrow(dim, start, length)  # the part this rank asked for
+                        target = planner.resolve_tensor(request).detach()
+                        if target.size() != tensor.size():
+                            raise ValueError(f"{self.folder / name}: {request.storage_index.fqn!r} reads as "
+                                             f"{list(tensor.shape)} where {list(target.shape)} was planned")
+                        target.copy_(tensor)
+                        planner.commit_tensor(request, target)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+        def _tensor(self, stream: Any, name: str, request: Any) -> torch.Tensor:
+            info = self.storage_data[request.storage_index]
+            fqn = request.storage_index.fqn
+            stream.seek(info.offset)
+            data = stream.read(info.length)
+            if len(data) != info.length:
+                raise ValueError(f"{self.folder / name} is truncated: {fqn!r} needs bytes {info.offset}-"
+                                 f"{info.offset + info.length}, the file has {os.fstat(stream.fileno()).st_size}; load "
+                                 "another checkpoint or save again")  # fmt: skip
+            try:
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as error:  # noqa: BLE001  (a refused global or a corrupt record: named, never run)
+                raise ValueError(f"{self.folder / name}: {fqn!r} cannot be read ({refused(error)}); nothing in it was "
+                                 "run: the file is damaged; load another checkpoint or save again") from None
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{self.folder / name}: {fqn!r} holds a {type(tensor).__name__}, not a tensor")
+            return tensor
+
+    return SafeReader
