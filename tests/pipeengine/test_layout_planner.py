@@ -71,17 +71,38 @@ def test_every_layout_row_builds_and_trains_like_one_process_on_4_gloo_ranks(pla
         chosen.setdefault(key, c.engine_kwargs())
     chosen[(0, 0, 0, False)] = next(c for c in planned.rows if c.checkpoint == "always").engine_kwargs()
     assert len(chosen) == 10
-    # and schedule="auto" with tensor parallelism, on a machine with no prices kept: every rank measures them first
+    # and schedule="auto" with tensor parallelism (at the kept prices: measuring them first is tested below)
     chosen[(-1, 0, 0, False)] = {"schedule": "auto", "tensor_parallel": 2, "tp_plan": PLAN, "data_parallel": 1,
                                  "num_microbatches": 2}  # one size to measure (in a spawned process: TP on ranks)
-    kept = tmp_path / "prices.json"
-    launch(train_each, 4, args=(list(chosen.values()), str(kept)), timeout=240)
-    assert json.loads(kept.read_text())["world_size"] == 4
+    launch(train_each, 4, args=(list(chosen.values()),), timeout=240)
 
 
-def train_each(rows: list[dict[str, object]], prices: str) -> None:
+def auto_without_prices(prices: str, fixture: str) -> None:
+    """schedule="auto" where no prices are kept: every rank measures them (calibration.calibrate, here the fixture's
+    prices, counted) and rank 0 keeps them; then the engine builds the planner's choice."""
+    calls: list[int] = []
+
+    def measured(engine: object) -> Prices:
+        calls.append(1)
+        return calibration.load(fixture)
+
+    os.environ["PIPEENGINE_CALIBRATION"] = prices  # none there yet
+    calibration.calibrate = measured  # type: ignore[assignment]  (a process of its own: nothing to restore)
+    x, _ = data()
+    engine = PipelineEngine(blocks(), mse, schedule="auto", sample=x if ranks.rank() == 0 else None)
+    assert calls == [1] and engine.tuned is not None
+    ranks.barrier()
+    assert json.loads(Path(prices).read_text())["world_size"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_schedule_auto_with_no_prices_kept_measures_them_on_every_rank_and_rank_0_keeps_them(tmp_path: Path) -> None:
+    launch(auto_without_prices, 2, args=(str(tmp_path / "prices.json"), os.environ["PIPEENGINE_CALIBRATION"]),
+           timeout=60)  # fmt: skip
+
+
+def train_each(rows: list[dict[str, object]]) -> None:
     x, y = data()
-    os.environ["PIPEENGINE_CALIBRATION"] = prices  # none there yet: schedule="auto" calibrates
     for kwargs in rows:
         if kwargs["schedule"] == "auto":
             kwargs = {**kwargs, "sample": x if ranks.rank() == 0 else None}
