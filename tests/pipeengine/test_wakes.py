@@ -38,10 +38,14 @@ def test_the_probe_gives_every_rank_one_point_per_burst() -> None:
 def _probe() -> None:
     import torch.distributed as dist
 
-    points = wakes.wakes(10, (1e-3, 2e-3))
-    everyone: list[object] = [None, None]
-    dist.all_gather_object(everyone, points)
-    assert everyone[0] == everyone[1] and len(points) == 2, everyone  # a chain of 2 on one host wakes rank 1
+    for _ in range(3):  # a chain of 2 on one host wakes rank 1; on a loaded machine a pass may wake none (no point)
+        points = wakes.wakes(10, (1e-3, 2e-3))
+        everyone: list[object] = [None, None]
+        dist.all_gather_object(everyone, points)
+        assert everyone[0] == everyone[1], everyone  # every rank the same curve, always
+        if len(points) == 2:
+            break
+    assert len(points) == 2, everyone
     assert all(compute > 0 and late >= 0 for compute, late in points), points
 
 
