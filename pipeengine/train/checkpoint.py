@@ -39,7 +39,7 @@ from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import spread, whole
 from pipeengine.parallel import fsdp_checkpoint
 from pipeengine.train import extras
-from pipeengine.train.files import few, latest_number, read_meta, refused, resolve
+from pipeengine.train.files import by_rank, few, latest_number, read_meta, refused, resolve
 from pipeengine.train.parameters import Parameters
 from pipeengine.train.writing import Background, Snapshot, check_keep, commit, write
 
@@ -139,14 +139,9 @@ _RAISED = {kind.__name__: kind for kind in (FileNotFoundError, OSError, KeyError
 def agree(failures: list[tuple[str, str] | None]) -> None:
     """Raise on every rank if any rank could not load (``failures`` gathered from every rank): the first failing
     rank's kind of error, each rank's message."""
-    by_text: dict[str, list[str]] = {}
-    for rank, failure in enumerate(failures):
-        if failure is not None:
-            by_text.setdefault(failure[1], []).append(str(rank))
-    if not by_text:
+    said = "; ".join(by_rank([None if failure is None else failure[1] or failure[0] for failure in failures]))
+    if not said:
         return
-    said = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}" for text, ranks in
-                     by_text.items())  # fmt: skip
     first = next(failure for failure in failures if failure is not None)
     raise _RAISED.get(first[0], RuntimeError)(f"{said} (nothing was loaded, on any rank: a load changes the model and "
                                               "optimizer only where every rank can read its whole part)")  # fmt: skip

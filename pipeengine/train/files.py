@@ -79,6 +79,15 @@ def resolve(root: Path) -> Path:
     return found
 
 
+def by_rank(texts: list[str | None]) -> list[str]:
+    """Each rank's failure (None: none), said once for all the ranks that saw the same text: "ranks 0, 1: ..."."""
+    ranks: dict[str, list[str]] = {}
+    for rank, text in enumerate(texts):
+        if text:
+            ranks.setdefault(text, []).append(str(rank))
+    return [f"rank{'s' if len(held) > 1 else ''} {', '.join(held)}: {text}" for text, held in ranks.items()]
+
+
 def few(names: list[str], shown: int = 6) -> str:
     if not names:
         return "none"

@@ -32,7 +32,7 @@ from pipeengine.core import pending
 from pipeengine.core.dtensors import is_dtensor
 from pipeengine.parallel import fsdp_checkpoint
 from pipeengine.train import extras
-from pipeengine.train.files import LATEST, numbered, write_atomically
+from pipeengine.train.files import LATEST, by_rank, numbered, write_atomically
 
 __all__: list[str] = []
 
@@ -97,11 +97,7 @@ def commit(channel: Transport, target: Path, error: str | None, keep: int | None
     ``keep``: how many whole checkpoints to keep, the new one among them (None: all)."""
     root = target.parent
     errors = channel.all_gather_object(error, f"whether every rank wrote its part of {target.name}")
-    by_text: dict[str, list[str]] = {}  # DCP's failure reaches every rank alike: said once, for all of them
-    for rank, text in enumerate(errors):
-        if text:
-            by_text.setdefault(text, []).append(str(rank))
-    failed = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}" for text, ranks in by_text.items()]
+    failed = by_rank(errors)  # DCP's failure reaches every rank alike: said once, for all of them
     if channel.rank == 0:
         if failed:
             shutil.rmtree(target, ignore_errors=True)
