@@ -580,18 +580,39 @@ def test_a_frame_is_the_trimmed_mean_of_its_samples() -> None:
     assert probes.trimmed([3.0]) == 3.0
 
 
+class _Clock:
+    """probes' own clock in a rank, moved only by what a test runs: a fit is checked exactly, whatever the load."""
+
+    now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_a_collective_is_priced_by_what_it_adds_to_the_compute_before_it() -> None:
     """calibration times each collective after a compute, as a step runs it, and prices what it adds: with a 20 ms
-    compute before each all-reduce, the price is the all-reduce's, not the 20 ms beside it."""
+    compute before each 3 ms all-reduce, the price is the all-reduce's, not the 20 ms beside it."""
     launch(_after_a_slow_compute, 2, timeout=120)
 
 
 def _after_a_slow_compute() -> None:
-    import time
+    import types
 
-    probes.busy = lambda device: (lambda: time.sleep(0.02))  # type: ignore[assignment]  # this rank's module only
+    clock = probes.time = _Clock()  # type: ignore[assignment]  # this rank's module only
+    real = probes.dist
+
+    def all_reduce(*args: object, **kwargs: object) -> None:
+        real.all_reduce(*args, **kwargs)
+        clock.sleep(0.003)
+
+    probes.dist = types.SimpleNamespace(**{name: getattr(real, name) for name in dir(real) if not name.startswith("_")})
+    probes.dist.all_reduce = all_reduce
+    probes.busy = lambda device: (lambda: clock.sleep(0.02))  # type: ignore[assignment]
     price = probes.collective("all_reduce", 256, None, 2, 3, torch.device("cpu"), rounds=2)
-    assert 0.0 <= price < 0.02, price
+    assert price == pytest.approx(0.003, rel=1e-9), price
 
 
 def test_the_message_latency_is_the_chain_of_stages_less_the_frame_timed_beside_it() -> None:
@@ -602,23 +623,23 @@ def test_the_message_latency_is_the_chain_of_stages_less_the_frame_timed_beside_
 
 
 def _host_fit() -> None:
-    import time
+    clock = probes.time = _Clock()  # type: ignore[assignment]  # this rank's module only
 
     class Engine:
         def __init__(self, model: nn.Sequential, *args: object, **kwargs: object) -> None:
             self.schedule, self.seconds = ("single", 0.001) if len(model) == 1 else ("chain", 0.008)
 
         def train_step(self, *args: object) -> None:
-            time.sleep(self.seconds)
+            clock.sleep(self.seconds)
 
-    probes.pipeline_frame = lambda group, size, device: lambda: time.sleep(0.005)  # type: ignore[assignment]
+    probes.pipeline_frame = lambda group, size, device: lambda: clock.sleep(0.005)  # type: ignore[assignment]
 
     def price(program: str, overhead: float, latency: float) -> float:
         return 10 * overhead if program == "single" else 6 * latency
 
     overhead, latency, frame = probes.host(Engine, price, 10, torch.device("cpu"))
-    assert overhead == pytest.approx(1e-4, rel=0.25) and latency == pytest.approx(5e-4, rel=0.25), (overhead, latency)
-    assert frame == pytest.approx(0.005, rel=0.1)
+    assert overhead == pytest.approx(1e-4, rel=1e-6) and latency == pytest.approx(5e-4, rel=1e-6), (overhead, latency)
+    assert frame == pytest.approx(0.005, rel=1e-9)
 
 
 def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
