@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from pipeengine.planner.cluster import Hardware, load
 from pipeengine.planner.cluster.costs import Op, trace
-from pipeengine.planner.cluster.layout import Layout, Transformer, price
+from pipeengine.planner.cluster.layout import Layout, Runtime, Transformer, price
 from pipeengine.planner.cluster.search import search
 
 TABLE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "megatron_sc21_table1.csv"
@@ -99,6 +99,15 @@ def gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> Transform
     return Transformer(layers, hidden, heads, seq, vocab, parameters, block_ops, head_ops)
 
 
+def megatron_2021(pp: int) -> Runtime:
+    """How Megatron-LM ran each row (examples/academic_paper_scripts/sc21/run_table_1.sh): ``--DDP-impl torch``
+    where there is no pipeline (the 1.7B to 18.4B rows: torch's DistributedDataParallel, its all-reduce overlapped
+    with the backward in 25 MB buckets), ``local`` elsewhere (megatron/model/distributed.py at b4bc51b, March 2021:
+    an all-reduce after the backward). Either accumulates a micro-batch's fp16 gradients into the kept ones
+    (autograd's AccumulateGrad: read both, write one); the fused accumulation came later."""
+    return Runtime(overlap_grad_reduce=pp == 1, accumulate_bytes=6.0)
+
+
 def rows() -> list[dict[str, float]]:
     with open(TABLE) as source:
         lines = [line for line in source if not line.startswith("#")]
@@ -110,11 +119,12 @@ def searched(row: dict[str, float], hw: Hardware) -> str:
     the paper's layout priced the same way."""
     started = time.perf_counter()
     model = gpt(int(row["layers"]), int(row["hidden"]), int(row["heads"]), 2048, 51200)
-    plan = search(model, int(row["gpus"]), hw, int(row["global_batch"]))
+    plan = search(model, int(row["gpus"]), hw, int(row["global_batch"]), runtime=megatron_2021(int(row["p"])))
     seconds = time.perf_counter() - started
     best = plan.best
     paper = price(model, Layout(int(row["t"]), int(row["p"]), int(row["d"]), int(row["micro_batch"]), int(row["m"]),
-                                "interleaved" if row["v"] > 1 else "1f1b", int(row["v"]), True), hw)  # fmt: skip
+                                "interleaved" if row["v"] > 1 else "1f1b", int(row["v"]), True), hw,
+                  runtime=megatron_2021(int(row["p"])))  # fmt: skip
     return (f"search: {row['params_b']:.0f}B on {int(row['gpus'])} GPUs, {plan.considered} layouts in {seconds:.1f} s "
             f"(tracing included), {len(plan.refused)} past the memory; best {best.layout.describe()} "
             f"{best.tflops_per_device:.1f} TFLOP/s a GPU at {best.peak_bytes / 2**30:.1f} GiB, the paper's layout "
@@ -136,7 +146,7 @@ def main() -> None:
         v = int(row["v"])
         layout = Layout(int(row["t"]), int(row["p"]), int(row["d"]), int(row["micro_batch"]), int(row["m"]),
                         "interleaved" if v > 1 else "1f1b", v, recompute=True)  # fmt: skip
-        priced = price(model, layout, hw)
+        priced = price(model, layout, hw, runtime=megatron_2021(layout.pp))
         error = priced.tflops_per_device / row["tflops_per_gpu"] - 1
         errors.append(abs(error))
         table.append({"params_b": row["params_b"], "gpus": int(row["gpus"]), "layout": layout.describe(),

@@ -11,11 +11,16 @@ innermost, as Megatron-LM lays ranks out. The price comes from three sources, no
   Megatron-LM's RowParallel/ColumnParallel layers make them), the pipeline's messages between nodes (each rank
   sends 1/t of an activation and the t ranks all-gather it, Megatron-LM's scatter/gather; an exchange holds both
   ranks until it is done, as Megatron-LM's p2p_communication waits and synchronizes after batch_isend_irecv), the
-  replicas' gradient all-reduce after the last backward (not overlapped, as Megatron-LM's 2021 data parallelism ran);
+  replicas' gradient all-reduce after the last backward (``Runtime``: pipeengine's AR and Megatron-LM's 2021 "local"
+  data parallelism wait for it; torch's DistributedDataParallel overlaps it with the last backward, bucket by bucket);
 - the pipeline's bubble from the schedule itself: the simulator replays the schedule (schedules.sim) with the
   stages' forward and backward times and the messages' times.
 
-The step also pays the optimizer (read and written once: memory-bound). Memory per device: weights, gradients and
+The embedding's lookups (and their backward) run on the first stage; the final norm, the head and the loss on the
+last. Each micro-batch's backward after the first adds its weight gradients into the kept ones (autograd's
+AccumulateGrad, and Megatron-LM 2021's hooks, each read both and write one: ``Runtime.accumulate_bytes`` a parameter,
+memory-bound), unless the runtime fuses it into the weight-gradient matmul. The step also pays the optimizer (read
+and written once: memory-bound). Memory per device: weights, gradients and
 Adam's state as mixed precision keeps them (2 + 2 + 4 + 4 + 4 bytes a parameter: fp16 weight and gradient, fp32
 master, two fp32 moments), and activations: with full recomputation each block keeps its input per micro-batch in
 flight (1F1B keeps up to pp of them on the first stage), plus one block's whole activations while it is recomputed.
@@ -34,7 +39,7 @@ from pipeengine.planner.cluster import collectives
 from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.hardware import Hardware
 
-__all__ = ["Layout", "Price", "Transformer", "estimate", "price"]
+__all__ = ["PIPEENGINE", "Layout", "Price", "Runtime", "Transformer", "estimate", "price"]
 
 SCHEDULES = ("1f1b", "interleaved")  # the ones Megatron-LM ran (Narayanan et al. 2021)
 
@@ -58,6 +63,19 @@ class Layout:
         chunks = f" v={self.chunks}" if self.chunks > 1 else ""
         return (f"tp{self.tp} pp{self.pp} dp{self.dp} b={self.micro_batch} m={self.num_microbatches} "
                 f"{self.schedule}{chunks}{' recompute' if self.recompute else ''}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the training loop does that the layout does not say, as it changes the step's time."""
+
+    overlap_grad_reduce: bool = False  # replicas' all-reduce during the last backward, in buckets (torch's DDP)
+    bucket_bytes: float = 25 * 2**20  # DDP's bucket_cap_mb=25: the last bucket is reduced after the backward
+    accumulate_bytes: float = 6.0  # a parameter's bytes moved to add a micro-batch's gradient to the kept one (fp16:
+    # read both, write one); 0 where the weight-gradient matmul accumulates itself (Megatron-LM's later fusion)
+
+
+PIPEENGINE = Runtime()  # a stage's AR starts after its last backward (pipeengine.parallel.gradsync); .grad accumulates
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,11 @@ def _roofline(ops: list[Op], hw: Hardware, dtype: str) -> dict[str, float]:
     return out
 
 
+def _embedding(op: Op) -> bool:
+    """The embedding's lookup or its backward: the first stage's part of the ends; the rest is the last stage's."""
+    return op.name.split(".")[1].startswith("embedding") if op.name.startswith("aten.") else False
+
+
 @dataclass(frozen=True)
 class _Parts:
     """A layout's stage times and the rest of its step, before the schedule is replayed."""
@@ -120,10 +143,12 @@ class _Parts:
     peak_bytes: float
 
 
-def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str) -> _Parts:
-    t, p, b, v = layout.tp, layout.pp, layout.micro_batch, layout.chunks
+def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime: Runtime) -> _Parts:
+    t, p, b, v, m = layout.tp, layout.pp, layout.micro_batch, layout.chunks, layout.num_microbatches
     block = _roofline(model.block_ops(t, b), hw, dtype)
-    ends = _roofline(model.head_ops(t, b), hw, dtype)
+    ends_ops = model.head_ops(t, b)
+    first = _roofline([op for op in ends_ops if _embedding(op)], hw, dtype)
+    last = _roofline([op for op in ends_ops if not _embedding(op)], hw, dtype)
     activation = b * model.seq * model.hidden * model.dtype_bytes  # a block's input, one micro-batch
     tp_link = collectives.group_link(hw, t, 1)
     tp_ar = collectives.all_reduce(activation, t, tp_link) if t > 1 else 0.0
@@ -134,20 +159,26 @@ def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str) -> _Par
     stages = p * v
     forward = [per_stage * f_block for _ in range(stages)]
     backward = [per_stage * b_block for _ in range(stages)]
-    forward[0] += ends["forward"] / 2  # the embedding on the first stage, the head and loss on the last: half each
-    backward[0] += ends["backward"] / 2
-    forward[-1] += ends["forward"] / 2
-    backward[-1] += ends["backward"] / 2
+    for stage, ends in ((0, first), (stages - 1, last)):
+        forward[stage] += ends["forward"]
+        backward[stage] += ends["backward"]
+    params_device = model.parameters / (t * p)
+    accumulate = params_device / v * runtime.accumulate_bytes / hw.memory_bandwidth * (m - 1) / m  # a micro-batch's
+    backward = [b_ + accumulate for b_ in backward]  # gradients added to the kept ones: all but the first
     if p > 1:  # Megatron-LM's exchanges block both ranks until done (batch_isend_irecv, wait, cuda.synchronize)
         message = collectives.send_recv(activation / t, collectives.group_link(hw, p, t))  # scatter: 1/t a rank
         if t > 1:
             message += collectives.all_gather(activation, t, tp_link)  # and gather
         forward = [f + message for f in forward]
         backward = [b_ + message for b_ in backward]
-    params_device = model.parameters / (t * p)
     d = layout.dp
-    replicas = collectives.all_reduce(params_device * model.dtype_bytes, d, collectives.group_link(hw, d, t * p)) \
-        if d > 1 else 0.0  # fmt: skip
+    link = collectives.group_link(hw, d, t * p)
+    gradients = params_device * model.dtype_bytes
+    replicas = collectives.all_reduce(gradients, d, link) if d > 1 else 0.0
+    if replicas and runtime.overlap_grad_reduce:  # hidden behind the rank's last backward, but for its last bucket
+        last_backward = sum(backward[0::p])  # rank 0's stages (its chunks), one micro-batch
+        tail = collectives.all_reduce(min(gradients, runtime.bucket_bytes), d, link)
+        replicas = max(tail, replicas - last_backward)
     optimizer = params_device * 38 / hw.memory_bandwidth  # fp16 grad read, fp32 master, moments read and written
     tp_time = per_stage * v * (6 if layout.recompute else 4) * tp_ar
     return _Parts(forward, backward, tp_time, replicas, optimizer, _memory(model, layout, activation))
@@ -165,12 +196,13 @@ def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts:
                  parts.peak_bytes, shares, refused)  # fmt: skip
 
 
-def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16") -> Price:
+def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
+          ) -> Price:  # fmt: skip
     """The layout's step time and memory per device (the module's docstring says how): the schedule replayed."""
     from schedules import Costs
     from schedules.sim.simulation import summarize
 
-    parts = _parts(model, layout, hw, dtype)
+    parts = _parts(model, layout, hw, dtype, runtime)
     p, m, v = layout.pp, layout.num_microbatches, layout.chunks
     if p == 1:
         pipeline = m * sum(parts.forward + parts.backward)  # one rank: its stages back to back, no bubble
@@ -182,10 +214,11 @@ def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16")
     return _priced(model, layout, hw, dtype, parts, pipeline)
 
 
-def estimate(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16") -> Price:
+def estimate(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
+             ) -> Price:  # fmt: skip
     """``price`` with the pipeline's bubble from the formula instead of the replay: (m + (p - 1) / v) slots of the
     slowest stage's forward and backward (Narayanan et al. 2021, section 2.2). What the search prunes by."""
-    parts = _parts(model, layout, hw, dtype)
+    parts = _parts(model, layout, hw, dtype, runtime)
     p, m, v = layout.pp, layout.num_microbatches, layout.chunks
     slot = max(f + b for f, b in zip(parts.forward, parts.backward, strict=True)) * v
     pipeline = (m + (p - 1) / v) * slot if p > 1 else m * sum(parts.forward + parts.backward)

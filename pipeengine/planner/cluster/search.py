@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from pipeengine.planner.cluster.hardware import Hardware
-from pipeengine.planner.cluster.layout import Layout, Price, Transformer, estimate, price
+from pipeengine.planner.cluster.layout import PIPEENGINE, Layout, Price, Runtime, Transformer, estimate, price
 
 __all__ = ["ClusterPlan", "search"]
 
@@ -77,8 +77,9 @@ def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int
 
 def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
            dtype: str = "fp16", replayed: int = 3, max_micro_batch: int = 16,
-           schedules: tuple[str, ...] = SCHEDULES) -> ClusterPlan:  # fmt: skip
-    """The fastest layouts of ``model`` on ``devices`` devices of ``hw`` for ``global_batch`` sequences a step."""
+           schedules: tuple[str, ...] = SCHEDULES, runtime: Runtime = PIPEENGINE) -> ClusterPlan:  # fmt: skip
+    """The fastest layouts of ``model`` on ``devices`` devices of ``hw`` for ``global_batch`` sequences a step, as
+    ``runtime`` runs them."""
     started = time.perf_counter()
     if devices < 1 or global_batch < 1:
         raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be 1 or more")
@@ -89,12 +90,12 @@ def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *,
     refused: dict[str, str] = {}
     fitting: list[Price] = []
     for layout in layouts:
-        guess = estimate(model, layout, hw, dtype)
+        guess = estimate(model, layout, hw, dtype, runtime)
         if guess.refused:
             refused[layout.describe()] = guess.refused
         else:
             fitting.append(guess)
     fitting.sort(key=lambda priced: priced.step_s)
-    rows = sorted((price(model, guessed.layout, hw, dtype) for guessed in fitting[:replayed]),
+    rows = sorted((price(model, guessed.layout, hw, dtype, runtime) for guessed in fitting[:replayed]),
                   key=lambda priced: priced.step_s)  # fmt: skip
     return ClusterPlan(rows, len(layouts), refused, time.perf_counter() - started)
