@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeengine.planner.cluster import Hardware, Link, all_reduce, load
+from pipeengine.planner.cluster import Hardware, Link, all_gather, all_reduce, load, reduce_scatter
 from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.layout import Layout, Runtime, Transformer, estimate, price
 
@@ -51,7 +51,7 @@ def test_one_pipeline_rank_costs_its_blocks_their_all_reduces_the_replicas_and_t
     replicas = all_reduce(1e9 / 2 * 2, 4, LINK)  # this rank's half of the parameters, fp16 gradients
     optimizer = 1e9 / 2 * 38 / 1e12
     assert priced.parts["pipeline"] == pytest.approx(pipeline)
-    assert priced.parts["data-parallel all-reduce"] == pytest.approx(replicas)
+    assert priced.parts["data-parallel sync"] == pytest.approx(replicas)
     assert priced.step_s == pytest.approx(pipeline + replicas + optimizer)
     assert priced.tokens_per_s == pytest.approx(2 * 3 * 4 * 512 / priced.step_s)
     assert not priced.refused
@@ -103,8 +103,25 @@ def test_an_overlapped_all_reduce_shows_only_what_outlasts_the_last_backward_or_
     overlapped = Runtime(overlap_grad_reduce=True, bucket_bytes=1e6, accumulate_bytes=0.0)
     for layers in (1, 4):  # one block's backward (21 ms) is shorter than the all-reduce (30 ms); four are longer
         layout = Layout(tp=1, pp=1, dp=4, micro_batch=1, num_microbatches=2, recompute=False)
-        whole = price(model(layers), layout, hw, runtime=bare).parts["data-parallel all-reduce"]
-        shown = price(model(layers), layout, hw, runtime=overlapped).parts["data-parallel all-reduce"]
+        whole = price(model(layers), layout, hw, runtime=bare).parts["data-parallel sync"]
+        shown = price(model(layers), layout, hw, runtime=overlapped).parts["data-parallel sync"]
         assert whole == pytest.approx(all_reduce(2e9, 4, LINK)) == pytest.approx(0.03, rel=1e-6)
         assert shown == pytest.approx(max(all_reduce(1e6, 4, LINK), whole - layers * 0.021))
     assert shown == pytest.approx(all_reduce(1e6, 4, LINK))  # four blocks hide it all but the last bucket
+
+
+def test_fsdp_gathers_the_weights_once_a_step_reduce_scatters_the_gradients_and_shards_the_state() -> None:
+    """Each stage's fp16 weights all-gathered once a step and its gradients reduce-scattered once (pipeengine's FSDP2
+    stages); the optimizer steps a shard; the fp32 master and moments (12 bytes a parameter) divided by dp, the whole
+    fp16 weights and gradients (4 bytes) held."""
+    hw, bare = machine(), Runtime(accumulate_bytes=0.0)
+    copied = Layout(tp=2, pp=1, dp=4, micro_batch=1, num_microbatches=2, recompute=False)
+    sharded = Layout(tp=2, pp=1, dp=4, micro_batch=1, num_microbatches=2, recompute=False, fsdp=True)
+    one, fsdp = price(model(), copied, hw, runtime=bare), price(model(), sharded, hw, runtime=bare)
+    gradients = 1e9 / 2 * 2  # this rank's half of the parameters, fp16
+    assert fsdp.parts["data-parallel sync"] == pytest.approx(all_gather(gradients, 4, LINK) + reduce_scatter(
+        gradients, 4, LINK))  # fmt: skip
+    assert fsdp.parts["pipeline"] == one.parts["pipeline"]
+    assert fsdp.parts["optimizer"] == pytest.approx(one.parts["optimizer"] / 4)
+    assert one.peak_bytes - fsdp.peak_bytes == pytest.approx(1e9 / 2 * (16 - 4 - 12 / 4))
+    assert sharded.describe().endswith(" fsdp") and not copied.describe().endswith(" fsdp")

@@ -4,6 +4,7 @@ the command line's table, JSON rows and refusals. No processes, nothing allocate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -12,9 +13,9 @@ import pytest
 
 from pipeengine.planner.cli import main
 from pipeengine.planner.cluster import load
-from pipeengine.planner.cluster.layout import price
+from pipeengine.planner.cluster.layout import estimate, price
 from pipeengine.planner.cluster.models import from_config
-from pipeengine.planner.cluster.search import search
+from pipeengine.planner.cluster.search import candidates, search
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,7 +55,8 @@ def test_the_command_line_prints_the_rows_writes_them_and_prices_a_fixed_layout(
     assert rows and all(fields <= set(row) for row in rows)
     best = rows[0]
     fix = (f"tp={best['tp']},pp={best['pp']},dp={best['dp']},micro_batch={best['micro_batch']},"
-           f"schedule={best['schedule']},chunks={best['chunks']},recompute={best['recompute']}")  # fmt: skip
+           f"schedule={best['schedule']},chunks={best['chunks']},recompute={best['recompute']},"
+           f"fsdp={'always' if best['fsdp'] else 'never'}")  # fmt: skip
     assert main([*common, "--fix", fix, "--json", str(tmp_path / "fixed.json")]) == 0
     assert json.loads((tmp_path / "fixed.json").read_text())[0]["step_time_s"] == best["step_time_s"]
 
@@ -63,6 +65,7 @@ def test_the_command_line_prints_the_rows_writes_them_and_prices_a_fixed_layout(
     (["--fix", "tp=2,pp=2,dp=2,micro_batch=1"], r"--fix lays out tp x pp x dp = 8 devices, --devices is 16"),
     (["--fix", "tp=2,pp=2"], r"missing \['dp', 'micro_batch'\]"),
     (["--hardware", "b300"], r"b300"),
+    (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,fsdp=yes"], r"fsdp='yes', not always or never"),
 ])  # fmt: skip
 def test_the_command_line_refuses_what_cannot_be_planned_saying_why(
     tmp_path: Path, extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
@@ -72,3 +75,22 @@ def test_the_command_line_refuses_what_cannot_be_planned_saying_why(
     code = main(["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", *extra])
     assert code == 2
     assert re.search(said, capsys.readouterr().err)
+
+
+def test_the_search_shards_the_replicas_where_copies_would_not_fit() -> None:
+    """On 32 devices every layout has replicas (tp x pp is at most 16 here): a device too small for any layout's
+    copies of the state but not for some layout's shards of it keeps only FSDP rows; fsdp='never' finds none that
+    fits and says so; 'always' considers only sharded layouts."""
+    model = from_config(tiny(), 32)
+    hw = load("a100-80gb")
+
+    def least(fsdp: str) -> float:
+        return min(estimate(model, layout, hw).peak_bytes for layout in candidates(model, 32, hw, 32, fsdp=fsdp))
+
+    assert least("always") < least("never")
+    small = dataclasses.replace(hw, memory_bytes=(least("always") + least("never")) / 2)
+    plan = search(model, 32, small, 32)
+    assert plan.rows and all(row.layout.fsdp for row in plan.rows)
+    with pytest.raises(ValueError, match="no layout of the .* considered fits: needs"):
+        search(model, 32, small, 32, fsdp="never").best  # noqa: B018
+    assert search(model, 32, hw, 32, fsdp="always").considered * 2 == search(model, 32, hw, 32).considered

@@ -1,7 +1,8 @@
 """``python -m pipeengine.tune --devices N ...``: a layout for a model on a GPU cluster, planned from this machine.
 
     python -m pipeengine.tune --model config.json --devices 512 --devices-per-node 8 --hardware a100-80gb \\
-        --global-batch 1536 --seq 2048 [--precision bf16|fp16] [--recompute always|never|search] [--json rows.json]
+        --global-batch 1536 --seq 2048 [--precision bf16|fp16] [--recompute always|never|search]
+        [--fsdp always|never|search] [--json rows.json]
     python -m pipeengine.tune --model config.json --devices 512 --hardware h100-sxm --global-batch 1536 --seq 2048 \\
         --fix tp=8,pp=2,dp=32,micro_batch=4,schedule=1f1b,chunks=1
 
@@ -41,8 +42,10 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--seq", type=int, required=True, help="tokens a sequence")
     made.add_argument("--precision", choices=("bf16", "fp16"), default="bf16")
     made.add_argument("--recompute", choices=("always", "never", "search"), default="search")
+    made.add_argument("--fsdp", choices=("always", "never", "search"), default="search",
+                      help="the replicas shard the weights and optimizer state (FSDP2), copy them, or either")
     made.add_argument("--fix", help="price this one layout: tp=8,pp=2,dp=32,micro_batch=4[,schedule=1f1b,chunks=1,"
-                      "recompute=always]")  # fmt: skip
+                      "recompute=always,fsdp=never]")  # fmt: skip
     made.add_argument("--json", type=Path, help="write the rows here")
     made.add_argument("--plot", type=Path, default=Path("out/plan/cluster_plan.png"), help="where the plot goes")
     return made
@@ -63,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  f"{args.devices}: make them agree")  # fmt: skip
             rows, said = [price(model, layout, hw, args.precision)], f"{layout.describe()} priced"
         else:
-            plan = search(model, args.devices, hw, args.global_batch, recompute=args.recompute, dtype=args.precision)
+            plan = search(model, args.devices, hw, args.global_batch, recompute=args.recompute, dtype=args.precision,
+                          fsdp=args.fsdp)  # fmt: skip
             rows = plan.rows
             said = (f"{plan.considered} layouts considered in {plan.seconds:.2f} s, {len(plan.refused)} refused "
                     f"(past the device's memory), the best {len(rows)} replayed")  # fmt: skip
@@ -108,17 +112,20 @@ def _fixed(text: str, global_batch: int) -> Layout:
             raise ValueError(f"--fix {text!r}: {part!r} is not key=value")
         fields[key.strip()] = value.strip()
     missing = [key for key in FIXED if key not in fields]
-    unknown = sorted(set(fields) - {*FIXED, "schedule", "chunks", "recompute"})
+    unknown = sorted(set(fields) - {*FIXED, "schedule", "chunks", "recompute", "fsdp"})
     if missing or unknown:
         raise ValueError(f"--fix {text!r}: missing {missing or 'none'}, unknown {unknown or 'none'}; name "
-                         f"{', '.join(FIXED)} (and schedule, chunks, recompute=always|never)")  # fmt: skip
+                         f"{', '.join(FIXED)} (and schedule, chunks, recompute=always|never, fsdp=always|never)")
+    for key in ("recompute", "fsdp"):
+        if fields.get(key, "always") not in ("always", "never"):
+            raise ValueError(f"--fix {text!r}: {key}={fields[key]!r}, not always or never")
     tp, pp, dp, b = (int(fields[key]) for key in FIXED)
     if global_batch % (dp * b):
         raise ValueError(f"--fix: dp={dp} x micro_batch={b} does not divide --global-batch {global_batch}")
     chunks = int(fields.get("chunks", 1))
     schedule = fields.get("schedule", "interleaved" if chunks > 1 else "1f1b")
-    return Layout(tp, pp, dp, b, global_batch // (dp * b), schedule, chunks, fields.get("recompute", "always") ==
-                  "always")  # fmt: skip
+    return Layout(tp, pp, dp, b, global_batch // (dp * b), schedule, chunks,
+                  recompute=fields.get("recompute", "always") == "always", fsdp=fields.get("fsdp") == "always")
 
 
 def _line(row: Price) -> str:
@@ -129,7 +136,7 @@ def _line(row: Price) -> str:
 
 def _record(row: Price) -> dict[str, object]:
     layout = row.layout
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": False, "schedule": layout.schedule,
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp, "schedule": layout.schedule,
             "chunks": layout.chunks, "micro_batch": layout.micro_batch, "num_microbatches": layout.num_microbatches,
             "recompute": "always" if layout.recompute else "never", "step_time_s": row.step_s,
             "tokens_per_s": row.tokens_per_s, "mfu": row.mfu, "peak_bytes": row.peak_bytes,

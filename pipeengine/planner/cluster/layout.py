@@ -22,7 +22,9 @@ AccumulateGrad, and Megatron-LM 2021's hooks, each read both and write one: ``Ru
 memory-bound), unless the runtime fuses it into the weight-gradient matmul. The step also pays the optimizer (read
 and written once: memory-bound). Memory per device: weights, gradients and
 Adam's state as mixed precision keeps them (2 + 2 + 4 + 4 + 4 bytes a parameter: fp16 weight and gradient, fp32
-master, two fp32 moments), and activations: with full recomputation each block keeps its input per micro-batch in
+master, two fp32 moments; under FSDP the 12 bytes of master and moments are divided among the replicas, and the whole
+fp16 weights and gradients are held through the step, as pipeengine's FSDP2 stages gather once a step), and
+activations: with full recomputation each block keeps its input per micro-batch in
 flight (1F1B keeps up to pp of them on the first stage), plus one block's whole activations while it is recomputed.
 
 One pricing path: ``price`` is what the search calls for every candidate and what a user's fixed layout is priced
@@ -54,6 +56,7 @@ class Layout:
     schedule: str = "1f1b"
     chunks: int = 1
     recompute: bool = True
+    fsdp: bool = False  # the replicas shard the weights, gradients and optimizer state (FSDP2) instead of copying
 
     @property
     def devices(self) -> int:
@@ -61,8 +64,9 @@ class Layout:
 
     def describe(self) -> str:
         chunks = f" v={self.chunks}" if self.chunks > 1 else ""
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp} b={self.micro_batch} m={self.num_microbatches} "
-                f"{self.schedule}{chunks}{' recompute' if self.recompute else ''}")  # fmt: skip
+        flags = (" recompute" if self.recompute else "") + (" fsdp" if self.fsdp else "")
+        sizes = f"tp{self.tp} pp{self.pp} dp{self.dp} b={self.micro_batch} m={self.num_microbatches}"
+        return f"{sizes} {self.schedule}{chunks}{flags}"
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ class _Parts:
     forward: list[float]  # seconds of each stage's forward of one micro-batch, its exchange included
     backward: list[float]
     tp_all_reduces: float  # seconds a micro-batch spends in tensor parallelism's all-reduces, on one stage
-    replicas: float  # the replicas' gradient all-reduce
+    replicas: float  # the replicas' gradient all-reduce (FSDP: the weights' all-gather and gradients' reduce-scatter)
     optimizer: float
     peak_bytes: float
 
@@ -174,12 +178,21 @@ def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime
     d = layout.dp
     link = collectives.group_link(hw, d, t * p)
     gradients = params_device * model.dtype_bytes
-    replicas = collectives.all_reduce(gradients, d, link) if d > 1 else 0.0
-    if replicas and runtime.overlap_grad_reduce:  # hidden behind the rank's last backward, but for its last bucket
+    gather = 0.0
+    if d == 1:
+        reduce = 0.0
+    elif layout.fsdp:  # FSDP2 as pipeengine runs it: a stage's weights gathered once a step, before its first forward
+        gather = collectives.all_gather(gradients, d, link)  # (kept for the step), the gradients reduce-scattered
+        reduce = collectives.reduce_scatter(gradients, d, link)  # once after its last backward
+    else:
+        reduce = collectives.all_reduce(gradients, d, link)
+    if reduce and runtime.overlap_grad_reduce:  # hidden behind the rank's last backward, but for its last bucket
         last_backward = sum(backward[0::p])  # rank 0's stages (its chunks), one micro-batch
         tail = collectives.all_reduce(min(gradients, runtime.bucket_bytes), d, link)
-        replicas = max(tail, replicas - last_backward)
-    optimizer = params_device * 38 / hw.memory_bandwidth  # fp16 grad read, fp32 master, moments read and written
+        reduce = max(tail, reduce - last_backward)
+    replicas = gather + reduce
+    optimizer = params_device / (d if layout.fsdp else 1) * 38 / hw.memory_bandwidth  # fp16 grad read, fp32 master,
+    # moments read and written: each replica its shard under FSDP
     tp_time = per_stage * v * (6 if layout.recompute else 4) * tp_ar
     return _Parts(forward, backward, tp_time, replicas, optimizer, _memory(model, layout, activation))
 
@@ -190,7 +203,7 @@ def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts:
     flops = model.flops_per_step(global_batch) / step / layout.devices
     need, have = parts.peak_bytes / 2**30, hw.memory_bytes / 2**30
     refused = f"needs {need:.1f} GiB a device, the device has {have:.1f} GiB" if need > have else ""
-    shares = {"pipeline": pipeline, "data-parallel all-reduce": parts.replicas, "optimizer": parts.optimizer,
+    shares = {"pipeline": pipeline, "data-parallel sync": parts.replicas, "optimizer": parts.optimizer,
               "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces}  # fmt: skip
     return Price(layout, step, global_batch * model.seq / step, flops / 1e12, flops / hw.peak_flops[dtype],
                  parts.peak_bytes, shares, refused)  # fmt: skip
@@ -235,7 +248,8 @@ def _schedule(name: str, p: int, m: int, chunks: int | None):  # type: ignore[no
 def _memory(model: Transformer, layout: Layout, activation: float) -> float:
     """Bytes a device of the first stage holds at its peak (the module's docstring)."""
     t, p = layout.tp, layout.pp
-    state = model.parameters / (t * p) * 16
+    # FSDP: the stage's whole fp16 weights and gradients for the step, the fp32 master and moments sharded
+    state = model.parameters / (t * p) * (4 + 12 / layout.dp if layout.fsdp else 16)
     in_flight = min(layout.num_microbatches, p)  # 1F1B's first stage
     per_stage = model.layers / p
     h, s, a, b = model.hidden, model.seq, model.heads, layout.micro_batch

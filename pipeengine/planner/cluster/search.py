@@ -10,7 +10,8 @@ it was found.
 What is searched: tp dividing the devices of a node and the heads (tensor parallelism stays inside a node); pp
 dividing the layers; dp = W / (tp pp) dividing the global batch; micro-batch sizes dividing a replica's batch (up to
 ``max_micro_batch``); 1F1B, and interleaved 1F1B with v chunks where v divides the layers of a stage and the
-micro-batches divide by pp (Megatron-LM's rule); full recomputation or none (``recompute``).
+micro-batches divide by pp (Megatron-LM's rule); full recomputation or none (``recompute``); the replicas copying
+the weights or sharding them with FSDP2 (``fsdp``, where dp > 1).
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ def _divisors(n: int, at_most: int | None = None) -> list[int]:
 SCHEDULES = ("1f1b", "interleaved")
 
 
+CHOICES = {"always": (True,), "never": (False,), "search": (True, False)}
+
+
 def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
-               max_micro_batch: int = 16, schedules: tuple[str, ...] = SCHEDULES) -> list[Layout]:  # fmt: skip
+               max_micro_batch: int = 16, schedules: tuple[str, ...] = SCHEDULES, fsdp: str = "search"
+               ) -> list[Layout]:  # fmt: skip
     """Every layout the module docstring lists."""
-    if recompute not in ("always", "never", "search"):
-        raise ValueError(f"recompute={recompute!r}: one of 'always', 'never', 'search'")
-    recomputing = {"always": (True,), "never": (False,), "search": (True, False)}[recompute]
+    for name, value in (("recompute", recompute), ("fsdp", fsdp)):
+        if value not in CHOICES:
+            raise ValueError(f"{name}={value!r}: one of 'always', 'never', 'search'")
+    recomputing = CHOICES[recompute]
     out = []
     for tp in _divisors(hw.devices_per_node):
         if model.heads % tp or devices % tp:
@@ -71,19 +77,22 @@ def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int
                     if v == 1 and "1f1b" not in schedules and pp > 1:
                         continue
                     for again in recomputing:
-                        out.append(Layout(tp, pp, dp, b, m, "interleaved" if v > 1 else "1f1b", v, again))
+                        for sharded in CHOICES[fsdp] if dp > 1 else (False,):  # one replica: nothing to shard
+                            out.append(Layout(tp, pp, dp, b, m, "interleaved" if v > 1 else "1f1b", v, again,
+                                              sharded))  # fmt: skip
     return out
 
 
 def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
            dtype: str = "fp16", replayed: int = 3, max_micro_batch: int = 16,
-           schedules: tuple[str, ...] = SCHEDULES, runtime: Runtime = PIPEENGINE) -> ClusterPlan:  # fmt: skip
+           schedules: tuple[str, ...] = SCHEDULES, runtime: Runtime = PIPEENGINE, fsdp: str = "search"
+           ) -> ClusterPlan:  # fmt: skip
     """The fastest layouts of ``model`` on ``devices`` devices of ``hw`` for ``global_batch`` sequences a step, as
     ``runtime`` runs them."""
     started = time.perf_counter()
     if devices < 1 or global_batch < 1:
         raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be 1 or more")
-    layouts = candidates(model, devices, hw, global_batch, recompute, max_micro_batch, schedules)
+    layouts = candidates(model, devices, hw, global_batch, recompute, max_micro_batch, schedules, fsdp)
     if not layouts:
         raise ValueError(f"no layout of {devices} devices ({hw.devices_per_node} a node) splits {model.layers} layers, "
                          f"{model.heads} heads and a global batch of {global_batch}: change one of them")  # fmt: skip
