@@ -291,3 +291,18 @@ def test_a_70b_llama_is_planned_without_allocating_it() -> None:
     assert embedding.flops() == 0 and embedding.bytes("backward") > 0
     step = (embedding.time(989e12, 0.6, 3.35e12), layer.time(989e12, 0.6, 3.35e12), lm_head.time(989e12, 0.6, 3.35e12))
     assert all(t.forward > 0 and t.backward > t.forward for t in step[1:])
+
+
+def test_the_weights_gradients_are_marked_as_the_backward_a_split_defers() -> None:
+    """W: the ops a backward to the inputs alone does not run (each Linear's weight-gradient matmul and bias sum);
+    I: the rest (the input-gradient matmuls, GELU's backward). Where no input wants a gradient, all of it is W."""
+    with torch.device("meta"):
+        layers = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        x = torch.empty(32, 8, requires_grad=True)
+    ops = [op for op in trace(layers, x) if op.phase == "backward"]
+    weight = [op for op in ops if op.weight]
+    assert sorted(op.name for op in weight) == ["aten.mm.default"] * 2 + ["aten.sum.dim_IntList"] * 2
+    assert sum(op.flops for op in weight) == 2 * 32 * (8 * 16 + 16 * 4)  # each weight's x^T dy
+    assert sum(op.flops for op in ops if not op.weight) == 2 * 32 * (4 * 16 + 16 * 8)  # each input's dy W
+    assert all(op.weight for op in trace(layers, x.detach()) if op.phase == "backward")
+    assert not any(op.weight for op in trace(layers, x) if op.phase == "forward")

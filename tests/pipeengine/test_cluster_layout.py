@@ -125,3 +125,29 @@ def test_fsdp_gathers_the_weights_once_a_step_reduce_scatters_the_gradients_and_
     assert fsdp.parts["optimizer"] == pytest.approx(one.parts["optimizer"] / 4)
     assert one.peak_bytes - fsdp.peak_bytes == pytest.approx(1e9 / 2 * (16 - 4 - 12 / 4))
     assert sharded.describe().endswith(" fsdp") and not copied.describe().endswith(" fsdp")
+
+
+def split(layers: int = 4) -> Transformer:
+    """model()'s block with its backward's matmul split: 1.2e12 FLOPs of I (12 ms), 0.8e12 of W (8 ms, marked)."""
+
+    def block(tp: int, micro_batch: int) -> list[Op]:
+        return [Op("mm", "matmul", "forward", 10**12, 10**6), Op("gelu", "other", "forward", 0, 10**9),
+                Op("mm", "matmul", "backward", 12 * 10**11, 10**6), Op("gelu", "other", "backward", 0, 10**9),
+                Op("mm", "matmul", "backward", 8 * 10**11, 10**6, weight=True)]  # fmt: skip
+
+    return Transformer(layers, 1024, 8, 512, 1000, 1e9, block, lambda tp, micro_batch: [])
+
+
+def test_a_split_backward_defers_w_as_zero_bubble_places_it() -> None:
+    """ZB-H1 on 2 ranks, 4 micro-batches of uniform stages: m slots and (p - 1) (F + I - W) of bubble, where 1F1B
+    pays (p - 1) (F + I + W) (Qi et al. 2024, section 3); the estimate the search prunes by is that formula."""
+    hw, bare = machine(), Runtime(accumulate_bytes=0.0)
+    message = 1e-9 + 512 * 1024 * 2 / 100e9
+    f, i, w = 2 * 0.011 + message, 2 * 0.013 + message, 2 * 0.008  # 2 blocks a stage; a message each way
+    for schedule, bubble in (("1f1b", f + i + w), ("zb-h1", f + i - w)):
+        layout = Layout(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=4, schedule=schedule, recompute=False)
+        replayed = price(split(), layout, hw, runtime=bare).parts["pipeline"]
+        assert replayed == pytest.approx(4 * (f + i + w) + bubble)
+        assert estimate(split(), layout, hw, runtime=bare).parts["pipeline"] == pytest.approx(replayed)
+    v = Layout(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=4, schedule="zb-v", chunks=2, recompute=False)
+    assert price(split(), v, hw, runtime=bare).parts["pipeline"] < 4 * (f + i + w) + f + i - w  # V: less still

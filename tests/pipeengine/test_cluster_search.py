@@ -94,3 +94,15 @@ def test_the_search_shards_the_replicas_where_copies_would_not_fit() -> None:
     with pytest.raises(ValueError, match="no layout of the .* considered fits: needs"):
         search(model, 32, small, 32, fsdp="never").best  # noqa: B018
     assert search(model, 32, hw, 32, fsdp="always").considered * 2 == search(model, 32, hw, 32).considered
+
+
+def test_every_schedule_is_searched_where_the_layers_allow_it() -> None:
+    """1F1B, interleaved (v dividing a rank's layers, pp dividing m), ZB-H1, and ZB-V where a rank's layers split
+    into its two chunks: 4 layers on 4 ranks have no ZB-V."""
+    model = from_config(tiny(), 32)
+    found = candidates(model, 16, load("a100-80gb"), 32)
+    assert {layout.schedule for layout in found if layout.pp == 2} == {"1f1b", "interleaved", "zb-h1", "zb-v"}
+    assert {layout.schedule for layout in found if layout.pp == 4} == {"1f1b", "zb-h1"}
+    assert all(layout.chunks == 2 for layout in found if layout.schedule == "zb-v")
+    only = candidates(model, 16, load("a100-80gb"), 32, schedules=("zb-h1",))
+    assert {layout.schedule for layout in only if layout.pp > 1} == {"zb-h1"}

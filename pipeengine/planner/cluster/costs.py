@@ -29,7 +29,7 @@ from __future__ import annotations
 import time as _time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -158,6 +158,7 @@ class Op:
     bytes: int
     shapes: tuple[tuple[int, ...], ...] = ()  # its tensor inputs' shapes: an efficiency measured at a shape
     dtype: str = ""  # its first tensor input's dtype, e.g. "torch.bfloat16"
+    weight: bool = False  # a backward op only the weights' gradients need (W of a split backward; the rest is I)
 
 
 def _kind(packet: Any) -> Kind:
@@ -264,8 +265,9 @@ def trace(
     The module and the inputs must be on the meta device (a ValueError says which is not): nothing is allocated.
     The backward starts from a gradient of ones on each floating output that requires grad and reaches the
     parameters and inputs that require grad (returned, not left in ``.grad``); ops it runs are of phase
-    "backward". ``fused`` routes scaled-dot-product attention to the GPU's fused kernels
-    (``fused_attention``); without it, the meta device's math path (bmm, softmax) is recorded.
+    "backward", those only the weights' gradients need marked ``weight`` (a split backward's W; the others are
+    its I, what a backward to the inputs alone runs). ``fused`` routes scaled-dot-product attention to the GPU's
+    fused kernels (``fused_attention``); without it, the meta device's math path (bmm, softmax) is recorded.
     """
     kwargs = dict(example_kwargs or {})
     _check_meta(module, (example_inputs, kwargs))
@@ -283,8 +285,31 @@ def trace(
             recorder.phase = "backward"
             with recorder:
                 # the gradients are returned, not accumulated into .grad: a second trace records the same ops
-                torch.autograd.grad(roots, leaves, seeds, allow_unused=True)
+                torch.autograd.grad(roots, leaves, seeds, allow_unused=True, retain_graph=True)
+            inputs = [t for t in _tensors((example_inputs, kwargs)) if t.requires_grad]
+            _mark_weights(recorder, roots, inputs, seeds)
     return recorder.ops
+
+
+def _mark_weights(recorder: _Recorder, roots: list[torch.Tensor], inputs: list[torch.Tensor],
+                  seeds: list[torch.Tensor]) -> None:  # fmt: skip
+    """Mark the backward ops only the weights' gradients need: those the whole backward runs beyond what a backward
+    to the inputs alone runs (autograd runs only what the gradients asked for need), matched by name and shapes."""
+    backward = [index for index, op in enumerate(recorder.ops) if op.phase == "backward"]
+    needed: dict[tuple[str, tuple[tuple[int, ...], ...]], int] = {}
+    if inputs:
+        alone = _Recorder()
+        alone.phase = "backward"
+        with alone:
+            torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
+        for op in alone.ops:
+            needed[op.name, op.shapes] = needed.get((op.name, op.shapes), 0) + 1
+    for index in backward:
+        op = recorder.ops[index]
+        if needed.get((op.name, op.shapes), 0):
+            needed[op.name, op.shapes] -= 1
+        else:
+            recorder.ops[index] = replace(op, weight=True)
 
 
 @dataclass(frozen=True)

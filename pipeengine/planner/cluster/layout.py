@@ -43,7 +43,9 @@ from pipeengine.planner.cluster.hardware import Hardware
 
 __all__ = ["PIPEENGINE", "Layout", "Price", "Runtime", "Transformer", "estimate", "price"]
 
-SCHEDULES = ("1f1b", "interleaved")  # the ones Megatron-LM ran (Narayanan et al. 2021)
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # Megatron-LM's two (Narayanan et al. 2021), zero-bubble's
+SPLIT = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"})  # a backward split into I, then W
+V_SHAPED = SPLIT - {"zb-h1"}  # two chunks a rank in a V: rank r holds stages r and 2p - 1 - r
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,17 @@ class Price:
 
 
 def _roofline(ops: list[Op], hw: Hardware, dtype: str) -> dict[str, float]:
-    """Seconds of each phase's ops: a matmul or attention at the matmul rate, anything else at the memory rate."""
+    """Seconds of each phase's ops: a matmul or attention at the matmul rate, anything else at the memory rate;
+    "weight": the backward's ops only the weights' gradients need (its W; included in "backward")."""
     fast = hw.peak_flops[dtype] * hw.matmul_efficiency
     slow = hw.peak_flops.get("fp32", fast)
-    out = {"forward": 0.0, "backward": 0.0}
+    out = {"forward": 0.0, "backward": 0.0, "weight": 0.0}
     for op in ops:
         rate = fast if op.kind in ("matmul", "attention") else slow
-        out[op.phase] += max(op.flops / rate, op.bytes / hw.memory_bandwidth)
+        seconds = max(op.flops / rate, op.bytes / hw.memory_bandwidth)
+        out[op.phase] += seconds
+        if op.weight:
+            out["weight"] += seconds
     return out
 
 
@@ -140,7 +146,8 @@ class _Parts:
     """A layout's stage times and the rest of its step, before the schedule is replayed."""
 
     forward: list[float]  # seconds of each stage's forward of one micro-batch, its exchange included
-    backward: list[float]
+    backward: list[float]  # the whole backward (I and W)
+    weight: list[float]  # of which W: the weights' gradients (and their accumulation), which a split backward defers
     tp_all_reduces: float  # seconds a micro-batch spends in tensor parallelism's all-reduces, on one stage
     replicas: float  # the replicas' gradient all-reduce (FSDP: the weights' all-gather and gradients' reduce-scatter)
     optimizer: float
@@ -163,12 +170,14 @@ def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime
     stages = p * v
     forward = [per_stage * f_block for _ in range(stages)]
     backward = [per_stage * b_block for _ in range(stages)]
+    params_device = model.parameters / (t * p)
+    accumulate = params_device / v * runtime.accumulate_bytes / hw.memory_bandwidth * (m - 1) / m  # a micro-batch's
+    weight = [per_stage * block["weight"] + accumulate for _ in range(stages)]  # gradients added to the kept ones
+    backward = [b_ + accumulate for b_ in backward]  # (all but the first micro-batch's): W's
     for stage, ends in ((0, first), (stages - 1, last)):
         forward[stage] += ends["forward"]
         backward[stage] += ends["backward"]
-    params_device = model.parameters / (t * p)
-    accumulate = params_device / v * runtime.accumulate_bytes / hw.memory_bandwidth * (m - 1) / m  # a micro-batch's
-    backward = [b_ + accumulate for b_ in backward]  # gradients added to the kept ones: all but the first
+        weight[stage] += ends["weight"]
     if p > 1:  # Megatron-LM's exchanges block both ranks until done (batch_isend_irecv, wait, cuda.synchronize)
         message = collectives.send_recv(activation / t, collectives.group_link(hw, p, t))  # scatter: 1/t a rank
         if t > 1:
@@ -187,14 +196,15 @@ def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime
     else:
         reduce = collectives.all_reduce(gradients, d, link)
     if reduce and runtime.overlap_grad_reduce:  # hidden behind the rank's last backward, but for its last bucket
-        last_backward = sum(backward[0::p])  # rank 0's stages (its chunks), one micro-batch
+        mine = (0, 2 * p - 1) if layout.schedule in V_SHAPED else range(0, stages, p)  # rank 0's stages
+        last_backward = sum(backward[stage] for stage in mine)  # one micro-batch
         tail = collectives.all_reduce(min(gradients, runtime.bucket_bytes), d, link)
         reduce = max(tail, reduce - last_backward)
     replicas = gather + reduce
     optimizer = params_device / (d if layout.fsdp else 1) * 38 / hw.memory_bandwidth  # fp16 grad read, fp32 master,
     # moments read and written: each replica its shard under FSDP
     tp_time = per_stage * v * (6 if layout.recompute else 4) * tp_ar
-    return _Parts(forward, backward, tp_time, replicas, optimizer, _memory(model, layout, activation))
+    return _Parts(forward, backward, weight, tp_time, replicas, optimizer, _memory(model, layout, activation))
 
 
 def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts: _Parts, pipeline: float) -> Price:
@@ -220,21 +230,33 @@ def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16",
     if p == 1:
         pipeline = m * sum(parts.forward + parts.backward)  # one rank: its stages back to back, no bubble
     else:
-        name = "interleaved" if v > 1 else layout.schedule
-        schedule = _schedule(name, p, m, v if name == "interleaved" else None)
-        costs = Costs(forward=parts.forward, backward_input=parts.backward, backward_weight=[0.0] * (p * v))
+        name = "interleaved" if v > 1 and layout.schedule == "1f1b" else layout.schedule
+        schedule = _schedule(name, p, m, v)
+        if name in SPLIT:  # I as the backward's turn, W where the schedule defers it
+            inputs = [b_ - w for b_, w in zip(parts.backward, parts.weight, strict=True)]
+            costs = Costs(forward=parts.forward, backward_input=inputs, backward_weight=parts.weight)
+        else:
+            costs = Costs(forward=parts.forward, backward_input=parts.backward, backward_weight=[0.0] * (p * v))
         pipeline = summarize(schedule, costs).makespan
     return _priced(model, layout, hw, dtype, parts, pipeline)
 
 
 def estimate(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
              ) -> Price:  # fmt: skip
-    """``price`` with the pipeline's bubble from the formula instead of the replay: (m + (p - 1) / v) slots of the
-    slowest stage's forward and backward (Narayanan et al. 2021, section 2.2). What the search prunes by."""
+    """``price`` with the pipeline's bubble from a formula instead of the replay, what the search prunes by: for
+    1F1B and interleaved, (m + (p - 1) / v) slots of the slowest stage's forward and backward (Narayanan et al. 2021,
+    section 2.2); for a split backward, m slots and (p - 1) (F + I - W) of a stage (Qi et al. 2024, ZB-H1's
+    bubble, which the V-shaped schedules are only near: the replay ranks them)."""
     parts = _parts(model, layout, hw, dtype, runtime)
     p, m, v = layout.pp, layout.num_microbatches, layout.chunks
-    slot = max(f + b for f, b in zip(parts.forward, parts.backward, strict=True)) * v
-    pipeline = (m + (p - 1) / v) * slot if p > 1 else m * sum(parts.forward + parts.backward)
+    slowest = max(range(p * v), key=lambda stage: parts.forward[stage] + parts.backward[stage])
+    f, b, w = parts.forward[slowest], parts.backward[slowest], parts.weight[slowest]
+    if p == 1:
+        pipeline = m * sum(parts.forward + parts.backward)
+    elif layout.schedule in SPLIT:
+        pipeline = m * (f + b) * v + (p - 1) * max(0.0, f + b - 2 * w)
+    else:
+        pipeline = (m + (p - 1) / v) * (f + b) * v
     return _priced(model, layout, hw, dtype, parts, pipeline)
 
 

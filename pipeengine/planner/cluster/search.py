@@ -9,9 +9,10 @@ it was found.
 
 What is searched: tp dividing the devices of a node and the heads (tensor parallelism stays inside a node); pp
 dividing the layers; dp = W / (tp pp) dividing the global batch; micro-batch sizes dividing a replica's batch (up to
-``max_micro_batch``); 1F1B, and interleaved 1F1B with v chunks where v divides the layers of a stage and the
-micro-batches divide by pp (Megatron-LM's rule); full recomputation or none (``recompute``); the replicas copying
-the weights or sharding them with FSDP2 (``fsdp``, where dp > 1).
+``max_micro_batch``); 1F1B, interleaved 1F1B with v chunks where v divides the layers of a stage and the
+micro-batches divide by pp (Megatron-LM's rule), ZB-H1 and ZB-V (the backward split into I and W, Qi et al.); full
+recomputation or none (``recompute``); the replicas copying the weights or sharding them with FSDP2 (``fsdp``, where
+dp > 1).
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import time
 from dataclasses import dataclass, field
 
 from pipeengine.planner.cluster.hardware import Hardware
-from pipeengine.planner.cluster.layout import PIPEENGINE, Layout, Price, Runtime, Transformer, estimate, price
+from pipeengine.planner.cluster.layout import (
+    PIPEENGINE,
+    SCHEDULES,
+    Layout,
+    Price,
+    Runtime,
+    Transformer,
+    estimate,
+    price,
+)
 
 __all__ = ["ClusterPlan", "search"]
 
@@ -42,9 +52,6 @@ class ClusterPlan:
 
 def _divisors(n: int, at_most: int | None = None) -> list[int]:
     return [d for d in range(1, (at_most or n) + 1) if n % d == 0]
-
-
-SCHEDULES = ("1f1b", "interleaved")
 
 
 CHOICES = {"always": (True,), "never": (False,), "search": (True, False)}
@@ -71,16 +78,25 @@ def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int
             replica = global_batch // dp
             for b in _divisors(replica, min(replica, max_micro_batch)):
                 m = replica // b
-                interleaved = pp > 1 and m % pp == 0 and "interleaved" in schedules  # Megatron-LM's rule
-                chunks = [1] + (_divisors(model.layers // pp, 8)[1:] if interleaved else [])
-                for v in chunks:
-                    if v == 1 and "1f1b" not in schedules and pp > 1:
-                        continue
+                for schedule, v in _schedules(model.layers // pp, pp, m, schedules):
                     for again in recomputing:
                         for sharded in CHOICES[fsdp] if dp > 1 else (False,):  # one replica: nothing to shard
-                            out.append(Layout(tp, pp, dp, b, m, "interleaved" if v > 1 else "1f1b", v, again,
-                                              sharded))  # fmt: skip
+                            out.append(Layout(tp, pp, dp, b, m, schedule, v, again, sharded))
     return out
+
+
+def _schedules(layers: int, pp: int, m: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, chunks) for ``layers`` a pipeline rank: one rank runs its micro-batches back to back ("1f1b");
+    interleaved with v chunks where v divides the rank's layers and pp divides m (Megatron-LM's rule); ZB-H1; ZB-V
+    where the rank's layers split in two."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    found = [("1f1b", 1)] if "1f1b" in allowed else []
+    if "interleaved" in allowed and m % pp == 0:
+        found += [("interleaved", v) for v in _divisors(layers, 8)[1:]]
+    found += [("zb-h1", 1)] if "zb-h1" in allowed else []
+    found += [("zb-v", 2)] if "zb-v" in allowed and layers % 2 == 0 else []
+    return found
 
 
 def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
