@@ -3,6 +3,7 @@
     python -m pipeengine.tune examples.train_gpt:planning --world-size 4 --memory-limit 64MiB
     python -m pipeengine.tune --calibrate --world-size 4
     python -m pipeengine.tune --model config.json --devices 512 --hardware a100-80gb --global-batch 1536 --seq 2048
+    torchrun --nproc-per-node 8 -m pipeengine.tune --calibrate --hardware h100-sxm --out my-gpus.json
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = 
     """The command line; ``engine``: PipelineEngine, for --calibrate (pipeengine.tune.main gives it). With --devices:
     a GPU cluster, planned from its description (pipeengine.planner.cluster.cli)."""
     words = list(sys.argv[1:] if argv is None else argv)
+    if "--calibrate" in words and any(word == "--hardware" or word.startswith("--hardware=") for word in words):
+        from pipeengine.planner.cluster import calibrate  # a hardware description measured on these GPUs
+
+        return calibrate.main(words)
     if any(word == "--devices" or word.startswith("--devices=") for word in words):
         from pipeengine.planner.cluster import cli as cluster
 

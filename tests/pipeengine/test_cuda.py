@@ -78,3 +78,22 @@ def save_then_load_on_cuda(directory: str) -> None:
 @pytest.mark.timeout(300)
 def test_a_cuda_rank_saves_and_loads_and_a_damaged_checkpoint_changes_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     launch(save_then_load_on_cuda, 1, args=(str(tmp_path),), device="cuda", timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_one_gpu_measures_a_hardware_description_the_planner_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--calibrate --hardware on this GPU (one process, no world): the matmuls (squares and a model's shape) and the
+    copy measured against the preset's datasheet figures; the links kept, saying why; the file loads."""
+    from pipeengine.planner.cli import main
+    from pipeengine.planner.cluster import load
+
+    out = tmp_path / "gpu.json"
+    assert main(["--calibrate", "--hardware", "h100-sxm", "--out", str(out), "--shapes", "2048x8192x4096",
+                 "--repeats", "5"]) == 0  # fmt: skip
+    found = load(out)
+    assert found.sources["matmul_efficiency"].startswith("measured on ") and "2048x8192x4096" in found.sources[
+        "matmul_efficiency"]  # fmt: skip
+    assert found.sources["memory_bandwidth"].startswith("measured on ")
+    assert found.sources["intra.bandwidth"].startswith("the preset's, not measured")
+    print(f"\n{found.name}: matmul efficiency {found.matmul_efficiency:.3f}, "
+          f"copy {found.memory_bandwidth / 1e9:.0f} GB/s\n{found.sources['matmul_efficiency']}")

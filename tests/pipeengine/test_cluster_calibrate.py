@@ -1,0 +1,107 @@
+"""A hardware description measured where it runs (issue 59, item 1: --calibrate on the user's GPUs): the ring fit
+against injected times; the measuring on 2 gloo ranks laid out as two nodes or as one, which figures it measures
+and which it keeps from the preset, saying so; the command line on one CPU process, and its refusal without a GPU.
+What a GPU measures is checked where one is lent (tests/pipeengine/test_cuda.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeengine import launch
+from pipeengine.planner.cli import main
+from pipeengine.planner.cluster import Hardware, all_reduce, load
+from pipeengine.planner.cluster.calibrate import fit_ring, measure
+
+
+def test_the_ring_fit_recovers_the_links_figures_from_times_priced_with_them() -> None:
+    """Times made by collectives.all_reduce at a known link give that link back (the fit is the pricing inverted)."""
+    from pipeengine.planner.cluster import Link
+
+    link = Link(bandwidth=180e9, latency=7e-6)
+    sizes = [2**20, 2**23, 2**26, 2**28]
+    for ranks in (2, 8, 16):
+        bandwidth, latency = fit_ring(sizes, [all_reduce(size, ranks, link) for size in sizes], ranks)
+        assert bandwidth == pytest.approx(180e9, rel=1e-9) and latency == pytest.approx(7e-6, rel=1e-6)
+
+
+@pytest.mark.parametrize(("sizes", "seconds", "ranks", "said"), [
+    ([2**20, 2**20], [1e-3, 2e-3], 2, "give two distinct sizes or more"),
+    ([2**20, 2**22], [1e-3], 2, "a time each"),
+    ([2**20, 2**22], [1e-3, 1e-3], 2, "do not grow with the sizes"),
+    ([2**20, 2**22], [1e-3, 2e-3], 1, "over 2 ranks or more"),
+])  # fmt: skip
+def test_the_ring_fit_refuses_what_is_not_a_measurement_of_a_link(sizes: list[int], seconds: list[float],
+                                                                  ranks: int, said: str) -> None:  # fmt: skip
+    with pytest.raises(ValueError, match=said):
+        fit_ring(sizes, seconds, ranks)
+
+
+def _measured(folder: str) -> None:
+    for per_node in (1, 2):
+        _measure(per_node, f"{folder}/{per_node}.json")
+
+
+def _measure(per_node: int, path: str) -> None:
+    base = load("a100-80gb")
+    found = measure(base, dtype="fp32", shapes=[(32, 64, 16)], sizes=(2**12, 2**22), copy_bytes=2**20, repeats=3,
+                    device=torch.device("cpu"), per_node=per_node, squares=(64,))  # fmt: skip
+    assert Hardware.from_json(found.to_json(), "measured") == found  # held to a file's rules
+    assert found.peak_flops == base.peak_flops and found.memory_bytes == base.memory_bytes  # the datasheet's
+    figures = [found.matmul_efficiency, found.memory_bandwidth, found.inter.bandwidth, found.intra.bandwidth]
+    shared = torch.tensor(figures, dtype=torch.float64)
+    every = [torch.zeros_like(shared) for _ in range(2)]
+    torch.distributed.all_gather(every, shared)
+    assert torch.equal(every[0], every[1])  # every rank holds the one description
+    if torch.distributed.get_rank() == 0:
+        Path(path).write_text(json.dumps(found.to_json()))
+
+
+def test_two_ranks_measure_the_link_between_them_and_keep_the_presets_other(tmp_path: Path) -> None:
+    """One rank a node: the link across nodes is measured, the one within is the preset's; two a node: the
+    reverse. Matmul efficiency and memory bandwidth are measured either way, each source naming the measurement."""
+    launch(_measured, 2, args=(str(tmp_path),), timeout=120)
+    for per_node in (1, 2):
+        _check(load(tmp_path / f"{per_node}.json"), per_node)
+
+
+def _check(found: Hardware, per_node: int) -> None:
+    base = load("a100-80gb")
+    measured, kept = ("inter", "intra") if per_node == 1 else ("intra", "inter")
+    for figure in ("matmul_efficiency", "memory_bandwidth", f"{measured}.bandwidth"):
+        assert found.sources[figure].startswith("measured on "), found.sources[figure]
+    assert "all_reduce over " in found.sources[f"{measured}.bandwidth"]
+    assert getattr(found, kept) == getattr(base, kept)
+    why = "one node" if kept == "inter" else "one rank a node"
+    assert found.sources[f"{kept}.bandwidth"].startswith(f"the preset's, not measured ({why})")
+    assert getattr(found, measured) != getattr(base, measured)
+    assert "32x64x16" in found.sources["matmul_efficiency"]  # the model's shape, beside the squares
+
+
+def test_the_command_line_writes_a_description_the_planner_reads(tmp_path: Path) -> None:
+    out = tmp_path / "mine.json"
+    code = main(["--calibrate", "--hardware", "h100-sxm", "--out", str(out), "--device", "cpu", "--repeats", "2",
+                 "--precision", "fp32", "--shapes", "16x32x8"])  # fmt: skip
+    assert code == 0
+    found = load(out)
+    assert found.name == f"{load('h100-sxm').name}, measured"
+    assert found.sources["matmul_efficiency"].startswith("measured on ")
+    assert found.sources["intra.latency"].startswith("the preset's, not measured (one rank a node)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+@pytest.mark.parametrize(("extra", "said"), [
+    ([], r"measures GPUs and this machine has none .* --device cpu tries it here"),
+    (["--device", "cpu", "--shapes", "16x32"], r"--shapes: '16x32' is not m x k x n"),
+    (["--device", "cpu", "--hardware", "b300"], r"'b300' is neither a preset nor a hardware description file"),
+])  # fmt: skip
+def test_the_command_line_refuses_saying_why(extra: list[str], said: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    code = main(["--calibrate", "--hardware", "h100-sxm", "--out", str(tmp_path / "x.json"), *extra])
+    assert code == 2
+    assert re.search(said, capsys.readouterr().err)
+    assert not (tmp_path / "x.json").exists()
