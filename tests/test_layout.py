@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,24 @@ def test_one_parity_helper_runs_the_one_process_reference() -> None:
              for line in autograd_calls(ast.parse(path.read_text()))]  # fmt: skip
     assert not wrong, "autograd's backward outside " + PARITY + " (a parity helper of its own):\n" + "\n".join(wrong)
     assert autograd_calls(ast.parse((ROOT / PARITY).read_text())), f"{PARITY} runs no reference"
+
+
+def test_the_design_page_names_only_what_the_tree_holds() -> None:
+    """docs/design.md's layers: each folder of its tree exists in its package, and each module it names (``x.py``)
+    exists there or, with a path, at that path: a module renamed or removed shows here, not in a reader's search."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    tree = text[text.index("```text\nschedules/") : text.index("tests/  benchmarks/  examples/")]
+    package, missing = "", []
+    for line in tree.splitlines()[1:]:
+        top = re.match(r"^(\w+)/\s", line)
+        sub = re.match(r"^  (\w+)/\s", line)
+        if top:
+            package = top.group(1)
+            missing += [] if (ROOT / package).is_dir() else [f"{package}/"]
+        elif sub and not (ROOT / package / sub.group(1)).is_dir():
+            missing.append(f"{package}/{sub.group(1)}/")
+    sources = {path.name for folder in ("pipeengine", "schedules") for path in (ROOT / folder).rglob("*.py")}
+    for name in sorted(set(re.findall(r"[\w/]+\.py\b", text))):
+        if not ((ROOT / name).is_file() if "/" in name else name in sources):
+            missing.append(name)
+    assert not missing, f"docs/design.md names what the tree does not hold: {missing}"
