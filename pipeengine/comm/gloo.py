@@ -23,10 +23,9 @@ class GlooTransport(Distributed):
     connection carries data one way. gloo's connection to a peer is one socket whose lock is
     shared by the thread that posts (a send writes inline) and gloo's I/O thread (which reads
     what arrives): when both ranks send to each other at once, as in 1F1B's steady state,
-    posting waits for the reads. Measured with benchmarks/vs_torch.py --width 256: 1F1B 21.7 /
-    22.7 ms a step on one group, 15.6 / 18.4 ms on two. A recv posted early costs only its
-    buffer, while one posted mid-step contends with the I/O thread: on 2 CPU ranks posting took
-    8-15 ms of a 170 ms GPipe step as lowered, 2.5-3.5 ms with the recvs first.
+    posting waits for the reads: two groups make 1F1B's steps faster (benchmarks/vs_torch.py
+    --width 256). A recv posted early costs only its buffer, while one posted mid-step contends
+    with the I/O thread (docs/benchmarks.md).
     """
 
     backend = BACKENDS["gloo"]

@@ -8,8 +8,7 @@ random state forked: the model is left as it was.
 On the CPU each timed run starts with the processor's caches flushed (pipeengine.construction.caches: a buffer the
 size of its last-level cache written over): a rank meets its stage's weights cold, since between two of its computes
 other layers, other micro-batches, communication and the ranks sharing the machine run (the same layer timed back
-to back, its weights still cached, ran 20-50% faster than in a pipeline's step on the 2-core machine of the
-benchmarks).
+to back, its weights still cached, runs faster than in a pipeline's step: docs/benchmarks.md).
 """
 
 from __future__ import annotations

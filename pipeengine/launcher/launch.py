@@ -168,7 +168,8 @@ def keep_freed_memory() -> bool:
     gradient) from fresh mmap pages and gives them back when freed, so every step pays page
     faults to touch them again. With no mmap below 1 GiB and no trimming, freed blocks are
     reused, as PyTorch's CUDA caching allocator does on the GPU (and torch.backends.xeon's
-    launcher does by preloading tcmalloc). Measured here: about 20% off a CPU pipeline step.
+    launcher does by preloading tcmalloc): it takes about a fifth off a CPU pipeline step
+    (docs/benchmarks.md).
     The cost: a rank keeps its peak memory. Returns False where there is no glibc.
     """
     try:

@@ -40,11 +40,11 @@ from pipeengine.planner import calibration_file, probes, wakes
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # priced on the whole tensor's bytes
-# The built-in constants: what python -m pipeengine.tune --calibrate --world-size 4 measured on 4 gloo ranks of the
-# 2-core machine of the benchmarks (2026-11-27, the middle of 5 runs where they spread): host seconds per compute
-# beyond its layers' measured time (0.05-0.09 ms), a message's latency as a step takes it up (0-0.7 ms: fitted after
-# the frame, which it trades off against) and per byte; a training step's frame over pipelines and replicas of 2 and
-# 4 ranks; posting (per post, per message more); copying a byte of gradients
+# The built-in constants: what python -m pipeengine.tune --calibrate --world-size 4 measured on the benchmarks'
+# machine (when and how they spread: docs/benchmarks.md): host seconds per compute beyond its layers' measured time, a
+# message's latency as a step takes it up (fitted after the frame, which it trades off against) and per byte; a
+# training step's frame over pipelines and replicas of 2 and 4 ranks; posting (per post, per message more); copying
+# a byte of gradients
 OVERHEAD = 6e-5
 LATENCY, PER_BYTE = 1e-4, 3e-10
 FRAME = {"pipeline": {2: 3.4e-3, 4: 4.5e-3}, "replicas": {2: 4e-4, 4: 4.5e-4}}

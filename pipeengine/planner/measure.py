@@ -4,9 +4,8 @@ bytes on a micro-batch) with what the planner measures more, as a LayerProfile (
 A rank that runs every layer of the model back to back (no pipeline: each layer follows the one before on the same
 rank, with at most a collective between) meets a layer's weights cold (the lean measurement flushes the CPU's caches
 before each timed run) but its host path warm: ``warm`` times each layer after the flush and a run of a copy of the
-layer (its own weights and input). Measured on 4 gloo ranks of the benchmarks' 2-core machine, a tensor-parallel rank
-(tp=4) spent 1.9 ms of thread time on each block (forward and backward, less the collectives' launch) in a step; timed
-warm 1.75 ms, timed cold 2.6 ms.
+layer (its own weights and input): timed so, a tensor-parallel rank's block comes out near the thread time it spends
+in a step, where timed cold it is a third longer (docs/benchmarks.md).
 
 Under tensor parallelism each layer is measured as one tensor-parallel rank runs it: a copy parallelized by the
 plan (torch's parallelize_module) on a process group of torch's fake backend, whose collectives do nothing, so

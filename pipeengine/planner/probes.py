@@ -55,9 +55,8 @@ def collective(op: str, elements: int, group: Any, size: int, repeats: int, devi
     tensor-parallel all-reduce, the other stages' layers beside it; ``busy``), those not ``active`` computing too, and
     its price is what it adds to that compute's time (``baseline``: the compute's, ``computing()``'s, measured
     once for many ops; else each round timed both ways, the compute alone first): with
-    its ranks' processors busy a collective takes a fraction of what it takes from idle ones (measured on 4 gloo
-    ranks of 2 cores, a 16 KiB all-reduce over 2: 1.0 ms in a step's rhythm; 1.2 ms back to back with the other
-    two asleep, 2.5 ms with them in a barrier), and the tensor-parallel steps measured took the former."""
+    its ranks' processors busy a collective takes a fraction of what it takes from idle ones, and the
+    tensor-parallel steps measured took the former (docs/benchmarks.md)."""
     whole = torch.ones(elements - elements % size, device=device)
     shard = torch.empty(whole.numel() // size, device=device)
     work = busy(device)
@@ -121,8 +120,8 @@ def busy(device: torch.device) -> Callable[[], object]:
 
 def trimmed(samples: Sequence[float], cut: float = 0.1) -> float:
     """The mean of the samples without the lowest and highest ``cut`` of them: a step's frame over shared cores
-    is two-valued (a 2-rank loss all-reduce took 0.4 or 2.5 ms, the two about as often), where a median jumps
-    between the two from run to run and a mean follows how often each comes; the cut keeps a stall out."""
+    is two-valued (a short and a long time, about as often: docs/benchmarks.md), where a median jumps between the
+    two from run to run and a mean follows how often each comes; the cut keeps a stall out."""
     ordered = sorted(samples)
     drop = int(len(ordered) * cut)
     kept = ordered[drop : len(ordered) - drop] or ordered
@@ -325,9 +324,8 @@ def host(build: Callable[..., Any], price: Callable[[Any, float, float], float],
     micro-batch over a layer a rank (a chain: each compute waits for a message) less the world's pipeline frame
     (``pipeline_frame``), each solved by bisection (each simulated step grows with its unknown); and that frame. A
     ping between two ranks alone misses what a rank pays to take a message up in a step. The chain's steps spread
-    widely (2.8-13 ms on 4 gloo ranks of 2 cores; the median of 20, 5.3-10.6 ms in one launch), and so do the
-    frame's: many of each, one after the other, the frame taken from the same moments as the chain it is part of
-    (timed apart, the latency they left was 0.0-0.48 ms from one calibration to the next; 0.19-0.32 ms so)."""
+    widely, and so do the frame's: many of each, one after the other, the frame taken from the same moments as the
+    chain it is part of (timed apart, the latency they left moved more than twice as much: docs/benchmarks.md)."""
     from torch import nn
 
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -2,10 +2,10 @@
 (calibration runs it on every rank; schedules.sim.sharing charges it).
 
 A rank waiting on a message sleeps; woken, the operating system may put it on a processor another rank is computing
-on, behind that rank's work. Timed on 4 gloo ranks of 2 cores, a rank's one-way transit from a send to its compute's
-start was 0.04-0.07 ms with the other ranks asleep, but with one other rank computing, one in ten took 1.9 ms or more.
-The simulator shares the processors evenly among the computing ranks and has no such delay: a 1F1B partition whose
-critical path crossed one message more ran 2-8% slower while the simulator priced the two alike.
+on, behind that rank's work: with another rank computing, a transit that takes a fraction of a millisecond with the
+others asleep sometimes takes milliseconds. The simulator shares the processors evenly among the computing ranks and
+has no such delay, so a partition whose critical path crosses one message more runs slower than it prices
+(docs/benchmarks.md).
 
 The probe is a chain of stages, one a rank, each taking a message from the rank before, computing a burst of a known
 time and sending on. With one micro-batch at a time only the sender had computed when a rank wakes; with many, ranks
@@ -15,8 +15,8 @@ simulator reads by the mean price of the work running when a rank wakes. Transit
 (the clock they share); ranks that share no host have no delay to measure.
 
 Fitting the delay to whole steps instead (the engine's GPipe steps over such stages against the simulator, as
-probes.host fits the latency) gave 0.3-4.5 ms from one launch to the next on the same machine: the delay also sets
-how many wakes meet work, so the fit is ill-posed.
+probes.host fits the latency) is ill-posed: the delay also sets how many wakes meet work, and the fit moved by an
+order of magnitude from one launch to the next (docs/benchmarks.md).
 """
 
 from __future__ import annotations

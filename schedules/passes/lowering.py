@@ -96,10 +96,10 @@ def receives_first(schedule: Schedule) -> Schedule:
     For a transport where posting never blocks and each message is matched on its own, by
     peer and posting order (gloo). There a recv posted early costs only its buffer, while one
     posted mid-step, as the peer sends, contends with the transport's I/O thread for the
-    connection: on 2 CPU ranks posting took 8-15 ms of a 170 ms GPipe step as lowered, and
-    2.5-3.5 ms with the recvs first. Not for NCCL, whose point-to-point ops run in order on
-    one stream: a recv posted first holds back the sends behind it, which is why ``validate``
-    refuses the result under rendezvous semantics and proves it under buffered ones (gloo's).
+    connection (posting took several times longer so: docs/benchmarks.md). Not for NCCL, whose
+    point-to-point ops run in order on one stream: a recv posted first holds back the sends
+    behind it, which is why ``validate`` refuses the result under rendezvous semantics and proves
+    it under buffered ones (gloo's).
 
     Each channel keeps the order of its recvs, so each still meets its send in order; sends
     and computes stay where they were. Every micro-batch's recv buffers exist from the start.
