@@ -23,7 +23,7 @@ from pipeengine.comm.base import Transport
 from pipeengine.core.specs import Boundary, Tensors, TensorSpec, unpack
 from pipeengine.errors import PipelineError
 
-__all__: list[str] = []
+__all__ = ["ROW"]
 
 _T = TypeVar("_T")
 
@@ -31,6 +31,7 @@ MAX_TENSORS, MAX_DIMS = 8, 8
 _FIELDS = 2 + MAX_DIMS  # per input tensor
 _HEAD = 5  # call, number, status, is_tuple, n_inputs
 _ROW = _HEAD + MAX_TENSORS * _FIELDS + 1
+ROW = _ROW  # int64s in the header row each rank gathers before a call (the planner times the gather)
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.core.files import once_each, write_atomically
-from pipeengine.planner import calibration_file, probes, wakes
+from pipeengine.planner import calibration_file, probes, shared_cores
 
 __all__ = ["COLLECTIVES", "Curve", "Link", "Prices", "calibrate", "default_path", "load", "measure_machine", "save"]
 
@@ -313,7 +313,7 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
                     crowded[op].setdefault(group_size, []).append((size, probes.collective(
                         op, size // 4, group, group_size, count, device, rounds, baseline=baseline)))  # fmt: skip
     post, post_message = probes.posting(2 * repeats, device)
-    sharing = None if device.type == "cuda" else probes.processors(repeats)
+    sharing = shared_cores.measure_processors(repeats, device)  # CPU ranks only: the optional host model
     # the world's pipeline frame is timed below, beside probes.host's chain of stages
     framed = probes.frame(groups, 12 * repeats, device, pipelines=[g for g in groups if g < world])
     partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True, sharing, None,
@@ -324,7 +324,7 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     frame = {**partial.frame, "pipeline": {**partial.frame["pipeline"], world: around}}  # timed with the latency's
     found = dataclasses.replace(partial, overhead=overhead, p2p=Link(latency, p2p.per_byte), frame=frame)
     if sharing is not None:  # ranks share processors: how late one woken while others compute
-        found = dataclasses.replace(found, wake=wakes.wakes(6 * repeats))
+        found = dataclasses.replace(found, wake=shared_cores.wake(sharing, 6 * repeats))
     shared: list[object] = [found if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]  # type: ignore[return-value]

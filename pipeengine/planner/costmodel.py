@@ -24,15 +24,11 @@ which holds the rank until it is done, and its all-gather of a stage's parameter
 of the step. Each post of messages takes host time (``Prices.post``). A checkpointed stage keeps its input and
 output between F and B and runs its forward again in the backward.
 
-Ranks that share a machine's processors (CPU ranks, more than its cores: ``Prices.processors``, measured) compute
-slower together than alone: the simulator shares them among the computes running at each moment
-(schedules.sim.sharing), each simulated rank standing for the data_parallel x tensor_parallel ranks that compute
-beside it. There gloo's tensor-parallel collectives are work too (their calibrated time over a group, measured with
-that group's ranks alone, is brought to full speed where the group outnumbers the processors), slowed like a
-compute's by what runs beside them, and so is the replicas' asynchronous all-reduce (gloo's threads reduce on the
-same cores; priced with every replica group running it at once); FSDP's gather waits on other ranks and is not
-shared. Ranks with processors of
-their own (GPUs) wait on each other through every collective.
+Ranks with processors of their own (GPUs) wait on each other through every collective. Ranks that share a
+machine's processors (CPU ranks, more than its cores: ``Prices.processors``, measured) are the optional CPU host
+model's (pipeengine.planner.shared_cores): they compute slower together than alone, the simulator sharing the
+processors among the computes running at each moment, and gloo's tensor-parallel collectives and the replicas'
+all-reduce are partly work on the same cores; FSDP's gather waits on other ranks and is not shared.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeengine.parallel.fsdp import priced
-from pipeengine.planner import transients
+from pipeengine.planner import shared_cores, transients
 from pipeengine.planner.calibration import Link, Prices
 from schedules import Costs, Memory, state_bytes
 
@@ -161,9 +157,7 @@ class LayerProfile:
             backward = [b + n * backward_hooks for b, n in zip(backward, hooks, strict=True)]
             grad_input = [i + n * backward_hooks for i, n in zip(grad_input, hooks, strict=True)]
         else:  # flattened at the AR, copied back (and divided) once it is done, at the step's end
-            # where ranks share processors the all-reduce is work beside the computes: its time with every rank of the
-            # world running one, brought to full speed where they outnumber the processors
-            speed = 1.0 if prices.processors is None else min(1.0, prices.processors / world)
+            speed = shared_cores.replicas_speed(prices.processors, world)  # 1 where ranks have processors of their own
             reduce = [(prices.collective("all_reduce", data_parallel, p, crowded=True) + 2 * prices.copy * p) * speed
                       * synced for p in params]  # fmt: skip
             gather, sync_host = [0.0] * len(bounds), [prices.copy * p * synced for p in params]
@@ -173,17 +167,11 @@ class LayerProfile:
             backward_input=[i + a + prices.overhead for i, a in zip(grad_input, again, strict=True)],
             backward_weight=[w + prices.overhead for w in weight],
             latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
-            all_reduce=reduce, gather=gather, processors=self._processors(prices, data_parallel),
+            all_reduce=reduce, gather=gather,
+            processors=shared_cores.per_pipeline(prices.processors, data_parallel, self.tensor_parallel),
             forward_wait=forward_wait, backward_wait=backward_wait, post=prices.post, post_message=prices.post_message,
             sync_host=sync_host, sync_blocking=fsdp, wake=prices.wake, unit="s",
         )  # fmt: skip
-
-    def _processors(self, prices: Prices, data_parallel: int) -> float | None:
-        """The processors one pipeline's ranks have: the machine's, shared with the other replicas' and tensor-parallel
-        ranks, which compute at the same moments (each simulated rank stands for data_parallel x tensor_parallel)."""
-        if prices.processors is None:
-            return None
-        return prices.processors / (data_parallel * self.tensor_parallel)
 
     def _per_unit(self, op: str, a: int, b: int, prices: Prices, data_parallel: int) -> float:
         """Seconds of one FSDP collective per layer of [a, b) that holds parameters, on that layer's bytes, with what
@@ -194,27 +182,18 @@ class LayerProfile:
 
     def _collectives(self, compute: str, a: int, b: int, prices: Prices, world: int) -> tuple[float, float]:
         """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B"):
-        (work, wait). Ranks with processors of their own wait through all of it. Where ranks share processors, of each
-        collective's time over its group (timed with the group's ranks alone) the share that is processor work is
-        what slowed it when every group of the world ran it at once (crowded), against the slowdown of pure work:
-        that share is work at full speed (brought down by tp / processors where the group outnumbers them), the rest
-        a wait."""
+        (work, wait): all a wait where ranks have processors of their own, else split by the CPU host model
+        (shared_cores.split)."""
         work = wait = 0.0
-        tp, processors = self.tensor_parallel, prices.processors
-        # how much slower pure work runs with every group of the world at once than with one group alone
-        slower = 1.0 if processors is None else min(1.0, processors / tp) / min(1.0, processors / world)
         for layer in self.collectives[a:b] if self.collectives else ():
             for when, op, size in layer:
                 if when != compute:
                     continue
-                alone = prices.collective(op, tp, size)
-                if processors is None:
-                    wait += alone
-                    continue
-                crowded = prices.collective(op, tp, size, crowded=True)
-                share = 1.0 if slower <= 1.0 or alone <= 0 else min(1.0, max(0.0, (crowded / alone - 1) / (slower - 1)))
-                work += share * alone * min(1.0, processors / tp)
-                wait += (1 - share) * alone
+                alone = prices.collective(op, self.tensor_parallel, size)
+                crowded = prices.collective(op, self.tensor_parallel, size, crowded=True) \
+                    if prices.processors is not None else alone  # fmt: skip
+                more = shared_cores.split(alone, crowded, prices.processors, self.tensor_parallel, world)
+                work, wait = work + more[0], wait + more[1]
         return work, wait
 
     def _allocated(

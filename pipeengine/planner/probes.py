@@ -5,7 +5,6 @@ and the host cost and message latency as the engine's own steps take them."""
 from __future__ import annotations
 
 import copy
-import socket
 import statistics
 import time
 import warnings
@@ -15,10 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["busy", "collective", "computing", "copying", "frame", "fsdp", "host", "ping", "posting", "processors",
-           "sharing", "trimmed"]
+from pipeengine.comm.calls import ROW
 
-HEADER = 86  # int64s in a step's header row (pipeengine.comm.calls: _ROW)
+__all__ = ["busy", "collective", "computing", "copying", "frame", "fsdp", "host", "ping", "posting", "trimmed"]
+
+HEADER = ROW  # int64s in a step's header row, as pipeengine.comm.calls gathers it
 
 
 def synced(seconds: float) -> float:
@@ -270,49 +270,6 @@ def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: i
             dist.all_reduce(hooks)
             found["hooks"] = [float(h) / size for h in hooks]
     return found
-
-
-def processors(repeats: int) -> float | None:
-    """How many of the ranks compute at full speed at once: each rank times the same CPU work alone (the others
-    wait in a barrier, which sleeps), then all run it at once. On each machine (the ranks of one share its monotonic
-    clock) the slowdown is (last end - first start) / its ranks' mean time alone (the median of ``repeats``); the
-    answer is world / the largest. None if the ranks do not slow each other (within 10%: a core each)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    a = torch.randn(192, 192)
-
-    def work() -> None:  # about 0.1 s on one core of the 2-core machine: long beside the barrier's exit skew
-        for _ in range(200):
-            torch.mm(a, a)
-
-    alone, together = [], []
-    for _ in range(repeats):
-        for turn in range(world):
-            dist.barrier()
-            if turn == rank:
-                start = time.perf_counter()
-                work()
-                alone.append(time.perf_counter() - start)
-        dist.barrier()
-        start = time.perf_counter()
-        work()
-        together.append((start, time.perf_counter()))
-    found: list[Any] = [None] * world
-    dist.all_gather_object(found, (socket.gethostname(), statistics.median(alone), together))
-    return sharing(found)
-
-
-def sharing(found: Sequence[tuple[str, float, Sequence[tuple[float, float]]]]) -> float | None:
-    """Processors from each rank's (host, time alone, [(start, end) of each run all at once]): on each host the
-    median span of a run over its ranks' mean time alone is its slowdown; world / the largest, or None within 10% of
-    one processor a rank."""
-    slowdowns = []
-    for host in {name for name, _, _ in found}:
-        mine = [(time_alone, marks) for name, time_alone, marks in found if name == host]
-        runs = range(min(len(marks) for _, marks in mine))
-        spans = [max(marks[i][1] for _, marks in mine) - min(marks[i][0] for _, marks in mine) for i in runs]
-        slowdowns.append(statistics.median(spans) / statistics.fmean(time_alone for time_alone, _ in mine))
-    found_processors = len(found) / max(slowdowns)
-    return None if found_processors > len(found) / 1.1 else found_processors
 
 
 def host(build: Callable[..., Any], price: Callable[[Any, float, float], float], repeats: int, device: torch.device

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from pipeengine import PipelineEngine, launch
 from pipeengine.construction import measure
-from pipeengine.planner import calibration, probes, wakes
+from pipeengine.planner import calibration, probes, shared_cores, wakes
 from pipeengine.planner.calibration import Link, Prices
 from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import tune
@@ -564,11 +564,11 @@ def test_a_calibration_file_with_a_key_written_twice_is_refused(tmp_path: Path) 
 def test_processors_are_measured_per_machine_and_the_most_crowded_one_counts() -> None:
     """calibration's processors from each rank's (host, seconds alone, (start, end) of each run all at once)."""
     one = [("a", 1.0, [(0.0, 2.0), (0.0, 2.0)])] * 4  # 4 ranks, each 1 s alone, all done 2 s after the first began
-    assert probes.sharing(one) == pytest.approx(2.0)
+    assert shared_cores.sharing(one) == pytest.approx(2.0)
     # two machines whose clocks differ by an hour, each its own span: b's 4 ranks slow each other 4x -> 8 / 4
     two = [("a", 1.0, [(0.0, 2.0)])] * 4 + [("b", 1.0, [(3600.0, 3604.0)])] * 4
-    assert probes.sharing(two) == pytest.approx(2.0)
-    assert probes.sharing([("a", 1.0, [(0.0, 1.05)])] * 2) is None  # a core each
+    assert shared_cores.sharing(two) == pytest.approx(2.0)
+    assert shared_cores.sharing([("a", 1.0, [(0.0, 1.05)])] * 2) is None  # a core each
 
 
 def test_a_frame_is_the_trimmed_mean_of_its_samples() -> None:
