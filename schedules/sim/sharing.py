@@ -43,8 +43,8 @@ def shared(
     """(start, end) of every action of every rank, in program order, the computes sharing ``processors``; each
     asynchronous collective's end in ``ended`` ((rank, index) -> when it was done).
 
-    ``programs``: each rank's entries (schedules.sim.entries: entry[0] None: communication, entry[2]: a compute's
-    price, entry[7]: host seconds, entry[8]: what of it waits on other ranks). ``ready(entry, free)``: when a compute
+    ``programs``: each rank's entries (schedules.sim.entries.Entry: kind None: communication; price: a compute's;
+    host: host seconds; hold: what of it waits on other ranks). ``ready(entry, free)``: when a compute
     can start on a rank free since ``free``, or None while its input's time is unknown; ``done(entry, end)``: a
     compute ended; ``post(entry, at)``: communication posted; ``stuck(waits)``: the error to raise when no rank can
     go on ((rank, pc) of each waiting). ``wake``: the delay of a compute woken by its input while other work runs, by
@@ -69,7 +69,7 @@ def shared(
         """The rank's next action starts now: its work runs from this work clock."""
         nonlocal running
         entry = programs[rank][pcs[rank]]
-        mark[rank] = work + (entry[7] if entry[0] is None else entry[2] - entry[8])
+        mark[rank] = work + (entry.host if entry.kind is None else entry.price - entry.hold)
         began[rank], start[rank], woken[rank] = now, None, False
         running += 1
 
@@ -79,7 +79,7 @@ def shared(
         for r in range(ranks):
             if mark[r] is not None:
                 entry = programs[r][pcs[r]]
-                total += entry[7] if entry[0] is None else entry[2]
+                total += entry.host if entry.kind is None else entry.price
             if channel[r] is not None:
                 total += programs[r][carrying[r]][2]
         return delay(wake, total / running)
@@ -97,7 +97,7 @@ def shared(
         the channel is idle."""
         entry = programs[rank][index]
         post(entry, at)
-        if entry[2] > 0 and not entry[8]:
+        if entry.price > 0 and not entry.hold:
             queued[rank].append(index)
             if channel[rank] is None:
                 next_collective(rank)
@@ -116,10 +116,10 @@ def shared(
                 idle = mark[rank] is None and hold[rank] is None and start[rank] is None
                 if idle and pcs[rank] < len(programs[rank]):
                     entry = programs[rank][pcs[rank]]
-                    at = free[rank] if entry[0] is None else ready(entry, free[rank])
+                    at = free[rank] if entry.kind is None else ready(entry, free[rank])
                     if at is not None:
                         start[rank] = at if at > now else now
-                        woken[rank] = bool(wake) and entry[0] is not None and at > free[rank]
+                        woken[rank] = bool(wake) and entry.kind is not None and at > free[rank]
             changed = False
         first = lowest = infinity
         due: list[int] | None = None  # woken computes due now: they start once the others due now have
@@ -179,7 +179,7 @@ def shared(
                 elif held is None or held > now:
                     continue
                 entry = programs[rank][pcs[rank]]
-                if entry[0] is None:
+                if entry.kind is None:
                     posted(rank, pcs[rank], now)
                 else:
                     done(entry, now)

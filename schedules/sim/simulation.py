@@ -239,11 +239,11 @@ def run(
             program, pc, clock, out = programs[rank], pcs[rank], clocks[rank], times[rank]
             while pc < len(program):
                 entry = program[pc]
-                if entry[0] is None:  # communication: post and go on; completion is filled in below
+                if entry.kind is None:  # communication: post and go on; completion is filled in below
                     began = clock
-                    clock += entry[7]  # the host time it takes to post
-                    if entry[8]:  # a blocking collective: the rank waits for it, one at a time with its others
-                        clock = channels[rank] = max(clock, channels[rank]) + entry[8]
+                    clock += entry.host  # the host time it takes to post
+                    if entry.hold:  # a blocking collective: the rank waits for it, one at a time with its others
+                        clock = channels[rank] = max(clock, channels[rank]) + entry.hold
                     post(entry, clock)
                     out.append((began, clock))
                     pc += 1
@@ -251,7 +251,7 @@ def run(
                 start = ready(entry, clock)
                 if start is None:
                     break
-                clock = start + entry[2]
+                clock = start + entry.price
                 out.append((start, clock))
                 done(entry, clock)
                 pc += 1
@@ -280,9 +280,9 @@ def _charges(costs: Costs, stages: int) -> Charges:
     for name, value in (("Costs.post", costs.post), ("Costs.post_message", costs.post_message)):
         if value < 0:
             raise ValueError(f"{name} must not be negative, got {value}")
-    return (expand("Costs.all_reduce", costs.all_reduce, stages), expand("Costs.gather", costs.gather, stages), waits,
-            float(costs.post), float(costs.post_message), expand("Costs.sync_host", costs.sync_host, stages),
-            bool(costs.sync_blocking))  # fmt: skip
+    return Charges(expand("Costs.all_reduce", costs.all_reduce, stages), expand("Costs.gather", costs.gather, stages),
+                   waits, float(costs.post), float(costs.post_message),
+                   expand("Costs.sync_host", costs.sync_host, stages), bool(costs.sync_blocking))  # fmt: skip
 
 
 def _rules(
@@ -299,7 +299,7 @@ def _rules(
     M = schedule.num_microbatches
 
     def ready(entry: Entry, free: float) -> float | None:
-        kind, index, _, needs, crosses = entry[:5]
+        kind, index, needs, crosses = entry.kind, entry.slot, entry.needs, entry.crosses
         start = 0.0 if kind is _F else (input_end[index] if kind is _W else forward_end[index])
         if start is None or needs < 0:
             return None if start is None else max(start, free)
@@ -313,7 +313,7 @@ def _rules(
         return None if at is None else max(at, start, free)
 
     def done(entry: Entry, end: float) -> None:
-        kind, index, makes = entry[0], entry[1], entry[5]
+        kind, index, makes = entry.kind, entry.slot, entry.makes
         if kind is _F:
             forward_end[index] = end
         elif kind is not _W:
@@ -322,7 +322,7 @@ def _rules(
             made[makes] = end
 
     def post(entry: Entry, at: float) -> None:
-        for key, is_send in entry[6]:
+        for key, is_send in entry.keys:
             if is_send:
                 sent[key] = at
             else:
@@ -346,17 +346,17 @@ def _collectives(
     for rank, (program, out) in enumerate(zip(programs, times, strict=True)):
         channel = 0.0  # a rank's collectives run one at a time, in program order
         for index, entry in enumerate(program):
-            if entry[0] is not None:
+            if entry.kind is not None:
                 continue
             began, posted_at = out[index]
-            if entry[8]:  # blocking: done when the rank went on
+            if entry.hold:  # blocking: done when the rank went on
                 channel = max(channel, posted_at)
-            elif entry[2] > 0:  # an asynchronous collective with a price
-                channel = ended[rank, index] if ended is not None else max(posted_at, channel) + entry[2]
+            elif entry.price > 0:  # an asynchronous collective with a price
+                channel = ended[rank, index] if ended is not None else max(posted_at, channel) + entry.price
                 out[index] = (began, channel)
             else:
                 end = posted_at
-                for key, _ in entry[6]:
+                for key, _ in entry.keys:
                     posted, wanted = sent[key], received[key]
                     if posted is not None and wanted is not None:
                         end = max(end, max(posted, wanted) + message[(key >> 1) // M])
