@@ -122,8 +122,8 @@ def test_cluster_plan_prices_rows_of_megatrons_table_beside_the_paper(tmp_path: 
 
 @pytest.mark.timeout(300)
 def test_vs_torch_tp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path: Path) -> None:
-    out = bench("vs_torch_tp.py", "--schedules", "1f1b", "--width", "64", "--batch", "8", "--rounds", "1",
-                "--steps", "1", out=tmp_path)  # fmt: skip
+    out = bench("vs_torch_tp.py", "--schedules", "1f1b", "--width", "64", "--blocks", "2", "--batch", "8",
+                "--microbatches", "2", "--rounds", "1", "--steps", "1", out=tmp_path)  # fmt: skip
     (row,) = json.loads((tmp_path / "vs_torch_tp.json").read_text())
     assert row["schedule"] == "1f1b" and row["ratio"] > 0 and "x   peak MiB per rank" in out
     assert len(row["ours_peak_mib"]) == len(row["torch_peak_mib"]) == 4

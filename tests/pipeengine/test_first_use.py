@@ -365,7 +365,10 @@ def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixt
     from pipeengine.tune import main
 
     problem = "tests.pipeengine.models:planning"
-    assert main([problem, "--world-size", "2", "--schedules", "1f1b", "--memory-limit", "64MiB"]) == 0
+    # one micro-batch count: each planned run measures the layers at it alone (the default, every count dividing the
+    # batch, is test_the_cli_plans_a_model_given_as_module_function's)
+    one = ["--microbatches", "2"]
+    assert main([problem, "--world-size", "2", "--schedules", "1f1b", "--memory-limit", "64MiB", *one]) == 0
     out = capsys.readouterr().out
     assert "best: PipelineEngine(model, loss_fn, **{'schedule': '1f1b'" in out
     assert out.startswith("memory limit 67,108,864 bytes (64.00 MiB) per rank\n") and "peak MiB/rank" in out
@@ -381,9 +384,9 @@ def test_the_planners_command_line_says_what_is_wrong(capsys: pytest.CaptureFixt
         assert said in capsys.readouterr().err, argv
     assert main([problem, "--world-size", "0"]) == 2
     assert "world_size must be a positive int, got 0" in capsys.readouterr().err
-    assert main([problem, "--world-size", "4", "--data-parallel", "2", "--schedules", "1f1b"]) == 0
+    assert main([problem, "--world-size", "4", "--data-parallel", "2", "--schedules", "1f1b", *one]) == 0
     assert "'data_parallel': 2}" in capsys.readouterr().out  # the printed engine rebuilds what was priced
-    assert main([problem, "--world-size", "4", "--data-parallel", "2", "--fsdp", "--schedules", "1f1b"]) == 0
+    assert main([problem, "--world-size", "4", "--data-parallel", "2", "--fsdp", "--schedules", "1f1b", *one]) == 0
     assert "'data_parallel': 2, 'fsdp': True}" in capsys.readouterr().out
     assert main([problem, "--world-size", "4", "--data-parallel", "1", "--fsdp"]) == 2
     assert "fsdp=True shards the state over the data-parallel replicas, but data_parallel=1" in capsys.readouterr().err
