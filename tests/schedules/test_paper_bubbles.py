@@ -21,6 +21,8 @@ forward, which the paper's timing does not wait for: ours idles slightly more (a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from schedules import Costs, build_schedule
@@ -123,3 +125,16 @@ def test_our_1f1b_is_within_0_3_points_of_the_papers(model: str, p: int, m: int)
     ours, paper = ours_bubble("1f1b", p, m, *times), paper_bubble("1f1b", p, m, *times)
     assert paper - 1e-12 <= ours <= paper + 0.003, (ours, paper)  # our warm-up recvs wait; the paper's do not
 
+
+def test_benchmarks_md_shows_the_table_the_script_makes() -> None:
+    import sys
+
+    root = Path(__file__).parent.parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        from paper_bubbles import table
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    made = table()
+    assert (root / "docs" / "bench" / "paper_bubbles.md").read_text() == made
+    assert made in (root / "docs" / "benchmarks.md").read_text()
