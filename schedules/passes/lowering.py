@@ -7,10 +7,18 @@ Where each op goes (t = time in the unit-cost simulation of the compute order)::
                                                                 and never after the gap j before its consumer
 
 Posting a recv earlier would only wait for a send that has not happened; posting it
-later would delay the transfer. All ops in one gap go out as one Post, so the steady
-state of 1F1B posts send-activation with recv-gradient, and send-gradient with
-recv-activation, together. On every (sender, receiver) channel, recvs are posted in
-the order of the sends, as NCCL matches point-to-point messages in order.
+later would delay the transfer. One exception: a recv that would follow weight-gradient
+passes (W) goes before them. A W neither consumes nor produces a message, so the rank's
+order of sends and recvs stays the same, and the transfer runs beside the W instead of
+after it. Unit-cost timing puts such a recv after the W (the send ends as the W does);
+with a W cheaper than a forward, or messages that take time, the sender is ahead and each
+F would wait one message time more per step: ZB-H1's steady state ``I SB W RF F`` is
+lowered ``I SB+RF W F``, as Qi et al. (2024) time it (their ZB-H1 bubble, from the timing
+script of sail-sg/zero-bubble-pipeline-parallelism, is held by
+tests/schedules/test_paper_bubbles.py). All ops in one gap go out as one Post, so the
+steady state of 1F1B posts send-activation with recv-gradient, and send-gradient with
+recv-activation, together. On every (sender, receiver) channel, recvs are posted in the
+order of the sends, as NCCL matches point-to-point messages in order.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections import defaultdict
 
 from schedules.ir.dataflow import Dataflow
 from schedules.ir.gcpause import gc_paused
-from schedules.ir.instructions import Action, Instruction, Post, ops_of
+from schedules.ir.instructions import Action, Instruction, Kind, Post, ops_of
 from schedules.ir.schedule import Schedule
 from schedules.proof.validation import check_compute
 from schedules.sim.simulation import Costs, run
@@ -58,7 +66,8 @@ def lower(schedule: Schedule) -> Schedule:
                 sends[rank][index + 1] = made.send()
                 sent[flow.key(made)] = (ends[rank][index], rank)
 
-    # recvs: the first gap reached at or after the send, at the latest the gap before the consumer
+    # recvs: the first gap reached at or after the send, at the latest the gap before the consumer, and before the W
+    # passes that end there
     channels: dict[tuple[int, int], list[tuple[float, int, int, Instruction]]] = defaultdict(list)
     for rank, order in enumerate(orders):
         gap_times = [0.0] + ends[rank]  # gap g is reached when compute g-1 ends
@@ -69,12 +78,13 @@ def lower(schedule: Schedule) -> Schedule:
             time, sender = sent[flow.key(needed)]
             channels[(sender, rank)].append((time, min(bisect_left(gap_times, time), index), rank, needed.recv()))
     recvs: list[dict[int, list[tuple[float, Instruction]]]] = [defaultdict(list) for _ in range(p)]
+    before_weights = [_before_weights(order) for order in orders]
     for messages in channels.values():
         messages.sort(key=lambda item: item[0])  # the order of the sends on this channel
         latest = len(ends[messages[0][2]])
         for time, gap, rank, recv in reversed(messages):  # never after a recv of a later send
             latest = min(gap, latest)
-            recvs[rank][latest].append((time, recv))
+            recvs[rank][before_weights[rank][latest]].append((time, recv))  # monotone: the channel keeps its order
 
     streams = []
     for rank, stream in enumerate(compute.instructions):
@@ -112,6 +122,15 @@ def receives_first(schedule: Schedule) -> Schedule:
             actions += _posted([op for op in ops_of(action) if not op.kind.is_recv])
         streams.append(actions)
     return schedule.with_streams(streams)
+
+
+def _before_weights(order: list[Instruction]) -> list[int]:
+    """Per gap of a rank's compute order, the gap before the W passes that end there (itself if none)."""
+    gaps = list(range(len(order) + 1))
+    for gap in range(1, len(order) + 1):
+        if order[gap - 1].kind is Kind.BACKWARD_WEIGHT:
+            gaps[gap] = gaps[gap - 1]
+    return gaps
 
 
 def _posted(ops: list[Instruction]) -> list[Action]:
