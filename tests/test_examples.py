@@ -40,12 +40,14 @@ def test_quickstart_learns_prints_the_loss_and_writes_its_timeline(
 
 
 @pytest.mark.timeout(120)
-def test_plot_schedules_draws_every_schedule(tmp_path: Path) -> None:
+def test_plot_schedules_draws_every_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every schedule the registry holds, in its order, each at its own chunk count; docs/schedules.png is the figure
-    it draws by default (as tall: one panel per schedule)."""
+    it draws by default (as tall: one panel per schedule). Its main() in this process (no interpreter to start)."""
     from schedules import SCHEDULES
 
-    out = run(str(ROOT / "examples" / "plot_schedules.py"), "-o", str(tmp_path / "schedules.png"))
+    plotting = example("plot_schedules")
+    plotting.main(plotting.RANKS, plotting.MICROBATCHES, str(tmp_path / "schedules.png"))  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
     drawn = [line.split(" (p=4, m=8, v=")[0] for line in out.splitlines() if " (p=4, m=8, v=" in line]
     assert drawn == list(SCHEDULES), drawn
     assert all(f"{name} (p=4, m=8, v={record.default_chunks})" in out for name, record in SCHEDULES.items()), out

@@ -21,6 +21,7 @@ forward, which the paper's timing does not wait for: ours idles slightly more (a
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,7 @@ def paper_step(p: int, m: int, forward: float, grad_input: float, weight: float,
     return max(free)
 
 
+@functools.cache
 def paper_bubble(name: str, p: int, m: int, forward: float, grad_input: float, weight: float, comm: float) -> float:
     """The paper's bubble rate for ``name`` ("zb-h1" or "1f1b": B + W in one pass)."""
     if name == "1f1b":
@@ -87,6 +89,7 @@ def paper_bubble(name: str, p: int, m: int, forward: float, grad_input: float, w
     return (step - m * (forward + grad_input + weight)) / step
 
 
+@functools.cache
 def ours_bubble(name: str, p: int, m: int, forward: float, grad_input: float, weight: float, comm: float) -> float:
     """Our simulator's idle share of all ranks (1 - busy / (p * makespan)) on our lowered schedule."""
     backward = grad_input + weight if name == "1f1b" else None
