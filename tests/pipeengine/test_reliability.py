@@ -143,44 +143,56 @@ if __name__ == "__main__":
 """
 
 
+CASES = [("launch", signal.SIGKILL, 1), ("launch", signal.SIGTERM, 0), ("torchrun", signal.SIGKILL, 1)]
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("runner, sig, workers", [("launch", signal.SIGKILL, 1), ("launch", signal.SIGTERM, 0),
-                                                  ("torchrun", signal.SIGKILL, 1)])  # fmt: skip
-def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(
-    runner: str, sig: signal.Signals, workers: int, tmp_path: Path
-) -> None:
+def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(tmp_path: Path) -> None:
     """Killed a few steps into training: every rank, what it started (a DataLoader worker, and under launch the fork
     server that started it) and, under launch, the fork server the ranks started from and multiprocessing's
     resource tracker are gone within seconds (a rank once kept the fork server alive through its keep-alive pipe,
     and the fork server's death is what signals the ranks). A killed torchrun agent (its ranks' parent) once left
-    them training. A worker costs a fork server importing the script (and torch) in each launch rank: in one case."""
+    them training. A worker costs a fork server importing the script (and torch) in each launch rank: in one case.
+    The three cases run side by side, each its own launcher, its own folder and its own processes."""
     script = tmp_path / "train.py"
     script.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(script), str(tmp_path), str(workers)]
-    if runner == "torchrun":
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    helpers: set[int] = set()
+    launchers, folders, helpers = [], [], [set[int]() for _ in CASES]
     try:
-        deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("rank*.pid"))) < 2:  # both ranks are 4 steps into training
-            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        for index, (runner, _, workers) in enumerate(CASES):
+            folders.append(tmp_path / f"{index}-{runner}")
+            folders[-1].mkdir()
+            command = [sys.executable, str(script), str(folders[-1]), str(workers)]
+            if runner == "torchrun":
+                command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            launchers.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 150
+        waiting = set(range(len(CASES)))
+        while waiting:  # each case's ranks 4 steps into training: then its launcher is killed
+            for index in sorted(waiting):
+                runner, sig, _ = CASES[index]
+                launcher = launchers[index]
+                assert launcher.poll() is None and time.monotonic() < deadline, f"{runner}'s ranks did not start"
+                if len(list(folders[index].glob("rank*.pid"))) < 2:
+                    continue
+                pids = {int(path.read_text()) for path in folders[index].glob("rank*.pid")}
+                helpers[index] = descendants(launcher.pid)
+                assert pids <= helpers[index] and len(helpers[index]) >= 4, (runner, pids, helpers[index])
+                os.kill(launcher.pid, sig)
+                waiting.discard(index)
             time.sleep(0.2)
-        pids = {int(path.read_text()) for path in tmp_path.glob("rank*.pid")}
-        helpers = descendants(launcher.pid)
-        assert pids <= helpers and len(helpers) >= 4, (pids, helpers)  # and the workers, fork servers, ...
-        os.kill(launcher.pid, sig)
-        launcher.wait(30)
-        deadline = time.monotonic() + 10  # the kernel signals each rank as its parent exits
-        while any(alive(pid) for pid in helpers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in helpers
-                if alive(pid)}  # fmt: skip
-        assert not left, f"outlived their {runner} killed by {sig.name}: {left}"
+        for index, (runner, sig, _) in enumerate(CASES):
+            launchers[index].wait(30)
+            deadline = time.monotonic() + 10  # the kernel signals each rank as its parent exits
+            while any(alive(pid) for pid in helpers[index]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in helpers[index]
+                    if alive(pid)}  # fmt: skip
+            assert not left, f"outlived their {runner} killed by {sig.name}: {left}"
     finally:
-        launcher.kill()
-        for pid in helpers:
+        for launcher in launchers:
+            launcher.kill()
+        for pid in set().union(*helpers):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
