@@ -201,3 +201,11 @@ def test_tune_layout_times_the_best_of_every_layout_and_of_every_schedule_in_the
     # slower than 12 x the best)
     assert [rows.index(row) for row in picked] == [0, 1, 2, 3, 4, 5, 8, 11]
     assert [rows.index(row) for row in tune_layout.chosen(SimpleNamespace(rows=rows), 3, 12.0)] == [0, 4, 8]  # type: ignore[arg-type]
+
+
+def test_split_backward_times_f_b_and_i_plus_w_per_stage(tmp_path: Path) -> None:
+    bench("split_backward.py", "--rounds", "1", "--models", "mlp", out=tmp_path)
+    (row,) = json.loads((tmp_path / "split_backward.json").read_text())
+    assert row["stage"] == "mlp" and row["w_calls"] == 4  # one W call per Linear of the stage
+    assert all(row[key] > 0 for key in ("F", "B", "I", "W", "W one call", "I bare"))
+    assert row["split_over_whole"] == pytest.approx((row["I"] + row["W"]) / row["B"], rel=1e-2)

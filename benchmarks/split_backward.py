@@ -1,0 +1,171 @@
+"""What a split backward costs beside a whole one: F, B and I + W of one stage and one micro-batch, per model.
+
+    python benchmarks/split_backward.py                      # the three stages, 15 alternating rounds each
+    python benchmarks/split_backward.py --rounds 5 --models mlp
+
+Issue 61's first step: zero-bubble schedules pay only if I + W (pipeengine.runtime.backward: I to the stage's input
+now, W for its weights later, re-entering each autograd node with weights beneath it) costs what B (one autograd call
+for both) does. Three stages, each as a rank of a 2-stage pipeline holds it, on one thread (a rank's share of a
+2-core machine): the benchmark MLP's (4 x Linear(1024), a micro-batch of 8 rows: docs/benchmarks.md's schedule
+table), the GPT example's (2 blocks of examples/train_gpt.py, width 256, 4 heads, 4 x 64 tokens) and a Hugging Face
+Llama's (2 LlamaDecoderLayer, hidden 256, 4 heads, 4 x 64 tokens; skipped without transformers).
+
+Memory as a launched CPU rank keeps it (pipeengine.launcher.launch.keep_freed_memory: freed blocks reused, not
+returned): without it a weight's fresh gradient pays page faults that dwarf its matmul. Each round times, one after
+the other on the same input and output gradient: F; B (torch.autograd.backward to the
+input and the weights); I then W as the engine runs them; and, to say where a difference goes, W as one autograd
+call from the stage's output (what W falls back to: it repeats the input side) and a bare I (autograd.grad to the
+input, no graph kept, no hooks). Medians over the rounds; the methods alternate within a round, so a slow moment of
+the machine falls on all of them. Writes out/bench/split_backward.{json,txt}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from common import OUT, write_report
+from torch import nn
+
+from pipeengine.launcher.launch import keep_freed_memory
+from pipeengine.runtime.backward import WeightPass, backward_input
+
+MODELS = ("mlp", "gpt", "llama")
+
+
+def stage(name: str) -> tuple[nn.Module, torch.Tensor]:
+    """A stage of the named model and one micro-batch's input."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]), torch.randn(8, 1024)
+    if name == "gpt":
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+        from train_gpt import Block
+
+        return nn.Sequential(Block(256, 4), Block(256, 4)), torch.randn(4, 64, 256)
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=4,
+                         num_hidden_layers=2, vocab_size=256)  # fmt: skip
+    rotary = LlamaRotaryEmbedding(config)
+
+    class Layers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(LlamaDecoderLayer(config, index) for index in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            positions = rotary(x, torch.arange(x.shape[1])[None])
+            for layer in self.layers:
+                out = layer(x, position_embeddings=positions, attention_mask=None)
+                x = out[0] if isinstance(out, tuple) else out
+            return x
+
+    return Layers(), torch.randn(4, 64, 256)
+
+
+def timings(name: str, rounds: int) -> dict[str, float]:
+    """Median seconds of each way of running the stage's backward, and its forward."""
+    module, example = stage(name)
+    params = [p for p in module.parameters() if p.requires_grad]
+    x = example.requires_grad_()
+    grad = torch.randn_like(module(x))
+
+    def forward() -> torch.Tensor:
+        return module(x)  # type: ignore[no-any-return]
+
+    def whole() -> float:
+        y = forward()
+        start = time.perf_counter()
+        torch.autograd.backward(y, grad, inputs=[x, *params])
+        return time.perf_counter() - start
+
+    def split() -> tuple[float, float]:
+        y = forward()
+        start = time.perf_counter()
+        _, weights = backward_input((y,), (grad,), (x,), params)
+        middle = time.perf_counter()
+        weights.run()
+        return middle - start, time.perf_counter() - middle
+
+    def one_call() -> float:
+        y = forward()
+        torch.autograd.grad(y, [x], grad, retain_graph=True)
+        start = time.perf_counter()
+        WeightPass._accumulate(params, torch.autograd.grad(y, params, grad))
+        return time.perf_counter() - start
+
+    def bare() -> float:
+        y = forward()
+        start = time.perf_counter()
+        torch.autograd.grad(y, [x], grad)
+        return time.perf_counter() - start
+
+    def timed(step: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+    found: dict[str, list[float]] = {key: [] for key in ("F", "B", "I", "W", "W one call", "I bare")}
+    for round_ in range(rounds + 2):  # two to warm up
+        module.zero_grad(set_to_none=True)
+        f = timed(forward)
+        b = whole()
+        module.zero_grad(set_to_none=True)
+        i, w = split()
+        module.zero_grad(set_to_none=True)
+        w_once = one_call()
+        i_bare = bare()
+        if round_ >= 2:
+            for key, value in zip(found, (f, b, i, w, w_once, i_bare), strict=True):
+                found[key].append(value)
+    medians = {key: statistics.median(values) for key, values in found.items()}
+    medians["roots"] = float(_roots(module, x, grad, params))
+    return medians
+
+
+def _roots(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, params: list[nn.Parameter]) -> int:
+    """How many autograd calls the engine's W makes for this stage (one per node with weights beneath it)."""
+    _, weights = backward_input((module(x),), (grad,), (x,), params)
+    count = len(weights.roots) + (weights.fallback is not None)
+    weights.run()
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as a launched CPU rank does (else a weight's fresh gradient pays page faults each time)
+    rows, lines = [], []
+    lines.append("| stage | F ms | B ms | I ms | W ms | I + W over B | W calls | W as one call ms | bare I ms |")
+    lines.append("|-|-|-|-|-|-|-|-|-|")
+    for name in args.models:
+        try:
+            t = timings(name, args.rounds)
+        except ImportError as missing:
+            print(f"{name}: skipped ({missing})")
+            continue
+        ms = {key: 1e3 * value for key, value in t.items() if key != "roots"}
+        ratio = (t["I"] + t["W"]) / t["B"]
+        rows.append({"stage": name, **{k: round(v, 3) for k, v in ms.items()}, "split_over_whole": round(ratio, 3),
+                     "w_calls": int(t["roots"]), "rounds": args.rounds, "threads": args.threads})  # fmt: skip
+        lines.append(f"| {name} | {ms['F']:.2f} | {ms['B']:.2f} | {ms['I']:.2f} | {ms['W']:.2f} | {ratio:.2f}x | "
+                     f"{int(t['roots'])} | {ms['W one call']:.2f} | {ms['I bare']:.2f} |")  # fmt: skip
+        print(lines[-1], flush=True)
+    write_report("split_backward", rows, lines)
+    print(f"wrote {OUT}/split_backward.*")
+
+
+if __name__ == "__main__":
+    main()
