@@ -315,8 +315,9 @@ def _supervise(
         if not alive or (failed_at is not None and time.monotonic() - failed_at > grace):
             break
         multiprocessing.connection.wait([c.sentinel for c in alive], timeout=0.2)
-    time.sleep(0.1)  # let the queue deliver reports sent just before exit
-    _drain(reports, outcomes)
+    if len(outcomes) < len(children):  # a report sent just before exit may still be in the pipe: give it a moment
+        time.sleep(0.1)
+        _drain(reports, outcomes)
     now = time.time()
     for rank, child in enumerate(children):
         if rank in outcomes:
