@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pipeengine.comm.base import Transport
 from pipeengine.comm.connect import connect
 from pipeengine.comm.loopback import current
+
+Test = TypeVar("Test", bound=Callable[..., None])
 
 
 def world() -> Transport:
@@ -29,3 +34,33 @@ def all_gather_object(value: object) -> list[Any]:
 
 def barrier() -> None:
     world().barrier("a test's barrier")
+
+
+def on_ranks(n: int, *, timeout: float = 120.0, in_process: bool = False) -> Callable[[Test], Test]:
+    """Run the decorated test's own body on each of ``n`` ranks, as torch's MultiProcessTestCase runs a test method:
+    pytest calls the test here, which launches its body (real gloo processes, or ``in_process`` threads) with the
+    fixtures and parameters pytest gave it; a failure on any rank fails the test, naming the rank that caused it
+    (pipeengine.launch). The body is the function under the decorator, in its test file, reached on each rank by
+    its module and name::
+
+        @on_ranks(2)
+        def test_two_ranks_agree(tmp_path: Path) -> None:
+            assert all_gather_object(rank()) == [0, 1]
+    """
+
+    def decorate(body: Test) -> Test:
+        @functools.wraps(body)
+        def test(*args: Any, **kwargs: Any) -> None:
+            from pipeengine import launch
+
+            launch(_body, n, args=(body.__module__, body.__name__, args, kwargs), timeout=timeout,
+                   in_process=in_process)  # fmt: skip
+
+        return test  # type: ignore[return-value]
+
+    return decorate
+
+
+def _body(module: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """On a rank: the body under the test's decorator (functools.wraps keeps it as __wrapped__)."""
+    getattr(importlib.import_module(module), name).__wrapped__(*args, **kwargs)

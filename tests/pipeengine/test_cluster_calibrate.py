@@ -5,17 +5,16 @@ What a GPU measures is checked where one is lent (tests/pipeengine/test_cuda.py)
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeengine import launch
 from pipeengine.planner.cli import main
 from pipeengine.planner.cluster import Hardware, all_reduce, load
 from pipeengine.planner.cluster.calibrate import fit_ring, measure
+from tests.pipeengine.ranks import all_gather_object, on_ranks
 
 
 def test_the_ring_fit_recovers_the_links_figures_from_times_priced_with_them() -> None:
@@ -24,8 +23,8 @@ def test_the_ring_fit_recovers_the_links_figures_from_times_priced_with_them() -
 
     link = Link(bandwidth=180e9, latency=7e-6)
     sizes = [2**20, 2**23, 2**26, 2**28]
-    for ranks in (2, 8, 16):
-        bandwidth, latency = fit_ring(sizes, [all_reduce(size, ranks, link) for size in sizes], ranks)
+    for group in (2, 8, 16):
+        bandwidth, latency = fit_ring(sizes, [all_reduce(size, group, link) for size in sizes], group)
         assert bandwidth == pytest.approx(180e9, rel=1e-9) and latency == pytest.approx(7e-6, rel=1e-6)
 
 
@@ -41,45 +40,27 @@ def test_the_ring_fit_refuses_what_is_not_a_measurement_of_a_link(sizes: list[in
         fit_ring(sizes, seconds, ranks)
 
 
-def _measured(folder: str) -> None:
-    for per_node in (1, 2):
-        _measure(per_node, f"{folder}/{per_node}.json")
-
-
-def _measure(per_node: int, path: str) -> None:
-    base = load("a100-80gb")
-    found = measure(base, dtype="fp32", shapes=[(32, 64, 16)], sizes=(2**12, 2**22), copy_bytes=2**20, repeats=3,
-                    device=torch.device("cpu"), per_node=per_node, squares=(64,))  # fmt: skip
-    assert Hardware.from_json(found.to_json(), "measured") == found  # held to a file's rules
-    assert found.peak_flops == base.peak_flops and found.memory_bytes == base.memory_bytes  # the datasheet's
-    figures = [found.matmul_efficiency, found.memory_bandwidth, found.inter.bandwidth, found.intra.bandwidth]
-    shared = torch.tensor(figures, dtype=torch.float64)
-    every = [torch.zeros_like(shared) for _ in range(2)]
-    torch.distributed.all_gather(every, shared)
-    assert torch.equal(every[0], every[1])  # every rank holds the one description
-    if torch.distributed.get_rank() == 0:
-        Path(path).write_text(json.dumps(found.to_json()))
-
-
-def test_two_ranks_measure_the_link_between_them_and_keep_the_presets_other(tmp_path: Path) -> None:
+@on_ranks(2)
+def test_two_ranks_measure_the_link_between_them_and_keep_the_presets_other() -> None:
     """One rank a node: the link across nodes is measured, the one within is the preset's; two a node: the
-    reverse. Matmul efficiency and memory bandwidth are measured either way, each source naming the measurement."""
-    launch(_measured, 2, args=(str(tmp_path),), timeout=120)
-    for per_node in (1, 2):
-        _check(load(tmp_path / f"{per_node}.json"), per_node)
-
-
-def _check(found: Hardware, per_node: int) -> None:
+    reverse. Matmul efficiency and memory bandwidth are measured either way, each source naming the measurement;
+    every rank holds the one description."""
     base = load("a100-80gb")
-    measured, kept = ("inter", "intra") if per_node == 1 else ("intra", "inter")
-    for figure in ("matmul_efficiency", "memory_bandwidth", f"{measured}.bandwidth"):
-        assert found.sources[figure].startswith("measured on "), found.sources[figure]
-    assert "all_reduce over " in found.sources[f"{measured}.bandwidth"]
-    assert getattr(found, kept) == getattr(base, kept)
-    why = "one node" if kept == "inter" else "one rank a node"
-    assert found.sources[f"{kept}.bandwidth"].startswith(f"the preset's, not measured ({why})")
-    assert getattr(found, measured) != getattr(base, measured)
-    assert "32x64x16" in found.sources["matmul_efficiency"]  # the model's shape, beside the squares
+    for per_node in (1, 2):
+        found = measure(base, dtype="fp32", shapes=[(32, 64, 16)], sizes=(2**12, 2**22), copy_bytes=2**20,
+                        repeats=3, device=torch.device("cpu"), per_node=per_node, squares=(64,))  # fmt: skip
+        assert Hardware.from_json(found.to_json(), "measured") == found  # held to a file's rules
+        assert found.peak_flops == base.peak_flops and found.memory_bytes == base.memory_bytes  # the datasheet's
+        assert all_gather_object(found.to_json()) == [found.to_json()] * 2
+        measured, kept = ("inter", "intra") if per_node == 1 else ("intra", "inter")
+        for figure in ("matmul_efficiency", "memory_bandwidth", f"{measured}.bandwidth"):
+            assert found.sources[figure].startswith("measured on "), found.sources[figure]
+        assert "all_reduce over " in found.sources[f"{measured}.bandwidth"]
+        assert getattr(found, kept) == getattr(base, kept)
+        why = "one node" if kept == "inter" else "one rank a node"
+        assert found.sources[f"{kept}.bandwidth"].startswith(f"the preset's, not measured ({why})")
+        assert getattr(found, measured) != getattr(base, measured)
+        assert "32x64x16" in found.sources["matmul_efficiency"]  # the model's shape, beside the squares
 
 
 def test_the_command_line_writes_a_description_the_planner_reads(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from pipeengine import launch
 from tests.pipeengine import ranks
+from tests.pipeengine.ranks import on_ranks
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -247,3 +248,12 @@ def test_a_script_without_a_main_guard_gets_multiprocessings_own_explanation(tmp
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
     assert result.returncode != 0
     assert "if __name__ == '__main__'" in result.stderr and "can only join a started process" not in result.stderr
+
+
+@on_ranks(2, in_process=True)
+@pytest.mark.parametrize("value", [3])
+def test_on_ranks_runs_a_tests_own_body_on_each_rank_with_its_fixtures(value: int, tmp_path: Path) -> None:
+    """tests.pipeengine.ranks.on_ranks: the body below runs once on each rank, given pytest's parameters and
+    fixtures."""
+    seen = ranks.all_gather_object((ranks.rank(), value, str(tmp_path)))
+    assert seen == [(0, 3, str(tmp_path)), (1, 3, str(tmp_path))]

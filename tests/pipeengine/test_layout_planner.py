@@ -28,6 +28,7 @@ from tests.pipeengine import ranks
 from tests.pipeengine.gpt import one_process_loss, padded_batch, tied_gpt
 from tests.pipeengine.models import SEEDED, mse
 from tests.pipeengine.parity import OneProcess, train_like_one_process
+from tests.pipeengine.ranks import on_ranks
 
 WIDTH, BATCH = 8, 16
 PLAN = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}  # each block's MLP, Megatron's pair: an all-reduce each way
@@ -592,13 +593,10 @@ class _Clock:
         self.now += seconds
 
 
+@on_ranks(2)
 def test_a_collective_is_priced_by_what_it_adds_to_the_compute_before_it() -> None:
     """calibration times each collective after a compute, as a step runs it, and prices what it adds: with a 20 ms
     compute before each 3 ms all-reduce, the price is the all-reduce's, not the 20 ms beside it."""
-    launch(_after_a_slow_compute, 2, timeout=120)
-
-
-def _after_a_slow_compute() -> None:
     import types
 
     clock = probes.time = _Clock()  # type: ignore[assignment]  # this rank's module only
@@ -615,14 +613,11 @@ def _after_a_slow_compute() -> None:
     assert price == pytest.approx(0.003, rel=1e-9), price
 
 
+@on_ranks(2)
 def test_the_message_latency_is_the_chain_of_stages_less_the_frame_timed_beside_it() -> None:
     """probes.host: the host cost per compute from a pipeline of one rank; the latency from a chain of stages less
     the world's pipeline frame, timed in turn with it (here an 8 ms chain, a 5 ms frame, a program of 6 messages:
     0.5 ms each), and that frame."""
-    launch(_host_fit, 2, timeout=120)
-
-
-def _host_fit() -> None:
     clock = probes.time = _Clock()  # type: ignore[assignment]  # this rank's module only
 
     class Engine:
