@@ -64,6 +64,27 @@ def test_every_configuration_trains_like_one_process_or_is_refused_with_its_mess
     launch(every, world, args=(configs, refusals, str(tmp_path)), timeout=360, in_process=not processes)
 
 
+def test_the_matrix_is_its_committed_table() -> None:
+    """tests/composition/matrix.txt is the matrix as python -m tests.composition --pairs prints it: a change of
+    factors, levels or refusals shows in a review as a diff of that file (regenerate it with that command)."""
+    import contextlib
+    import io
+    import sys
+
+    from tests.composition.__main__ import main
+
+    printed = io.StringIO()
+    argv = sys.argv
+    sys.argv = ["tests.composition", "--pairs"]
+    try:
+        with contextlib.redirect_stdout(printed):
+            main()
+    finally:
+        sys.argv = argv
+    committed = (Path(__file__).parents[1] / "composition" / "matrix.txt").read_text()
+    assert printed.getvalue() == committed, "run: python -m tests.composition --pairs > tests/composition/matrix.txt"
+
+
 def test_the_matrix_covers_every_pair_that_can_go_together_as_the_design_page_says() -> None:
     found = matrix()
     assert found.covered == found.possible > 500 and len(found.running) < 80
