@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeengine.planner.cluster.costs import LayerCost, Op, fused_attention, trace
+from pipeengine.planner.cluster.costs import Op, fused_attention, trace
+from pipeengine.planner.cluster.roofline import LayerCost
 from tests.pipeengine.parity import backward_from_ones
 
 transformers = pytest.importorskip("transformers")
