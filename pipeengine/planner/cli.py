@@ -84,7 +84,12 @@ def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = 
         return cluster.main(words)
     from pipeengine.planner.search import tune
 
-    parser = argparse.ArgumentParser(prog="python -m pipeengine.tune", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeengine.tune", description=__doc__.split("\n")[0],
+        epilog="A GPU cluster instead: python -m pipeengine.tune --model config.json --devices 512 --hardware "
+               "a100-80gb --global-batch 1536 --seq 2048 (its own --help with --devices); a hardware description "
+               "measured on your GPUs: torchrun ... -m pipeengine.tune --calibrate --hardware h100-sxm --out FILE",
+    )  # fmt: skip
     parser.add_argument("problem", nargs="?", help="module:function returning (model, loss_fn, sample) or (model, "
                         "loss_fn, sample, tp_plan): the model to plan for")  # fmt: skip
     parser.add_argument("--world-size", type=int, required=True, help="ranks to lay the model out on")

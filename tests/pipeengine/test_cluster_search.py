@@ -66,13 +66,23 @@ def test_the_command_line_prints_the_rows_writes_them_and_prices_a_fixed_layout(
     (["--fix", "tp=2,pp=2"], r"missing \['dp', 'micro_batch'\]"),
     (["--hardware", "b300"], r"b300"),
     (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,fsdp=yes"], r"fsdp='yes', not always or never"),
+    (["--fix", "tp=2,pp=2,dp=4,micro_batch=0"], r"--fix micro_batch='0': give a whole number, 1 or more"),
+    (["--fix", "tp=2,pp=2,dp=4,micro_batch=x"], r"--fix micro_batch='x': give a whole number"),
+    (["--fix", "tp=1,pp=16,dp=1,micro_batch=1"], r"pp=16 x chunks=1 does not divide the 4 layers"),
+    (["--fix", "tp=16,pp=1,dp=1,micro_batch=1"], r"tp=16: tensor parallelism stays inside a node of 8 devices"),
+    (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,schedule=gpipe"], r"schedule 'gpipe' is not priced on clusters"),
+    (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,schedule=zb-v"], r"zb-v runs 2 chunk\(s\) a rank, got chunks=1"),
+    (["--seq", "0"], r"--seq 0: give a whole number, 1 or more"),
+    (["--devices", "12"], r"--devices 12 is not whole nodes of 8 devices"),
+    (["--model", "nomodule_here:f"], r"--model nomodule_here:f: ModuleNotFoundError"),
 ])  # fmt: skip
 def test_the_command_line_refuses_what_cannot_be_planned_saying_why(
     tmp_path: Path, extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "config.json"
     config.write_text(tiny().to_json_string())
-    code = main(["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", *extra])
+    code = main(["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", *extra,
+                 "--plot", str(tmp_path / "plan.png")])  # fmt: skip
     assert code == 2
     assert re.search(said, capsys.readouterr().err)
 
@@ -106,3 +116,42 @@ def test_every_schedule_is_searched_where_the_layers_allow_it() -> None:
     assert all(layout.chunks == 2 for layout in found if layout.schedule == "zb-v")
     only = candidates(model, 16, load("a100-80gb"), 32, schedules=("zb-h1",))
     assert {layout.schedule for layout in only if layout.pp > 1} == {"zb-h1"}
+
+
+def test_a_fixed_layout_follows_the_search_flags_and_nothing_that_fits_is_refused_saying_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--fix leaves recompute and fsdp to --recompute and --fsdp where they say always or never (the search's row
+    is priced again as printed); a cluster too small for any layout exits 2 naming the smallest need."""
+    config = tmp_path / "config.json"
+    config.write_text(tiny().to_json_string())
+    common = ["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", "--plot",
+              str(tmp_path / "plan.png")]  # fmt: skip
+    fix = ["--fix", "tp=2,pp=2,dp=4,micro_batch=1", "--json", str(tmp_path / "fixed.json")]
+    assert main([*common, *fix, "--fsdp", "always", "--recompute", "never"]) == 0
+    (row,) = json.loads((tmp_path / "fixed.json").read_text())
+    assert row["fsdp"] is True and row["recompute"] == "never"
+    assert main([*common, *fix]) == 0  # the defaults: recompute always, fsdp never
+    (row,) = json.loads((tmp_path / "fixed.json").read_text())
+    assert row["fsdp"] is False and row["recompute"] == "always"
+    hardware = tmp_path / "small.json"
+    small = load("a100-80gb").to_json()
+    small["memory_bytes"] = 1e3
+    hardware.write_text(json.dumps(small))
+    capsys.readouterr()
+    assert main([*common, "--hardware", str(hardware)]) == 2
+    assert re.search(r"no layout of the \d+ considered fits: needs [\d.]+ GiB a device", capsys.readouterr().err)
+
+
+def test_memory_counts_the_score_matrix_only_where_attention_keeps_it() -> None:
+    """A Hugging Face model is traced through fused attention (no s x s scores kept), Narayanan et al.'s GPT through
+    the unfused one: Korthikanti et al.'s 5as/h term is in the latter's peak only."""
+    from pipeengine.planner.cluster.layout import Layout
+
+    model = from_config(tiny(), 32)
+    layout = Layout(tp=1, pp=1, dp=1, micro_batch=4, num_microbatches=1, recompute=False)
+    fused = price(model, layout, load("a100-80gb"))
+    unfused = price(dataclasses.replace(model, fused_attention=False), layout, load("a100-80gb"))
+    s, b, h, a = 32, 4, CONFIG["hidden_size"], CONFIG["num_attention_heads"]
+    layers = CONFIG["num_hidden_layers"]  # without recomputation each layer keeps its whole activations
+    assert unfused.peak_bytes - fused.peak_bytes == pytest.approx(layers * s * b * h * 5 * a * s / h)

@@ -217,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     made.add_argument("--repeats", type=int, default=10)
     args = made.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats {args.repeats}: each figure is the median of 1 or more timings")
         base = load(args.hardware)
         shapes = [_shape(text) for text in args.shapes.split(",") if text.strip()]
         if args.device == "cuda" and not torch.cuda.is_available():

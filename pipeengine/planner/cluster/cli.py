@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeengine.planner.cluster.hardware import PRESETS, load
-from pipeengine.planner.cluster.layout import Layout, Price, Transformer, price
+from pipeengine.planner.cluster.layout import Layout, Price, Transformer, check, price
 from pipeengine.planner.cluster.search import search
 
 __all__ = ["main"]
@@ -55,15 +55,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     made = parser()
     args = made.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        for name in ("devices", "global_batch", "seq"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: give a whole number, 1 or more")
         hw = load(args.hardware)
         if args.devices_per_node is not None:
             hw = dataclasses.replace(hw, devices_per_node=args.devices_per_node)
+        if args.devices > hw.devices_per_node and args.devices % hw.devices_per_node:
+            raise ValueError(f"--devices {args.devices} is not whole nodes of {hw.devices_per_node} devices: give a "
+                             f"multiple of {hw.devices_per_node} (or --devices-per-node to match your nodes)")
         model = _model(args.model, args.seq)
         if args.fix:
-            layout = _fixed(args.fix, args.global_batch)
+            layout = _fixed(args.fix, args.global_batch, args.recompute, args.fsdp)
             if layout.devices != args.devices:
                 raise ValueError(f"--fix lays out tp x pp x dp = {layout.devices} devices, --devices is "
                                  f"{args.devices}: make them agree")  # fmt: skip
+            check(model, layout, hw)
             rows, said = [price(model, layout, hw, args.precision)], f"{layout.describe()} priced"
         else:
             plan = search(model, args.devices, hw, args.global_batch, recompute=args.recompute, dtype=args.precision,
@@ -71,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = plan.rows
             said = (f"{plan.considered} layouts considered in {plan.seconds:.2f} s, {len(plan.refused)} refused "
                     f"(past the device's memory), the best {len(rows)} replayed")  # fmt: skip
+            if not rows:
+                plan.best  # noqa: B018  (raises, saying the smallest need against the device's memory)
     except (ValueError, TypeError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -96,7 +105,11 @@ def _model(spec: str, seq: int) -> Transformer:
     if not module or not function:
         raise ValueError(f"--model must be a config.json or module:function, got {spec!r}")
     sys.path.insert(0, ".")
-    made = getattr(importlib.import_module(module), function)()
+    try:
+        made = getattr(importlib.import_module(module), function)()
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--model {spec}: {type(error).__name__}: {error}; name an importable module and a function "
+                         "in it (run from the folder it imports from)") from error
     if isinstance(made, Transformer):
         return made
     if hasattr(made, "num_hidden_layers"):
@@ -104,7 +117,9 @@ def _model(spec: str, seq: int) -> Transformer:
     raise TypeError(f"{spec}() returned a {type(made).__name__}: return a transformers config or a Transformer")
 
 
-def _fixed(text: str, global_batch: int) -> Layout:
+def _fixed(text: str, global_batch: int, recompute: str = "search", fsdp: str = "search") -> Layout:
+    """The layout --fix names; recompute and fsdp it leaves out follow --recompute and --fsdp where those say always
+    or never, else recompute=always and fsdp=never."""
     fields: dict[str, Any] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
@@ -119,13 +134,20 @@ def _fixed(text: str, global_batch: int) -> Layout:
     for key in ("recompute", "fsdp"):
         if fields.get(key, "always") not in ("always", "never"):
             raise ValueError(f"--fix {text!r}: {key}={fields[key]!r}, not always or never")
-    tp, pp, dp, b = (int(fields[key]) for key in FIXED)
+    whole = {}
+    for key in (*FIXED, "chunks"):
+        text_value = fields.get(key, "1")
+        if not text_value.isdigit() or int(text_value) < 1:
+            raise ValueError(f"--fix {key}={text_value!r}: give a whole number, 1 or more")
+        whole[key] = int(text_value)
+    tp, pp, dp, b = (whole[key] for key in FIXED)
     if global_batch % (dp * b):
         raise ValueError(f"--fix: dp={dp} x micro_batch={b} does not divide --global-batch {global_batch}")
-    chunks = int(fields.get("chunks", 1))
+    chunks = whole["chunks"]
     schedule = fields.get("schedule", "interleaved" if chunks > 1 else "1f1b")
-    return Layout(tp, pp, dp, b, global_batch // (dp * b), schedule, chunks,
-                  recompute=fields.get("recompute", "always") == "always", fsdp=fields.get("fsdp") == "always")
+    again = fields.get("recompute", recompute if recompute != "search" else "always") == "always"
+    sharded = fields.get("fsdp", fsdp if fsdp != "search" else "never") == "always"
+    return Layout(tp, pp, dp, b, global_batch // (dp * b), schedule, chunks, recompute=again, fsdp=sharded)
 
 
 def _line(row: Price) -> str:

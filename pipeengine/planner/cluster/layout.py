@@ -27,8 +27,9 @@ fp16 weights and gradients are held through the step, as pipeengine's FSDP2 stag
 activations: with full recomputation each block keeps its input per micro-batch in
 flight (1F1B keeps up to pp of them on the first stage), plus one block's whole activations while it is recomputed.
 
-One pricing path: ``price`` is what the search calls for every candidate and what a user's fixed layout is priced
-by, so a layout costs the same however it was found.
+One pricing path: ``price`` ranks what the search keeps (after ``estimate``, the bubble from its formula and the
+memory from the same model, pruned the rest) and prices a user's fixed layout, so a layout costs the same however it
+was found; ``check`` refuses a fixed layout the search would never build.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pipeengine.planner.cluster import collectives
 from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.hardware import Hardware
 
-__all__ = ["PIPEENGINE", "Layout", "Price", "Runtime", "Transformer", "estimate", "price"]
+__all__ = ["PIPEENGINE", "Layout", "Price", "Runtime", "Transformer", "check", "estimate", "price"]
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # Megatron-LM's two (Narayanan et al. 2021), zero-bubble's
 SPLIT = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"})  # a backward split into I, then W
@@ -99,6 +100,7 @@ class Transformer:
     head_ops: Callable[[int, int], list[Op]]  # (tp, micro_batch) -> the embedding's, the head's and the loss's
     dtype_bytes: int = 2
     flops_per_sequence: float | None = None  # the model's FLOPs a sequence (None: Narayanan et al.'s count)
+    fused_attention: bool = False  # attention keeps no score matrix (flash, as block_ops traces it); else s x s a head
 
     def flops_per_step(self, global_batch: int) -> float:
         """The FLOPs one step computes: ``flops_per_sequence`` a sequence, or as Narayanan et al. 2021 count them
@@ -219,6 +221,27 @@ def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts:
                  parts.peak_bytes, shares, refused)  # fmt: skip
 
 
+def check(model: Transformer, layout: Layout, hw: Hardware) -> None:
+    """Refuse a layout the search would never build, naming the rule and the values: tensor parallelism inside a
+    node and dividing the heads, the pipeline dividing the layers (and each rank's layers its chunks), a schedule
+    priced here (SCHEDULES), with its chunks (ZB-V: 2; interleaved: micro-batches a multiple of pp)."""
+    t, p, v, m = layout.tp, layout.pp, layout.chunks, layout.num_microbatches
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"schedule {layout.schedule!r} is not priced on clusters (its memory is not modelled here): "
+                         f"use one of {', '.join(SCHEDULES)}")  # fmt: skip
+    if t > hw.devices_per_node or hw.devices_per_node % t or model.heads % t:
+        raise ValueError(f"tp={t}: tensor parallelism stays inside a node of {hw.devices_per_node} devices and "
+                         f"divides the {model.heads} heads: use a tp dividing both")  # fmt: skip
+    if model.layers % (p * v):
+        raise ValueError(f"pp={p} x chunks={v} does not divide the {model.layers} layers: every stage holds whole "
+                         "layers, the same number each")  # fmt: skip
+    wanted = {"zb-v": 2, "1f1b": 1, "zb-h1": 1}.get(layout.schedule)
+    if wanted is not None and v != wanted:
+        raise ValueError(f"{layout.schedule} runs {wanted} chunk(s) a rank, got chunks={v}")
+    if layout.schedule == "interleaved" and p > 1 and m % p:
+        raise ValueError(f"interleaved: {m} micro-batches is not a multiple of pp={p} (Megatron-LM's rule)")
+
+
 def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
           ) -> Price:  # fmt: skip
     """The layout's step time and memory per device (the module's docstring says how): the schedule replayed."""
@@ -275,7 +298,8 @@ def _memory(model: Transformer, layout: Layout, activation: float) -> float:
     in_flight = min(layout.num_microbatches, p)  # 1F1B's first stage
     per_stage = model.layers / p
     h, s, a, b = model.hidden, model.seq, model.heads, layout.micro_batch
-    whole_block = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # Korthikanti et al. 2022, eq. 2 (bytes, fp16)
+    scores = 0.0 if model.fused_attention else 5 * a * s / (h * t)  # the s x s softmax and its dropout mask a head
+    whole_block = s * b * h * (10 + 24 / t + scores)  # Korthikanti et al. 2022, eq. 2 (bytes, fp16)
     if layout.recompute:
         kept = in_flight * per_stage * activation + whole_block
     else:

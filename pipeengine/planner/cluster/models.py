@@ -92,7 +92,7 @@ def from_config(config: Any, seq: int) -> Transformer:
     layers, hidden = config.num_hidden_layers, config.hidden_size
     flops = 6 * parameters * seq + 12 * layers * hidden * seq * seq
     return Transformer(layers, hidden, config.num_attention_heads, seq, config.vocab_size, parameters, block_ops,
-                       head_ops, flops_per_sequence=flops)  # fmt: skip
+                       head_ops, flops_per_sequence=flops, fused_attention=True)  # fmt: skip  # traced fused
 
 
 class _Ends(nn.Module):
