@@ -206,8 +206,9 @@ def _link(fitted: tuple[float, float], preset: Link, said: str) -> tuple[Link, s
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pipeengine.tune --calibrate --hardware BASE --out FILE``: every rank of the world measures; rank 0
     writes the description and prints it."""
-    made = argparse.ArgumentParser(prog="python -m pipeengine.tune --calibrate --hardware",
-                                   description=__doc__.split("\n")[0])  # fmt: skip
+    said = ("a hardware description measured on these GPUs, the preset's datasheet figures kept (under torchrun: "
+            "every rank measures, rank 0 writes --out)")
+    made = argparse.ArgumentParser(prog="python -m pipeengine.tune --calibrate --hardware", description=said)
     made.add_argument("--calibrate", action="store_true", required=True)
     made.add_argument("--hardware", required=True, help="the preset (or file) whose datasheet figures are kept")
     made.add_argument("--out", type=Path, required=True, help="where the measured description is written")
