@@ -89,7 +89,7 @@ class PipelineEngine:
         self._expose(parts)
         self._params = Parameters(parts.stages, parts.ties, self.schedule.placement, self.pp_rank, self.pipeline)
         self._checkpoints = Checkpoints(model, self._params, self.topology, self.config.fsdp)
-        self._calls = Calls(self.pipeline, self.topology.world)
+        self._calls = Calls(self.pipeline, self.topology.world, self.topology.grid.groups("pp"))
         self._tracing = Tracing(trace, self.device, self.pipeline, self.schedule.num_stages)
         layers = StageLayers(parts.stages, parts.meta_layers, self.bounds, self.schedule.placement)
         self._stepper = Stepper(parts.executor, parts.programs, self.topology, layers, self.config, loss_fn,

@@ -89,53 +89,79 @@ class Header:
 class Calls:
     """An engine's collective calls, counted: each one starts with the header every rank of the pipeline exchanges.
 
-    Where the world holds more than this pipeline (replicas, tensor-parallel ranks), the ranks of the world then
-    agree on the verdict too: each says its call, its count and whether its pipeline refused the call. A refusal
-    seen by one replica alone (its batch was empty) is raised on every rank of the world, instead of the other
-    replicas going on to a gradient all-reduce that the refusing one never joins."""
+    Where the world holds more than this pipeline (replicas, tensor-parallel ranks), the header rows are gathered
+    over the world instead, in the same one collective a call: every rank reads its own pipeline's rows for the
+    header, and every pipeline's for the verdict. A refusal seen by one replica alone (its batch was empty) is raised
+    on every rank of the world, instead of the other replicas going on to a gradient all-reduce that the refusing
+    one never joins. ``pipelines``: the world ranks of each pipeline, in stage order (the grid's pp groups)."""
 
-    def __init__(self, transport: Transport, world: Transport | None = None) -> None:
+    def __init__(self, transport: Transport, world: Transport | None = None,
+                 pipelines: list[list[int]] | None = None) -> None:  # fmt: skip
         self.transport, self.made = transport, 0
         self.world = world if world is not None and world.size > transport.size else None
+        if self.world is not None and pipelines is None:
+            raise ValueError("Calls over a world wider than its pipeline needs the world ranks of each pipeline")
+        self.pipelines = pipelines or []
 
     def agree(self, call: Call) -> None:
         """save, load, clip_grad_norm_, full_state_dict: every rank is making the same call, or every rank raises
         CallMismatch."""
         self.made += 1
-        self._verdict(call, lambda: agree(call, self.made, self.transport))
+        if self.world is not None:
+            self._world(call, [0] * _ROW, "", lambda table: None)
+            return
+        agree(call, self.made, self.transport)
 
     def exchange(self, call: Call, inputs: object, targets: object, *, first: bool, last: bool,
                  num_microbatches: int) -> Header:  # fmt: skip
         """train_step, eval_step: every rank learns the batch (or refuses it, together)."""
         self.made += 1
-        def run() -> Header:
+        if self.world is None:
             return exchange(call, self.made, inputs, targets, first=first, last=last,
                             num_microbatches=num_microbatches, transport=self.transport)  # fmt: skip
+        mine, detail = _encode(inputs, targets, first, last, call is Call.TRAIN)
+        return self._world(call, mine, detail, lambda table: _decode(call, table, num_microbatches))
 
-        return self._verdict(call, run)
-
-    def _verdict(self, call: Call, run: Callable[[], _T]) -> _T:
-        """``run`` (the pipeline's exchange), then the world's agreement on the call and on whether it was refused."""
-        if self.world is None:
-            return run()
-        try:
-            result, error = run(), None
-        except (ValueError, CallMismatch) as refused:  # the pipeline's ranks raise it alike
-            result, error = None, refused
-        mine = torch.tensor([int(call), self.made, error is not None], dtype=torch.int64, device=self.world.device)
-        rows = [r.tolist() for r in self.world.all_gather(mine, f"the world's ranks agreeing to {call}")]
-        if any(row[:2] != rows[0][:2] for row in rows):
-            calls = ", ".join(f"rank {rank} called {Call(row[0])} (call {row[1]})" for rank, row in enumerate(rows))
+    def _world(self, call: Call, row: list[int], detail: str, decode: Callable[[list[list[int]]], _T]) -> _T:
+        """The header rows of every rank of the world in one all_gather: the world agrees on the call; each
+        pipeline's rows give its verdict (refused by a rank's status or by its batch), raised on every rank (a
+        pipeline's own error on its ranks, the first refusing pipeline's on the others); else this pipeline's
+        ``decode``."""
+        world = self.world
+        if world is None:  # only called where the world is wider than the pipeline
+            raise RuntimeError("Calls._world without a world wider than the pipeline")
+        row[0], row[1] = int(call), self.made
+        rows = world.all_gather(torch.tensor(row, dtype=torch.int64, device=world.device),
+                                f"waiting for the other ranks to start {call} (call {self.made})")  # fmt: skip
+        table = [r.tolist() for r in rows]
+        if any(r[:2] != table[0][:2] for r in table):
+            calls = ", ".join(f"rank {rank} called {Call(r[0])} (call {r[1]})" for rank, r in enumerate(table))
             raise CallMismatch(f"the ranks of the world are not making the same call: {calls}; every rank of every "
                                "replica must call train_step, eval_step, save, load and clip_grad_norm_ together, "
                                "in the same order")  # fmt: skip
-        if any(row[2] for row in rows):
-            said = self.world.all_gather_object(None if error is None else str(error), f"why {call} was refused")
-            first = next(rank for rank, text in enumerate(said) if text is not None)
-            if error is not None:
-                raise error
-            raise ValueError(f"{call} refused on rank {first} (another replica or tensor-parallel rank): {said[first]}")
-        return result  # type: ignore[return-value]
+        details = world.all_gather_object(detail, "the reason the step was refused") \
+            if any(r[2] != Status.OK for r in table) else None  # fmt: skip
+        verdicts: list[tuple[int, BaseException | None, object]] = []  # (first world rank, error, decoded) each
+        for ranks in self.pipelines:
+            own = [table[r] for r in ranks]
+            try:
+                refused = next(((i, r) for i, r in enumerate(own) if r[2] != Status.OK), None)
+                if refused is not None:
+                    i, bad = refused
+                    said = details[ranks[i]] if details is not None else ""
+                    reason = _WHY[Status(bad[2])] + (f": {said}" if said else "")
+                    raise ValueError(f"step refused by rank {i}: {reason}")
+                verdicts.append((min(ranks), None, decode(own)))
+            except ValueError as refusal:
+                verdicts.append((min(ranks), refusal, None))
+        mine = next(v for ranks, v in zip(self.pipelines, verdicts, strict=True) if world.rank in ranks)
+        if mine[1] is not None:
+            raise mine[1]
+        failed = [v for v in verdicts if v[1] is not None]
+        if failed:
+            first, theirs, _ = min(failed, key=lambda v: v[0])
+            raise ValueError(f"{call} refused on rank {first} (another replica or tensor-parallel rank): {theirs}")
+        return mine[2]  # type: ignore[return-value]
 
 
 def agree(call: Call, number: int, transport: Transport) -> None:
@@ -156,7 +182,11 @@ def exchange(
 ) -> Header:
     """All-gather the header rows of a step; every rank returns the same Header or raises the same error."""
     mine, detail = _encode(inputs, targets, first, last, call is Call.TRAIN)
-    table = _gather(call, number, mine, detail, transport)
+    return _decode(call, _gather(call, number, mine, detail, transport), num_microbatches)
+
+
+def _decode(call: Call, table: list[list[int]], num_microbatches: int) -> Header:
+    """A pipeline's header rows as the step's Header, or the ValueError every rank of it raises alike."""
     source = next(row for row in table if row[4] > 0)
     specs = []
     for i in range(source[4]):
