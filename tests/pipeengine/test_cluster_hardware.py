@@ -139,8 +139,10 @@ def test_a_file_is_refused_naming_its_path(tmp_path: Path) -> None:
     path.write_text(json.dumps(described))
     with pytest.raises(ValueError, match=f"^{path}: intra.bandwidth = 0 is refused"):
         load(path)
-    with pytest.raises(ValueError, match="neither a preset nor a hardware description file"):
+    with pytest.raises(ValueError, match=r"absent\.json': no such file \(a hardware description is a JSON file"):
         load(tmp_path / "absent.json")
+    with pytest.raises(ValueError, match="'b300' is neither a preset nor a hardware description file"):
+        load("b300")
 
 
 def test_a_description_built_in_code_is_held_to_the_same_rules() -> None:

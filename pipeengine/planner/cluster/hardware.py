@@ -206,6 +206,9 @@ def load(name_or_path: str | os.PathLike[str]) -> Hardware:
         preset = _PRESETS / f"{name_or_path}.json"
         return parse(preset.read_text(encoding="utf-8"), f"preset {name_or_path} ({preset})")
     path = Path(name_or_path)
+    if not path.is_file() and (path.suffix == ".json" or len(path.parts) > 1):  # meant as a file
+        raise ValueError(f"{str(name_or_path)!r}: no such file (a hardware description is a JSON file written like "
+                         f"the presets; or name one of {', '.join(PRESETS)})")  # fmt: skip
     if not path.is_file():
         raise ValueError(f"{str(name_or_path)!r} is neither a preset nor a hardware description file: name one of "
                          f"{', '.join(PRESETS)}, or the path of a JSON file written like them")  # fmt: skip
