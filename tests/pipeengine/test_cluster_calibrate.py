@@ -14,7 +14,7 @@ import torch
 from pipeengine.planner.cli import main
 from pipeengine.planner.cluster import Hardware, all_reduce, load
 from pipeengine.planner.cluster.calibrate import fit_ring, measure
-from tests.pipeengine.ranks import all_gather_object, on_ranks
+from tests.pipeengine.ranks import all_gather_object, on_ranks, rank
 
 
 def test_the_ring_fit_recovers_the_links_figures_from_times_priced_with_them() -> None:
@@ -44,7 +44,17 @@ def test_the_ring_fit_refuses_what_is_not_a_measurement_of_a_link(sizes: list[in
 def test_two_ranks_measure_the_link_between_them_and_keep_the_presets_other() -> None:
     """One rank a node: the link across nodes is measured, the one within is the preset's; two a node: the
     reverse. Matmul efficiency and memory bandwidth are measured either way, each source naming the measurement;
-    every rank holds the one description."""
+    every rank holds the one description, rank 0's host and moment in its sources (here rank 1's clock is a minute
+    on and its host named otherwise)."""
+    import datetime
+    import types
+
+    from pipeengine.planner.cluster import calibrate
+
+    if rank() == 1:  # this rank's own module: the other rank's is left as it is
+        later = datetime.datetime.now() + datetime.timedelta(minutes=1)
+        calibrate.datetime = types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda: later))  # type: ignore[assignment]
+        calibrate.socket = types.SimpleNamespace(gethostname=lambda: "elsewhere")  # type: ignore[assignment]
     base = load("a100-80gb")
     for per_node in (1, 2):
         found = measure(base, dtype="fp32", shapes=[(32, 64, 16)], sizes=(2**12, 2**22), copy_bytes=2**20,

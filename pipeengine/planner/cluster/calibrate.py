@@ -163,8 +163,11 @@ def measure(base: Hardware, *, dtype: str = "bf16", shapes: Sequence[tuple[int, 
     if world % per_node:
         raise ValueError(f"measure: {world} ranks are not whole nodes of {per_node}: run the same --nproc-per-node "
                          f"on every node")  # fmt: skip
-    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    where = f"measured on {socket.gethostname()} at {now}, {world} ranks ({per_node} a node), torch {torch.__version__}"
+    moment = [(socket.gethostname(), datetime.datetime.now().astimezone().isoformat(timespec="seconds"))]
+    if dist.is_initialized():  # rank 0's host and moment on every rank: one description, whatever the clocks say
+        dist.broadcast_object_list(moment, src=0)
+    host, now = moment[0]
+    where = f"measured on {host} at {now}, {world} ranks ({per_node} a node), torch {torch.__version__}"
     sources = dict(base.sources)
     rates = matmuls([*((n, n, n) for n in squares), *shapes], DTYPES[dtype], device, repeats)
     peak = base.peak_flops[dtype]
