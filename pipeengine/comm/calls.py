@@ -145,12 +145,7 @@ class Calls:
         for ranks in self.pipelines:
             own = [table[r] for r in ranks]
             try:
-                refused = next(((i, r) for i, r in enumerate(own) if r[2] != Status.OK), None)
-                if refused is not None:
-                    i, bad = refused
-                    said = details[ranks[i]] if details is not None else ""
-                    reason = _WHY[Status(bad[2])] + (f": {said}" if said else "")
-                    raise ValueError(f"step refused by rank {i}: {reason}")
+                _refuse(own, [details[r] for r in ranks] if details is not None else [])
                 verdicts.append((min(ranks), None, decode(own)))
             except ValueError as refusal:
                 verdicts.append((min(ranks), refusal, None))
@@ -227,11 +222,18 @@ def _gather(call: Call, number: int, row: list[int], detail: str, transport: Tra
             "eval_step, save, load and clip_grad_norm_ together, in the same order"
         )
     if any(r[2] != Status.OK for r in table):  # every rank learns why, and raises the same error
-        details = transport.all_gather_object(detail, "the reason the step was refused")
-        rank, row = next((rank, r) for rank, r in enumerate(table) if r[2] != Status.OK)
-        reason = _WHY[Status(row[2])] + (f": {details[rank]}" if details[rank] else "")
-        raise ValueError(f"step refused by rank {rank}: {reason}")
+        _refuse(table, transport.all_gather_object(detail, "the reason the step was refused"))
     return table
+
+
+def _refuse(table: list[list[int]], details: list[str]) -> None:
+    """Raise the refusal of a pipeline's first rank whose status is not OK (its ``details``, by the table's rank,
+    said after the reason), if any."""
+    refused = next(((rank, row) for rank, row in enumerate(table) if row[2] != Status.OK), None)
+    if refused is not None:
+        rank, row = refused
+        reason = _WHY[Status(row[2])] + (f": {details[rank]}" if details and details[rank] else "")
+        raise ValueError(f"step refused by rank {rank}: {reason}")
 
 
 def _encode(inputs: object, targets: object, first: bool, last: bool, train: bool) -> tuple[list[int], str]:
