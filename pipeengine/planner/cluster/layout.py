@@ -253,13 +253,10 @@ def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16",
     if p == 1:
         pipeline = m * sum(parts.forward + parts.backward)  # one rank: its stages back to back, no bubble
     else:
-        name = "interleaved" if v > 1 and layout.schedule == "1f1b" else layout.schedule
-        schedule = _schedule(name, p, m, v)
-        if name in SPLIT:  # I as the backward's turn, W where the schedule defers it
-            inputs = [b_ - w for b_, w in zip(parts.backward, parts.weight, strict=True)]
-            costs = Costs(forward=parts.forward, backward_input=inputs, backward_weight=parts.weight)
-        else:
-            costs = Costs(forward=parts.forward, backward_input=parts.backward, backward_weight=[0.0] * (p * v))
+        schedule = _schedule(layout.schedule, p, m, v)
+        inputs = [b_ - w for b_, w in zip(parts.backward, parts.weight, strict=True)]  # a split backward's I, then W
+        costs = Costs(forward=parts.forward, backward=parts.backward, backward_input=inputs,
+                      backward_weight=parts.weight)  # each schedule runs B whole, or I and W apart
         pipeline = summarize(schedule, costs).makespan
     return _priced(model, layout, hw, dtype, parts, pipeline)
 
