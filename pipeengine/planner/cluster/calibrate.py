@@ -113,13 +113,18 @@ def matmuls(shapes: Sequence[tuple[int, int, int]], dtype: torch.dtype, device: 
     return found
 
 
-@functools.cache
+_ALONE: list[tuple[Any, Any]] = []  # (the world it was made in, this rank's group of itself alone)
+
+
 def _alone() -> Any:
-    """A group of this rank alone (a timing that must not wait for the others), or None without a world."""
+    """A group of this rank alone (a timing that must not wait for the others), or None without a world: made once
+    per world (a process that sets torch.distributed up again gets a new one)."""
     if not dist.is_initialized():
         return None
-    groups = [dist.new_group([rank]) for rank in range(dist.get_world_size())]  # every rank makes every group
-    return groups[dist.get_rank()]
+    if not _ALONE or _ALONE[0][0] is not dist.group.WORLD:
+        groups = [dist.new_group([rank]) for rank in range(dist.get_world_size())]  # every rank makes every group
+        _ALONE[:] = [(dist.group.WORLD, groups[dist.get_rank()])]
+    return _ALONE[0][1]
 
 
 def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
