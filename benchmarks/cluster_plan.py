@@ -15,7 +15,7 @@ beside the paper's.
 
 The model is the paper's: a GPT block as Megatron-LM ran it in 2021 (its attention unfused: a score matrix of
 s x s per head, a fused scale-mask-softmax, dropout; fused bias-GeLU), traced on the meta device at each tensor-
-parallel rank's shapes (heads / t, 4h / t). Writes out/bench/cluster_plan.{json,txt,md,png}.
+parallel rank's shapes (heads / t, 4h / t). Writes out/bench/cluster_plan.{json,txt,png}.
 """
 
 from __future__ import annotations
@@ -131,6 +131,29 @@ def searched(row: dict[str, float], hw: Hardware) -> str:
             f"{paper.tflops_per_device:.1f} ({best.step_s / paper.step_s - 1:+.1%} step)")  # fmt: skip
 
 
+def plot(table: list[dict[str, object]], path: Path, title: str) -> None:
+    """The paper's TFLOP/s a GPU beside the predicted, row by row, each bar pair labelled with its error."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axis = figure.subplots()
+    places = range(len(table))
+    paper = [float(row["paper_tflops"]) for row in table]  # type: ignore[arg-type]
+    predicted = [float(row["predicted_tflops"]) for row in table]  # type: ignore[arg-type]
+    axis.bar([i - 0.2 for i in places], paper, width=0.4, label="paper (SC21, Table 1)", color="#8C8C8C")
+    axis.bar([i + 0.2 for i in places], predicted, width=0.4, label="predicted", color="#4C72B0")
+    for i, row in zip(places, table, strict=True):
+        axis.annotate(f"{float(row['error']):+.1%}", (i + 0.2, predicted[i]), ha="center", va="bottom", fontsize=8)  # type: ignore[arg-type]
+    axis.set_xticks(list(places), [f"{row['params_b']}B\n{row['gpus']} GPUs" for row in table], fontsize=8)
+    axis.set_ylabel("TFLOP/s a GPU")
+    axis.set_ylim(0, max(paper + predicted) * 1.15)
+    axis.set_title(title, fontsize=10, loc="left")
+    axis.legend(fontsize=8, loc="lower right")
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hardware", default="a100-80gb")
@@ -165,6 +188,7 @@ def main() -> None:
         lines.append(searched(rows()[-1], hw))
         print(lines[-1])
     write_report("cluster_plan", table, lines)
+    plot(table, OUT / "cluster_plan.png", lines[len(table)])
     print(f"wrote {OUT}/cluster_plan.*")
 
 

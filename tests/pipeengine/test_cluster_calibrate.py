@@ -90,6 +90,11 @@ def test_two_ranks_measure_the_link_between_them_and_keep_the_presets_other() ->
         why = "one node" if kept == "inter" else "one rank a node"
         assert found.sources[f"{kept}.bandwidth"].startswith(f"the preset's, not measured ({why})")
         assert getattr(found, measured).bandwidth == pytest.approx(1e9)  # busbw of 2 ranks: the bytes' rate
+        # the sweep as measured: each size over its time (the all-reduce's 10 us and bytes, the clock's 1 us a read)
+        sweep = [figure for point in getattr(found, measured).sweep for figure in point]
+        assert sweep == pytest.approx([f for s in (2**12, 2**22) for f in (s, s / (1.1e-5 + s / 1e9))]), sweep
+        assert found.sources[f"{measured}.sweep"].startswith("measured on ")
+        assert getattr(found, kept).sweep == getattr(base, kept).sweep  # the preset's, kept with its source
         assert "32x64x16" in found.sources["matmul_efficiency"]  # the model's shape, beside the squares
 
 

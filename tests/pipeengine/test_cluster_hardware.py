@@ -40,7 +40,8 @@ def machine(devices_per_node: int = 8) -> Hardware:
 def test_preset_loads_cites_every_figure_and_reads_back_equal(name: str, tmp_path: Path) -> None:
     hardware = load(name)
     assert name in PRESETS
-    assert set(hardware.sources) == set(FIGURES) and all(text.strip() for text in hardware.sources.values())
+    swept = {f"{tier}.sweep" for tier in ("intra", "inter") if getattr(hardware, tier).sweep}
+    assert set(hardware.sources) == set(FIGURES) | swept and all(text.strip() for text in hardware.sources.values())
     assert Hardware.from_json(hardware.to_json(), "again") == hardware
     written = tmp_path / f"{name}.json"
     written.write_text(json.dumps(hardware.to_json()))
@@ -58,6 +59,13 @@ def test_preset_figures_as_cited() -> None:
     assert h200.matmul_efficiency == pytest.approx(801.0 / 989.4, abs=1e-3)  # measured on the lent H200
     assert (a100.inter.bandwidth, h100.inter.bandwidth) == (200e9 / 8, 400e9 / 8)  # one HDR / NDR NIC a GPU
     assert (a100.memory_bytes, h100.memory_bytes, h200.memory_bytes) == (80e9, 80e9, 141e9)
+    assert a100.memory_bandwidth == 1.80e12  # measured, 88% of the datasheet's 2.039e12 (the forum thread cited)
+    assert (h100.memory_bandwidth, h200.memory_bandwidth) == (3.35e12, 4.8e12)  # datasheets: no measurement cited
+    sweep = a100.intra.sweep  # nccl-tests all_reduce_perf on one 8x A100 node, 32 KiB to 16 GiB by doubling
+    assert [size for size, _ in sweep] == [2**k for k in range(15, 35)]
+    assert (sweep[0][1], sweep[11][1], sweep[-1][1]) == (1.31e9, 171.54e9, 234.89e9) == (
+        sweep[0][1], sweep[11][1], a100.intra.bandwidth)  # fmt: skip
+    assert not (h100.intra.sweep or h200.intra.sweep or a100.inter.sweep)  # H200's published sweep runs NVLS
     assert h200.peak_flops == h100.peak_flops and h200.intra == h100.intra and h200.inter == h100.inter
 
 
@@ -152,6 +160,39 @@ def test_a_description_built_in_code_is_held_to_the_same_rules() -> None:
         Hardware("x", 8, 80e9, 2e12, {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, 0.5, FAST, SLOW,
                  dict.fromkeys(FIGURES, "assumed"))  # fmt: skip
     assert hash(load("h200")) == hash(load("h200"))  # a cache key for the planner
+
+
+def test_a_sweep_is_refused_naming_the_point_and_needs_a_source() -> None:
+    def set_sweep(value: object) -> Callable[[dict[str, Any]], None]:
+        return lambda data: data["intra"].update(sweep=value)
+
+    message = broken(set_sweep([[2e6, 1e9], [1e6, 2e9]]))
+    assert "intra.sweep = [2000000.0, 1000000.0] is refused: the sizes are not strictly ascending" in message
+    assert "write a measured all_reduce as nccl-tests' all_reduce_perf prints it" in message
+    assert "intra.sweep[1] = [1000000.0] is refused: not a pair [bytes, busbw]" in broken(set_sweep([[1, 2], [1e6]]))
+    assert "intra.sweep[0][1] = -1 is refused" in broken(set_sweep([[1, -1], [2, 3]]))
+    assert "intra.sweep = [[1, 2]] is refused: not a list of two measured sizes or more" in broken(set_sweep([[1, 2]]))
+    message = broken(lambda data: (data["sources"].pop("intra.sweep"), data["inter"].update(sweep=[[1, 2], [3, 4]])))
+    assert "sources.intra.sweep is missing" in message
+    assert "sources.inter.sweep is missing" in broken(lambda data: data["inter"].update(sweep=[[1, 2], [3, 4]]))
+    data = load("a100-80gb").to_json()
+    data["intra"].pop("sweep")
+    assert parse(json.dumps(data), "no sweep").intra.sweep == ()  # optional: its source may stay
+
+
+def test_a_measured_sweep_bounds_every_collective_from_below_by_hand() -> None:
+    # measured: 1 MB at 10 GB/s busbw (1e-4 s of bus time), 100 MB at 50 GB/s (2e-3 s); the line says 100 GB/s
+    swept = Link(bandwidth=100e9, latency=1e-6, sweep=((1e6, 10e9), (1e8, 50e9)))
+    between = 1e-4 + (5e7 - 1e6) * (2e-3 - 1e-4) / (1e8 - 1e6)  # the line between the two measured sizes
+    assert swept.bus_seconds(5e7) == pytest.approx(between)
+    assert all_reduce(5e7, 8, swept) == pytest.approx(2 * 7 / 8 * between)  # slower than the line's 0.89 ms
+    assert all_gather(5e7, 4, swept) == reduce_scatter(5e7, 4, swept) == pytest.approx(3 / 4 * between)
+    assert send_recv(5e7, swept) == pytest.approx(between)
+    assert all_reduce(1e3, 2, swept) == pytest.approx(1e-4)  # below the smallest: its time, a floor
+    assert all_reduce(1e9, 2, swept) == pytest.approx(2e-3 + 9e8 / 50e9)  # past the largest: at its busbw
+    fast = Link(bandwidth=10e9, latency=1e-3, sweep=((1e6, 100e9), (1e8, 100e9)))  # a sweep faster than the line
+    assert all_reduce(1e8, 8, fast) == pytest.approx(14e-3 + 2 * 7 / 8 * 1e8 / 10e9)  # the line holds
+    assert Link(100e9, 1e-6).bus_seconds(1e6) is None
 
 
 def test_collectives_cost_by_hand_on_injected_links() -> None:

@@ -13,9 +13,10 @@ What is measured (every rank takes part; rank 0 writes the file):
 - ``memory_bandwidth``: a device-to-device copy (read and write) of ``copy_bytes``.
 - ``intra``: all-reduce over the ranks of each node, at ``sizes`` bytes, fitted to NCCL's ring
   (``collectives.all_reduce``: 2(n-1) steps of the latency and 2(n-1)/n of the size at the bus bandwidth) by least
-  squares: the figures the planner prices with. ``inter``: the same over one rank of each node (the local ranks'
-  groups all at once, each GPU on its own NIC, as a data-parallel all-reduce across nodes runs), where there are
-  two nodes or more; otherwise the preset's, its source saying it was not measured.
+  squares: the figures the planner prices with, and the measured sweep itself (``Link.sweep``: each size's bus
+  bandwidth, which the planner prices no collective faster than). ``inter``: the same over one rank of each node
+  (the local ranks' groups all at once, each GPU on its own NIC, as a data-parallel all-reduce across nodes runs),
+  where there are two nodes or more; otherwise the preset's, its source saying it was not measured.
 
 A fit whose latency comes out at zero or below (the sizes too large to see it) keeps the preset's latency and says
 so. The timing of a collective is the slowest rank's, the median of ``repeats``, after a warm-up.
@@ -135,13 +136,16 @@ def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     return _slowest(2 * source.numel() * 4 / seconds, device)
 
 
-def ring(group: Any, ranks: int, sizes: Sequence[int], device: torch.device, repeats: int) -> tuple[float, float]:
-    """(bus bandwidth, latency) of an all-reduce over ``group`` (``ranks`` ranks), fitted from ``sizes``."""
+def ring(group: Any, ranks: int, sizes: Sequence[int], device: torch.device, repeats: int
+         ) -> tuple[float, float, tuple[tuple[float, float], ...]]:  # fmt: skip
+    """(bus bandwidth, latency) of an all-reduce over ``group`` (``ranks`` ranks), fitted from ``sizes``, and the
+    sweep it was fitted to: (bytes, busbw) at each size, as nccl-tests print it."""
     seconds = []
     for size in sizes:
         buffer = torch.ones(size // 4, dtype=torch.float32, device=device)
         seconds.append(_timed(functools.partial(dist.all_reduce, buffer, group=group), device, repeats, group))
-    return fit_ring(sizes, seconds, ranks)
+    sweep = tuple((float(size), 2 * (ranks - 1) / ranks * size / t) for size, t in zip(sizes, seconds, strict=True))
+    return (*fit_ring(sizes, seconds, ranks), sweep)
 
 
 def _node_groups(world: int, per_node: int) -> tuple[Any, Any]:
@@ -198,17 +202,19 @@ def measure(base: Hardware, *, dtype: str = "bf16", shapes: Sequence[tuple[int, 
         said = f"{where}: all_reduce over {who}, at {list(sizes)} bytes, fitted to a ring"
         links[tier], sources[f"{tier}.bandwidth"], sources[f"{tier}.latency"] = _link(
             ring(group, ranks, sizes, device, repeats), getattr(base, tier), said)  # fmt: skip
+        sources[f"{tier}.sweep"] = f"{where}: all_reduce over {who}, busbw at each size"
     intra, inter = links["intra"], links["inter"]
     return dataclasses.replace(base, name=f"{base.name}, measured", matmul_efficiency=efficiency,
                                memory_bandwidth=bandwidth, intra=intra, inter=inter, sources=sources)  # fmt: skip
 
 
-def _link(fitted: tuple[float, float], preset: Link, said: str) -> tuple[Link, str, str]:
-    bandwidth, latency = fitted
+def _link(fitted: tuple[float, float, tuple[tuple[float, float], ...]], preset: Link, said: str
+          ) -> tuple[Link, str, str]:  # fmt: skip
+    bandwidth, latency, sweep = fitted
     if latency > 0:
-        return Link(bandwidth, latency), said, said
+        return Link(bandwidth, latency, sweep), said, said
     kept = f"the preset's: the fit gave {latency:.3g} s a step ({said}); measure smaller sizes to see it"
-    return Link(bandwidth, preset.latency), said, kept
+    return Link(bandwidth, preset.latency, sweep), said, kept
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,14 @@ NCCL's own tuner does (NVIDIA/nccl src/graph/tuning.cc: ``nsteps = 2 * (nRanks -
 - ring all_reduce: 2(n-1) steps; ring all_gather, reduce_scatter: n-1 steps;
 - tree all_reduce: 2 ceil(log2 n) steps (up the tree, then down), the ring's bandwidth term.
 
+Where the link carries a measured sweep (``Link.sweep``: an all_reduce timed over sizes, as nccl-tests'
+all_reduce_perf prints it), a collective takes at least its factor times the sweep's ``S / busbw`` at its size S
+(``Link.bus_seconds``), the larger of that and the line above. Why: busbw is far from its plateau at the sizes a
+step moves (Stas Bekman's sweep on one 8x A100 node, network/README.md, "Real network throughput": 171.5 GB/s at 64
+MiB, 229.0 at 1 GiB, 234.9 at 16 GiB), which a latency and one bandwidth cannot both follow. The sweep is one
+all_reduce's; all_gather, reduce_scatter and send/recv read it at their own S (busbw is defined to be the same
+figure for each: nccl-tests' PERFORMANCE.md), and a group of another size than the one swept reads it too.
+
 What is left out, knowingly: NCCL's fixed launch cost per collective (``baseLatencies``, some 7-8 us), its choice
 of protocol by size (LL's lower latency and bandwidth for small messages; the figures here are the Simple
 protocol's, that of the large transfers training makes), NVLink SHARP (NVLS, which lifts an all_reduce within an
@@ -69,27 +77,35 @@ def all_reduce(nbytes: float, n: int, link: Link, algorithm: Algorithm = "ring")
         steps = 2 * math.ceil(math.log2(n))
     else:
         raise ValueError(f"algorithm = {algorithm!r}: not one of 'ring', 'tree'")
-    return steps * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return _seconds(steps, 2 * (n - 1) / n, nbytes, link)
+
+
+def _seconds(steps: int, factor: float, nbytes: float, link: Link) -> float:
+    """``steps`` latencies and ``factor * nbytes`` at the bus bandwidth, or the link's measured sweep at that size
+    where it says longer (the module's docstring)."""
+    seconds = steps * link.latency + factor * nbytes / link.bandwidth
+    swept = link.bus_seconds(nbytes)
+    return seconds if swept is None else max(seconds, factor * swept)
 
 
 def all_gather(nbytes: float, n: int, link: Link) -> float:
     """Seconds to all-gather over ``n`` ranks into a buffer of ``nbytes`` in all (each rank gives nbytes / n), on a
     ring: n-1 steps, (n-1)/n * nbytes per rank at the link's bus bandwidth."""
     _checked(nbytes, n)
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return _seconds(n - 1, (n - 1) / n, nbytes, link)
 
 
 def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
     """Seconds to reduce-scatter ``nbytes`` in all (each rank's input; each keeps nbytes / n) over ``n`` ranks, on a
     ring: n-1 steps, (n-1)/n * nbytes per rank at the link's bus bandwidth."""
     _checked(nbytes, n)
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return _seconds(n - 1, (n - 1) / n, nbytes, link)
 
 
 def send_recv(nbytes: float, link: Link) -> float:
     """Seconds to send ``nbytes`` from one rank to another on ``link``: one step (busbw = algbw)."""
     _checked(nbytes, 2)
-    return link.latency + nbytes / link.bandwidth
+    return _seconds(1, 1.0, nbytes, link)
 
 
 def group_link(hw: Hardware, group_size: int, stride_in_ranks: int) -> Link:
@@ -104,7 +120,8 @@ def group_link(hw: Hardware, group_size: int, stride_in_ranks: int) -> Link:
         return hw.intra
     fewest, nodes = _spread(node, group_size, stride_in_ranks)
     latency = ((group_size - nodes) * hw.intra.latency + (nodes - 1) * hw.inter.latency) / (group_size - 1)
-    return Link(bandwidth=min(hw.intra.bandwidth, fewest * hw.inter.bandwidth), latency=latency)
+    sweep = hw.inter.sweep if fewest == 1 else ()  # as measured (one rank a node); m a node share m NICs: unmeasured
+    return Link(bandwidth=min(hw.intra.bandwidth, fewest * hw.inter.bandwidth), latency=latency, sweep=sweep)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -38,6 +38,7 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16")  # peak_flops must name these; others 
 FIELDS = ("name", "devices_per_node", "memory_bytes", "memory_bandwidth", "peak_flops", "matmul_efficiency", "intra",
           "inter", "sources")  # fmt: skip
 LINK_FIELDS = ("bandwidth", "latency")
+SWEPT = ("intra.sweep", "inter.sweep")  # a link's optional measured sweep, which then needs a source too
 # every figure a description holds, by its path: each needs a source (which may say "assumed")
 FIGURES = ("devices_per_node", "memory_bytes", "memory_bandwidth", "peak_flops", "matmul_efficiency",
            "intra.bandwidth", "intra.latency", "inter.bandwidth", "inter.latency")  # fmt: skip
@@ -48,11 +49,14 @@ CITED = 'where the figure comes from (a datasheet, a measurement, or "assumed" a
 WANTED = {
     "devices_per_node": "a whole number of accelerators in one node, 1 or more (8 on a DGX/HGX node)",
     "memory_bytes": "the accelerator's memory in bytes (80e9 for 80 GB)",
-    "memory_bandwidth": "the memory bandwidth in bytes/s from the datasheet (2.039e12 for 2,039 GB/s)",
+    "memory_bandwidth": "the memory bandwidth in bytes/s a kernel reaches: measured (1.80e12), else the datasheet's "
+    "(2.039e12 for 2,039 GB/s), an upper bound",
     "peak_flops": "dense FLOP/s by dtype from the datasheet, without sparsity (312e12 for 312 TFLOPS)",
     "matmul_efficiency": "the measured fraction of the bf16/fp16 peak a large matmul reaches, in (0, 1] (0.869)",
     "bandwidth": "the NCCL bus bandwidth per GPU in bytes/s, busbw as nccl-tests define it (2.35e11 for 235 GB/s)",
     "latency": "seconds per algorithm step (3.4e-6 for 3.4 us)",
+    "sweep": "a measured all_reduce as nccl-tests' all_reduce_perf prints it, [[bytes, busbw in bytes/s], ...] with "
+    "the sizes ascending, two or more",
     "intra": 'the link within a node: {"bandwidth": bytes/s, "latency": s}',
     "inter": 'the link across nodes, per GPU: {"bandwidth": bytes/s, "latency": s}',
     "sources": "where each figure comes from, by its path",
@@ -66,7 +70,8 @@ def _shown(value: object) -> str:
 
 
 def _refused(where: str, path: str, value: object, rule: str) -> ValueError:
-    key = "peak_flops" if path.startswith("peak_flops.") else path.rsplit(".", 1)[-1]  # intra.latency: latency
+    key = "peak_flops" if path.startswith("peak_flops.") else path.rsplit(".", 1)[-1].split("[")[0]  # intra.latency:
+    # latency; intra.sweep[2][1]: sweep
     return ValueError(f"{where}: {path} = {_shown(value)} is refused: {rule}; write {WANTED[key]}")
 
 
@@ -89,8 +94,10 @@ def _whole(where: str, path: str, value: object) -> int:
     return value
 
 
-def _object(where: str, path: str, value: object, known: tuple[str, ...], extra: bool = False) -> dict[str, Any]:
-    """``value`` as a dict holding every key of ``known`` (and, unless ``extra``, no other), else a ValueError."""
+def _object(where: str, path: str, value: object, known: tuple[str, ...], extra: bool = False,
+            optional: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    """``value`` as a dict holding every key of ``known`` (and, unless ``extra``, no other but those of
+    ``optional``), else a ValueError."""
     if not isinstance(value, dict):
         raise ValueError(f"{where}: {path or 'the file'} = {_shown(value)} is refused: not a JSON object; write an "
                          f"object with {', '.join(map(json.dumps, known))}")  # fmt: skip
@@ -100,31 +107,73 @@ def _object(where: str, path: str, value: object, known: tuple[str, ...], extra:
             wanted = {"peak_flops": WANTED["peak_flops"], "sources": CITED}.get(path, WANTED.get(key, "it"))
             raise ValueError(f"{where}: {prefix}{key} is missing; write {wanted}")
     if not extra:
-        unknown = [key for key in value if key not in known]
+        unknown = [key for key in value if key not in known and key not in optional]
         if unknown:
-            raise ValueError(f"{where}: {prefix}{unknown[0]} is not a field here (fields: {', '.join(known)}); "
+            fields = ", ".join(known + optional)
+            raise ValueError(f"{where}: {prefix}{unknown[0]} is not a field here (fields: {fields}); "
                              "remove it or correct its spelling")  # fmt: skip
     return value
 
 
 @dataclass(frozen=True)
 class Link:
-    """One tier of links between accelerators as NCCL sees it."""
+    """One tier of links between accelerators as NCCL sees it: a bus bandwidth and a latency a step and, where
+    measured, the sweep of an all-reduce over sizes (``bus_seconds``)."""
 
     bandwidth: float  # bytes/s: NCCL bus bandwidth per GPU ("busbw" as nccl-tests define it)
     latency: float  # s per algorithm step (one hop of a ring or a tree)
+    sweep: tuple[tuple[float, float], ...] = ()  # measured (bytes, busbw) of an all_reduce, the sizes ascending
 
     def __post_init__(self) -> None:
         _number("Link", "bandwidth", self.bandwidth)
         _number("Link", "latency", self.latency)
+        _sweep("Link", "sweep", self.sweep)
 
-    def to_json(self) -> dict[str, float]:
-        return {"bandwidth": self.bandwidth, "latency": self.latency}
+    def bus_seconds(self, nbytes: float) -> float | None:
+        """``nbytes / busbw`` at that size as the sweep measured it (None without one): the line between the two
+        measured sizes around ``nbytes``; below the smallest, the smallest's (a latency floor: nothing smaller
+        was timed); past the largest, the largest's and the rest at its bus bandwidth. A collective's time is at
+        least its bandwidth factor times this (collectives' docstring)."""
+        if not self.sweep:
+            return None
+        points = [(size, size / busbw) for size, busbw in self.sweep]
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (low, low_s), (high, high_s) in zip(points, points[1:], strict=False):
+            if nbytes <= high:
+                return low_s + (nbytes - low) * (high_s - low_s) / (high - low)
+        return points[-1][1] + (nbytes - points[-1][0]) / self.sweep[-1][1]
+
+    def to_json(self) -> dict[str, Any]:
+        found: dict[str, Any] = {"bandwidth": self.bandwidth, "latency": self.latency}
+        if self.sweep:
+            found["sweep"] = [list(point) for point in self.sweep]
+        return found
 
     @classmethod
     def from_json(cls, data: object, where: str, path: str) -> Link:
-        record = _object(where, path, data, LINK_FIELDS)
-        return cls(*(_number(where, f"{path}.{key}", record[key]) for key in LINK_FIELDS))
+        record = _object(where, path, data, LINK_FIELDS, optional=("sweep",))
+        bandwidth, latency = (_number(where, f"{path}.{key}", record[key]) for key in LINK_FIELDS)
+        return cls(bandwidth, latency, _sweep(where, f"{path}.sweep", record.get("sweep", ())))
+
+
+def _sweep(where: str, path: str, value: object) -> tuple[tuple[float, float], ...]:
+    """A measured sweep as a tuple of (bytes, busbw): two points or more, each two positive numbers, the sizes
+    strictly ascending; empty where there is none."""
+    if isinstance(value, (list, tuple)) and not value:
+        return ()
+    if not isinstance(value, (list, tuple)) or len(value) < 2:
+        raise _refused(where, path, value, "not a list of two measured sizes or more")
+    points = []
+    for number, point in enumerate(value):
+        if not isinstance(point, (list, tuple)) or len(point) != 2:
+            raise _refused(where, f"{path}[{number}]", point, "not a pair [bytes, busbw]")
+        points.append((_number(where, f"{path}[{number}][0]", point[0]), _number(where, f"{path}[{number}][1]",
+                                                                                    point[1])))  # fmt: skip
+    sizes = [size for size, _ in points]
+    if any(high <= low for low, high in zip(sizes, sizes[1:], strict=False)):
+        raise _refused(where, path, sizes, "the sizes are not strictly ascending")
+    return tuple(points)
 
 
 @dataclass(frozen=True)
@@ -168,11 +217,11 @@ def _values(data: object, where: str) -> dict[str, Any]:
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{where}: name = {_shown(name)} is refused: not a name; write the accelerator's name")
     peaks = _object(where, "peak_flops", record["peak_flops"], DTYPES, extra=True)
-    sources = _object(where, "sources", record["sources"], FIGURES)
+    sources = _object(where, "sources", record["sources"], FIGURES, optional=SWEPT)
     for key, text in sources.items():
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{where}: sources.{key} = {_shown(text)} is refused: not text; write {CITED}")
-    return {
+    found: dict[str, Any] = {
         "name": name,
         "devices_per_node": _whole(where, "devices_per_node", record["devices_per_node"]),
         "memory_bytes": _number(where, "memory_bytes", record["memory_bytes"]),
@@ -183,6 +232,10 @@ def _values(data: object, where: str) -> dict[str, Any]:
         "inter": Link.from_json(record["inter"], where, "inter"),
         "sources": dict(sources),
     }
+    for tier in ("intra", "inter"):
+        if found[tier].sweep and f"{tier}.sweep" not in sources:
+            raise ValueError(f"{where}: sources.{tier}.sweep is missing; write {CITED}")
+    return found
 
 
 def parse(text: str, where: str) -> Hardware:
