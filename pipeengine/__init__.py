@@ -23,6 +23,7 @@ from pipeengine.construction.partition import METHODS, Partition, plan, solve
 from pipeengine.core.config import DEFAULT_TIMEOUT, EngineConfig
 from pipeengine.engine import PipelineEngine
 from pipeengine.errors import LaunchError, PeerError, PipelineError
+from pipeengine.launcher.dry import DryRun, dry_run
 from pipeengine.launcher.launch import launch
 from pipeengine.train.checkpoint import consolidate
 from pipeengine.train.data import ReplicaLoader
@@ -30,6 +31,7 @@ from pipeengine.train.files import latest_checkpoint
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "DryRun",
     "EngineConfig",
     "LaunchError",
     "PeerError",
@@ -40,6 +42,7 @@ __all__ = [
     "METHODS",
     "Partition",
     "consolidate",
+    "dry_run",
     "latest_checkpoint",
     "launch",
     "measure",

@@ -95,10 +95,10 @@ class PipelineEngine:
         self._stepper = Stepper(parts.executor, parts.programs, self.topology, layers, self.config, loss_fn,
                                 self._calls, self._tracing, lambda: list(self.parameters()))
         self.num_microbatches = self._stepper.num_microbatches
-        self.first = self._stepper.first  # this rank runs the first stage: it takes the inputs
-        self.last = self._stepper.last  # this rank runs the last stage: it takes the targets
+        self.first, self.last = self._stepper.first, self._stepper.last  # it runs the first (last) stage
         agree_max = functools.partial(self.topology.world.all_reduce, what="the loss scaler's overflow check", op="max")
         self.scaler = GradScaler(self.parameters, precision == "fp16", self.device, agree_max)
+        world.built(self)  # a dry run's report (pipeengine.launcher.dry); nothing elsewhere
 
     def _expose(self, parts: Assembly) -> None:
         """What the engine shows of what this rank runs: its place on the grid, its stages, the schedule."""

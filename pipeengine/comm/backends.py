@@ -5,6 +5,7 @@ proved under. The transports (gloo, nccl, loopback) and the planner (pipeengine.
     gloo       receives_first(lowered)      buffered     host, work.wait(timeout)   downward messages on a 2nd group
     nccl       as lowered                   rendezvous   comm stream -> compute     on a CUDA stream of its own
     loopback   as lowered                   buffered     host (threads)             in memory
+    fake       as lowered                   rendezvous   nothing (a dry run)        nowhere: torch's fake group
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ BACKENDS: dict[str, Backend] = {
     "gloo": Backend("gloo", receives_first, Semantics.BUFFERED),  # posting never blocks: every recv first
     "nccl": Backend("nccl", _as_lowered, Semantics.RENDEZVOUS),
     "loopback": Backend("loopback", _as_lowered, Semantics.BUFFERED),  # in-process ranks, messages copied
+    "fake": Backend("fake", _as_lowered, Semantics.RENDEZVOUS),  # a dry run's rank, proved as NCCL runs it
 }
 
 

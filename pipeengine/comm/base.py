@@ -61,10 +61,17 @@ class Transport(abc.ABC):
     shared_clock: bool = False  # every rank reads one clock (threads of one process)
     group: dist.ProcessGroup | None = None  # the torch.distributed group, where there is one
     engines: int = 0  # engines built on this transport so far, on this rank (each rank builds them in one order)
+    alone: bool = False  # the group's other ranks are not there (a dry run): what one would send, each works out
 
     @property
     def name(self) -> str:
         return self.backend.name
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where the engine's own exchanges (headers, objects, barriers) keep their values: the compute device, but
+        for a dry run's rank, which computes on the meta device (pipeengine.comm.fake)."""
+        return self.device
 
     @property
     def semantics(self) -> Semantics:
@@ -116,13 +123,21 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def all_gather_object(self, value: object, what: str) -> list[Any]: ...
 
+    def built(self, engine: object) -> None:  # noqa: B027  (only a dry run's transport keeps them)
+        """An engine was built on this transport (a dry run reports on it: pipeengine.launcher.dry)."""
+
+    def gather_header(self, row: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """The step header's rows (pipeengine.comm.calls) of every rank: an all_gather, but on a dry run's rank,
+        where the other ranks' rows are what the dry run recorded of them (pipeengine.comm.fake)."""
+        return self.all_gather(row, what)
+
     def computed_once(self, key: Hashable, compute: Callable[[], T]) -> T:
         """What every rank of the group computes alike from the same inputs (``key`` names them): ranks that are
         threads of one process share one result (the first computes it); elsewhere each rank computes its own."""
         return compute()
 
     def barrier(self, what: str) -> None:
-        self.all_reduce(torch.zeros(1, device=self.device), what)
+        self.all_reduce(torch.zeros(1, device=self.control_device), what)
 
     @abc.abstractmethod
     def subgroup(self, ranks: Sequence[int]) -> Transport | None:

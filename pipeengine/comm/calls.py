@@ -23,7 +23,7 @@ from pipeengine.comm.base import Transport
 from pipeengine.core.specs import Boundary, Tensors, TensorSpec, unpack
 from pipeengine.errors import PipelineError
 
-__all__ = ["ROW"]
+__all__ = ["BATCH", "N_INPUTS", "ROW", "STATUS"]
 
 _T = TypeVar("_T")
 
@@ -32,6 +32,7 @@ _FIELDS = 2 + MAX_DIMS  # per input tensor
 _HEAD = 5  # call, number, status, is_tuple, n_inputs
 _ROW = _HEAD + MAX_TENSORS * _FIELDS + 1
 ROW = _ROW  # int64s in the header row each rank gathers before a call (the planner times the gather)
+STATUS, N_INPUTS, BATCH = 2, 4, _HEAD + 2  # a row's status, its count of inputs, its first input's batch (d0)
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -131,7 +132,7 @@ class Calls:
         if world is None:  # only called where the world is wider than the pipeline
             raise RuntimeError("Calls._world without a world wider than the pipeline")
         row[0], row[1] = int(call), self.made
-        rows = world.all_gather(torch.tensor(row, dtype=torch.int64, device=world.device),
+        rows = world.gather_header(torch.tensor(row, dtype=torch.int64, device=world.control_device),
                                 f"waiting for the other ranks to start {call} (call {self.made})")  # fmt: skip
         table = [r.tolist() for r in rows]
         if any(r[:2] != table[0][:2] for r in table):
@@ -212,7 +213,7 @@ def _decode(call: Call, table: list[list[int]], num_microbatches: int) -> Header
 
 def _gather(call: Call, number: int, row: list[int], detail: str, transport: Transport) -> list[list[int]]:
     row[0], row[1] = int(call), number
-    rows = transport.all_gather(torch.tensor(row, dtype=torch.int64, device=transport.device),
+    rows = transport.gather_header(torch.tensor(row, dtype=torch.int64, device=transport.control_device),
                                 f"waiting for the other ranks to start {call} (call {number})")  # fmt: skip
     table = [r.tolist() for r in rows]
     if any((r[0], r[1]) != (row[0], row[1]) for r in table):

@@ -66,10 +66,10 @@ class Distributed(Transport):
         return _Work(self, work, what, began)
 
     def all_gather_object(self, value: object, what: str) -> list[Any]:
-        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(self.device)
-        sizes = self.all_gather(torch.tensor([data.numel()], device=self.device), what)
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(self.control_device)
+        sizes = self.all_gather(torch.tensor([data.numel()], device=self.control_device), what)
         longest = int(max(size.item() for size in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.control_device)
         padded[: data.numel()] = data
         gathered = self.all_gather(padded, what)
         return [pickle.loads(g[: int(n.item())].cpu().numpy().tobytes()) for g, n in zip(gathered, sizes, strict=True)]

@@ -119,17 +119,17 @@ def agree_partition(
     counts = None if partition is None or isinstance(partition, str) else check_counts(partition, schedule.num_stages)
     m = schedule.num_microbatches
     source = 0  # group rank 0 runs the first stage (of the first replica)
-    header = torch.zeros(2, dtype=torch.int64, device=device)  # [failed, method]
-    rows = torch.zeros(5, len(model), dtype=torch.float64, device=device)
+    header = torch.zeros(2, dtype=torch.int64, device=transport.control_device)  # [failed, method]
+    rows = torch.zeros(5, len(model), dtype=torch.float64, device=transport.control_device)
     failure: Exception | None = None
-    if transport.rank == source:
+    if transport.rank == source or transport.alone:  # alone: a dry run's rank works out what the source would send
         method = partition if isinstance(partition, str) else ("time" if sample is not None else "parameters")
         try:
             micro = None if sample is None else _first_microbatch(sample, m)
             if method == "time" and micro is None:
                 raise ValueError("partition='time' needs sample= (an example input batch) on the first stage's rank")
             costs = measure(model, micro, timed=counts is None and method == "time", device=device, compile=compile)
-            rows = torch.tensor(costs.to_rows(), dtype=torch.float64, device=device)
+            rows = torch.tensor(costs.to_rows(), dtype=torch.float64, device=transport.control_device)
             header[1] = METHODS.index(method)
         except Exception as error:  # every rank must hear of it, or they would wait for the costs
             failure = error

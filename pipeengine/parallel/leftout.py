@@ -102,7 +102,9 @@ def check_replicated(params: Sequence[tuple[str, nn.Parameter]], tensor: Transpo
     weighted sum per parameter, gathered over ``tensor`` in one collective; two ints summed over ``world``. Only where
     some rank finds a difference, the differing gradients themselves are gathered, and the findings. False where a
     gradient was not finite anywhere (fp16's overflow, its step skipped): nothing told, every rank checks again at the
-    next training step."""
+    next training step. A dry run's rank (``world.alone``) has no values to compare: True."""
+    if world.alone:
+        return True
     rows = [_summary(param) for _, param in params]
     rows.append(torch.zeros(STATS, dtype=torch.float64, device=tensor.device))  # no parameter: still one row
     tables = tensor.all_gather(torch.stack(rows).to(tensor.device), "the whole parameters' gradient summaries")

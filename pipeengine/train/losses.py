@@ -90,6 +90,8 @@ def count_units(
     ``targets``: this replica's micro-batches, on the last stage's rank (``last_rank`` in the pipeline).
     ``check``: (loss_fn, the last stage's output) to run check_summed on the micro-batch with the most units.
     """
+    if topology.pipeline.alone:  # a dry run's rank: meta targets have shapes, no values to count
+        return 1.0
     device = topology.pipeline.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     failure: Exception | None = None

@@ -82,7 +82,7 @@ class Stepper:
             topology.data.all_reduce(loss, "the losses of the other data-parallel replicas")
             if total is None:
                 loss /= topology.data_parallel
-        return loss.item()
+        return float("nan") if loss.is_meta else loss.item()  # meta: a dry run's step (shapes only, no values)
 
     def eval(self, inputs: object) -> torch.Tensor | Tensors | None:
         """Forward only; the last stage's rank returns the outputs of the whole batch, others None."""

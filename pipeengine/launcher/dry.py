@@ -1,0 +1,223 @@
+"""dry_run: any rank of a big layout built and stepped in this process, before the cluster is booked.
+
+    report = pipeengine.dry_run(main, world_size=1024, ranks=[0, 1023], devices_per_node=8, args=(...))
+    print(report)
+
+Each chosen rank runs the user's own ``main(*args)`` (the function ``launch`` would run on every rank) here, one
+rank after another, with torch.distributed initialised on torch's fake backend for that rank of ``world_size``
+(``init_process_group("fake")``, torch.testing._internal.distributed.fake_pg's FakeStore: collectives and messages
+complete at once and move nothing, as torchtitan's ``COMM_MODE=fake_backend`` does) and under ``torch.device("meta")``:
+the model ``main`` builds, its batches and every activation are meta tensors, so a 70B model's rank allocates
+nothing of its size. The engine builds as on the cluster (the grid and its groups, torch's DeviceMesh, the
+partition, tensor parallelism, the rank's program, validated under NCCL's rendezvous semantics) and each
+``train_step`` runs the rank's program with every shape checked at every boundary; its loss is NaN (no values).
+What ``main`` raises is raised here, unchanged, with a note naming the rank: the error the real run would raise on
+that rank. The environment is torchrun's for that rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK) with PIPEENGINE_DRY_RUN=1, restored afterwards.
+
+The step's header (the batch's shapes, which the first stage's rank holds) reaches the other ranks as the dry run
+recorded it from a first stage's rank (pipeengine.comm.fake.Ghosts): rank 0 always runs first, and, when it was not
+chosen, is run for that record and left out of the report.
+
+What a dry run cannot see: anything that reads values (a NaN, a loss going up, the check that tensor-parallel ranks'
+whole parameters got the same gradients, which it skips), time, and FSDP (FSDP2 refuses to train parameters on the
+meta device; a rank with ``fsdp=True`` fails naming that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeengine.comm import fake
+
+__all__ = ["DryRun", "RankReport", "dry_run"]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank of the dry run built and ran: one entry per engine its ``main`` built."""
+
+    rank: int
+    world_size: int
+    coordinates: tuple[int, int, int]  # (dp, pp, tp) on the grid
+    stages: dict[int, tuple[int, int]]  # stage -> its layers [start, end)
+    layers: tuple[str, ...]  # the model's names of this rank's layers
+    parameters: int  # elements this rank holds (its tensor-parallel shards)
+    parameters_whole: int  # elements of the whole model
+    groups: dict[str, tuple[int, ...]]  # "pipeline", "data", "tensor": the world ranks of each group it joins
+    partition: str  # the engine's partition table: every stage, its ranks, layers, parameters and memory
+    steps: int  # train_step calls that ran
+
+    def __str__(self) -> str:
+        dp, pp, tp = self.coordinates
+        stages = ", ".join(f"stage {s}: layers {a}-{b - 1}" for s, (a, b) in self.stages.items())
+        joined = "; ".join(f"{name} {list(ranks) if len(ranks) <= 8 else _span(ranks)}"
+                           for name, ranks in self.groups.items())  # fmt: skip
+        return (f"rank {self.rank} of {self.world_size} (dp {dp}, pp {pp}, tp {tp}): {stages} "
+                f"({', '.join(self.layers[:3])}{', ...' if len(self.layers) > 3 else ''}); parameters "
+                f"{self.parameters:,} of the model's {self.parameters_whole:,}; groups: {joined}; "
+                f"{self.steps} train_step(s) ran")  # fmt: skip
+
+
+def _span(ranks: Sequence[int]) -> str:
+    step = ranks[1] - ranks[0]
+    regular = all(b - a == step for a, b in zip(ranks, ranks[1:], strict=False))
+    return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)" if regular else f"{len(ranks)} ranks"
+
+
+@dataclass
+class DryRun:
+    """The reports of a dry run, rank by rank, and the partition every pipeline rank runs."""
+
+    world_size: int
+    reports: list[RankReport] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"dry run of {len({r.rank for r in self.reports})} rank(s) of {self.world_size}:"]
+        lines += [f"  {report}" for report in self.reports]
+        if self.reports:
+            lines += ["every pipeline stage of the world (the partition, as each rank built it; under tensor "
+                      "parallelism a layer no rank of the dry run built is counted as sharded as one of its size "
+                      "that a rank built, else whole):", self.reports[0].partition]  # fmt: skip
+        return "\n".join(lines)
+
+
+def dry_run(main: Callable[..., Any], world_size: int, ranks: Sequence[int] | None = None, *,
+            devices_per_node: int = 8, args: Sequence[Any] = ()) -> DryRun:  # fmt: skip
+    """Run ``main(*args)`` as each of ``ranks`` (default: the first and the last) of a world of ``world_size``
+    would, in this process, on torch's fake backend and the meta device (the module's docstring); the reports of
+    the engines each built. Raises what a rank's ``main`` raises, noting the rank."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: give the number of ranks of the layout, 1 or more")
+    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+        raise ValueError(f"devices_per_node={devices_per_node!r}: give the GPUs a node, 1 or more (8 on DGX/HGX)")
+    chosen = sorted(set(ranks if ranks is not None else (0, world_size - 1)))
+    outside = [r for r in chosen if not 0 <= r < world_size]
+    if outside:
+        raise ValueError(f"ranks {outside} are not ranks of a world of {world_size} (0 to {world_size - 1})")
+    if dist.is_initialized():
+        raise RuntimeError("dry_run initialises torch.distributed for each rank it runs: call it where no process "
+                           "group is set up (not inside launch or torchrun)")  # fmt: skip
+    result = DryRun(world_size)
+    fake.GHOSTS.first.clear()
+    try:
+        for rank in ([0] if 0 not in chosen else []) + chosen:  # a first stage's rank first: the header's record
+            built = _run_rank(main, args, rank, world_size, devices_per_node)
+            if rank in chosen:
+                result.reports += [_report(engine, rank, world_size, steps) for engine, steps in built]
+            del built  # nothing of this rank's world lives on into the next (_forget_meshes)
+    finally:
+        fake.GHOSTS.first.clear()
+    return result
+
+
+def _run_rank(main: Callable[..., Any], args: Sequence[Any], rank: int, world_size: int, per_node: int
+              ) -> list[tuple[Any, int]]:  # fmt: skip
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    fake.GHOSTS.engines.clear()
+    hook = sys.excepthook  # torch.distributed's init sets one that prefixes "[rank k]": one rank's, then put back
+    with _environment(rank, world_size, per_node):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            with torch.device("meta"):
+                main(*args)
+        except BaseException as error:
+            error.add_note(f"pipeengine.dry_run: raised by rank {rank} of {world_size} ({per_node} a node) running "
+                           "main on torch's fake backend, the model on the meta device")  # fmt: skip
+            raise
+        finally:
+            dist.destroy_process_group()
+            sys.excepthook = hook
+            _forget_meshes()
+    built = [(engine, engine._stepper._steps[True]) for engine in fake.GHOSTS.engines]
+    fake.GHOSTS.engines.clear()
+    return built
+
+
+# DTensor's caches that key on a DeviceMesh (by its shape and names) or on specs holding one: (module, attribute path)
+MESH_CACHES = (
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh"),
+    ("torch.distributed.tensor._ops.single_dim_strategy", "_cached_create_expanded_strategy"),
+)
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches that hold a DeviceMesh: the next rank's mesh is equal to the last one's (same shape
+    and names) but over the groups of a new fake world, and a cached output spec would hand it the last rank's mesh,
+    whose groups are gone ("Could not resolve the process group registered under the name ...")."""
+    import gc
+    import importlib
+
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's cache
+    if native is not None:
+        native()
+    for module, path in MESH_CACHES:
+        try:
+            found: Any = importlib.import_module(module)
+            for name in path.split("."):
+                found = getattr(found, name)
+        except (ImportError, AttributeError):  # another torch: not there
+            continue
+        clear = getattr(found, "cache_clear", None)
+        if clear is not None:
+            clear()
+    gc.collect()
+
+
+@contextlib.contextmanager
+def _environment(rank: int, world_size: int, per_node: int) -> Iterator[None]:
+    """torchrun's variables for ``rank`` (and PIPEENGINE_DRY_RUN=1), as they were afterwards."""
+    values = {
+        "RANK": rank,
+        "WORLD_SIZE": world_size,
+        "LOCAL_RANK": rank % per_node,
+        "LOCAL_WORLD_SIZE": min(per_node, world_size),
+        "GROUP_RANK": rank // per_node,
+        "PIPEENGINE_DRY_RUN": 1,
+    }
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update({key: str(value) for key, value in values.items()})
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
+    topology = engine.topology
+    names = engine._checkpoints.layers  # the model's names of its layers
+    stages = {stage: engine.bounds[stage] for stage in sorted(engine.stages)}
+    layers = tuple(names[i] for a, b in stages.values() for i in range(a, b))
+    local = sum(_local_numel(p) for p in engine.parameters())
+    whole = sum(p.numel() for p in {id(p): p for layer in engine._stepper.layers.meta for p in layer.parameters()
+                                    }.values())  # fmt: skip
+    groups = {"pipeline": topology.pipeline.ranks}
+    if topology.data is not None:
+        groups["data"] = topology.data.ranks
+    if topology.tensor is not None:
+        groups["tensor"] = topology.tensor.ranks
+    return RankReport(rank, world_size, (topology.dp_rank, topology.pp_rank, topology.tp_rank), stages, layers,
+                      local, whole, groups, str(engine.partition), steps)  # fmt: skip
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    inner = getattr(param, "_local_tensor", None)
+    return int(inner.numel() if inner is not None else param.numel())

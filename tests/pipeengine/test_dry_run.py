@@ -1,0 +1,189 @@
+"""pipeengine.dry_run (issue 60, item 1): ranks of a big layout built and stepped in this process, on torch's fake
+backend and the meta device, with the user's own main; what the real run raises is raised, naming the rank; the
+same main then runs for real on gloo ranks, equal to one process."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import pipeengine
+from pipeengine import PipelineEngine, hf, launch
+from schedules import build_schedule
+from tests.pipeengine.parity import ATOL, RTOL, OneProcess, close
+
+WIDTH = 16
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+                           for _ in range(4)])  # fmt: skip
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, WIDTH, generator=generator), torch.randn(8, WIDTH, generator=generator)
+
+
+def train(out: str | None, dp: int, tp: int, steps: int = 2) -> None:
+    """The user's main, the same for the dry run and the real run: an MLP of blocks on dp x pp x tp, SGD steps."""
+    plan = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()} if tp > 1 else None
+    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, partition="uniform",
+                            data_parallel=dp, tensor_parallel=tp, tp_plan=plan)  # fmt: skip
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    x, y = batch()
+    mine = slice(engine.dp_rank * x.shape[0] // dp, (engine.dp_rank + 1) * x.shape[0] // dp)  # this replica's rows
+    x, y = x[mine], y[mine]
+    losses = []
+    for _ in range(steps):
+        losses.append(engine.train_step(x if engine.first else None, y if engine.last else None))
+        optimizer.step()
+        optimizer.zero_grad()
+    if out is not None:
+        torch.save({"losses": losses, "state": {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                                               for k, v in engine.state_dict().items()}},
+                   Path(out) / f"rank{dist.get_rank()}.pt")  # fmt: skip
+
+
+def test_ranks_of_a_grid_are_built_and_stepped_with_a_report() -> None:
+    before = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PIPEENGINE_DRY_RUN")}
+    report = pipeengine.dry_run(train, 8, ranks=[3, 6], devices_per_node=4, args=(None, 2, 2))
+    assert not dist.is_initialized() and {key: os.environ.get(key) for key in before} == before
+    three, six = report.reports
+    # the grid (dp2 x pp2 x tp2, tp innermost): rank 3 is dp 0, pp 1, tp 1; rank 6 dp 1, pp 1, tp 0
+    assert (three.rank, three.coordinates, three.stages) == (3, (0, 1, 1), {1: (2, 4)})
+    assert (six.rank, six.coordinates) == (6, (1, 1, 0))
+    assert three.groups == {"pipeline": (1, 3), "data": (3, 7), "tensor": (2, 3)}
+    assert six.groups == {"pipeline": (4, 6), "data": (2, 6), "tensor": (6, 7)}
+    assert three.layers == ("2", "3")
+    block = WIDTH * 4 * WIDTH * 2 + 4 * WIDTH + WIDTH  # two weights, two biases
+    shard = WIDTH * 4 * WIDTH * 2 // 2 + 4 * WIDTH // 2 + WIDTH  # column-wise bias split, row-wise bias whole
+    assert (three.parameters, three.parameters_whole) == (2 * shard, 4 * block)
+    assert three.steps == six.steps == 2
+    text = str(report)
+    assert "rank 3 of 8 (dp 0, pp 1, tp 1): stage 1: layers 2-3" in text and "tensor [2, 3]" in text
+    assert "partition by uniform: 2 stages" in text
+
+
+def test_the_same_main_runs_for_real_on_four_gloo_ranks_equal_to_one_process(tmp_path: Path) -> None:
+    pipeengine.dry_run(train, 4, ranks=[0, 3], args=(None, 2, 1))  # dp2 x pp2 on the meta device
+    launch(train, 4, args=(str(tmp_path), 2, 1), timeout=120)
+    one = OneProcess(mlp(), nn.functional.mse_loss)
+    optimizer = torch.optim.SGD(one.parameters(), lr=0.1)
+    x, y = batch()
+    losses = []
+    for _ in range(2):
+        losses.append(one.step([(x[:4], y[:4]), (x[4:], y[4:])], microbatches=2))  # two replicas, 2 micro-batches
+        optimizer.step()
+        optimizer.zero_grad()
+    state: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["losses"] == pytest.approx(losses, rel=RTOL, abs=ATOL)
+        state.update(saved["state"])
+    for name, value in one.seq.state_dict().items():
+        close(state[name], value, f"{name} after two steps")
+
+
+def test_a_1024_rank_llama_shaped_world_builds_and_steps_the_first_last_stage_and_last_ranks() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    def main(tp: int, dp: int) -> None:
+        config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                          num_attention_heads=64, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=16,
+                                loss_count=hf.count_labels, partition="parameters", data_parallel=dp,
+                                tensor_parallel=tp, tp_plan=hf.tp_plan(model))  # fmt: skip
+        optimizer = torch.optim.AdamW(engine.parameters())
+        tokens = torch.randint(0, config.vocab_size, (16, 4096))
+        engine.train_step(tokens if engine.first else None, tokens if engine.last else None)
+        optimizer.step()
+
+    report = pipeengine.dry_run(main, 1024, ranks=[0, 120, 1023], args=(8, 8))  # dp8 x pp16 x tp8
+    print(report)
+    first, last_stage, last = report.reports
+    assert [r.coordinates for r in report.reports] == [(0, 0, 0), (0, 15, 0), (7, 15, 7)]
+    assert first.stages == {0: (0, 6)} and last_stage.stages == last.stages == {15: (76, 82)}  # embed, 80, final
+    assert first.groups["pipeline"] == tuple(range(0, 128, 8)) and last.groups["tensor"] == tuple(range(1016, 1024))
+    assert last.groups["data"] == tuple(range(127, 1024, 128))
+    assert all(r.steps == 1 for r in report.reports)
+    with torch.device("meta"):
+        whole = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+            num_key_value_heads=8, vocab_size=32000))  # fmt: skip
+    assert first.parameters_whole == sum(p.numel() for p in whole.parameters())
+    sharded = sum(p.numel() // 8 if name.endswith(("proj.weight",)) else p.numel()
+                  for i in range(5) for name, p in whole.model.layers[i].named_parameters())  # fmt: skip
+    assert first.parameters == whole.model.embed_tokens.weight.numel() + sharded
+
+
+def main_interleaved() -> None:
+    model = mlp()
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=6, schedule="interleaved")
+    x, y = batch()
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+def main_cut_on_a_shard() -> None:
+    model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH), nn.Linear(WIDTH, 4 * WIDTH),
+                          nn.Linear(4 * WIDTH, WIDTH))  # fmt: skip
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": ColwiseParallel(), "3": RowwiseParallel()}
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, partition=[1, 3], tensor_parallel=2,
+                            tp_plan=plan)  # fmt: skip
+    x, y = batch()
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+def test_what_the_real_run_refuses_is_refused_naming_the_rank() -> None:
+    with pytest.raises(ValueError) as schedule:
+        pipeengine.dry_run(main_interleaved, 16, ranks=[5], args=())
+    with pytest.raises(ValueError) as direct:
+        build_schedule("interleaved", 16, 6, chunks=None)
+    assert str(schedule.value) == str(direct.value)  # the schedule compiler's own refusal
+    assert "raised by rank 0 of 16" in "\n".join(schedule.value.__notes__)  # rank 0 runs first, for the record
+    with pytest.raises(pipeengine.PipelineError, match="it looks like this rank's shard of the output") as cut:
+        pipeengine.dry_run(main_cut_on_a_shard, 4, ranks=[2])
+    assert "raised by rank 0 of 4" in "\n".join(cut.value.__notes__)
+
+
+def test_a_tensor_parallel_degree_not_dividing_the_key_value_heads_is_refused_as_built() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    def main() -> None:
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                          num_attention_heads=8, num_key_value_heads=2, vocab_size=100)  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=4,
+                       tp_plan=hf.tp_plan(model))  # fmt: skip
+
+    with pytest.raises(ValueError, match="its 8 attention heads and 2 key-value heads do not both divide by 4") as e:
+        pipeengine.dry_run(main, 8, ranks=[7])
+    assert "raised by rank 0 of 8" in "\n".join(e.value.__notes__)
+
+
+def test_what_a_dry_run_is_given_wrong_is_refused() -> None:
+    with pytest.raises(ValueError, match="world_size=0: give the number of ranks"):
+        pipeengine.dry_run(main_interleaved, 0)
+    with pytest.raises(ValueError, match=r"ranks \[8\] are not ranks of a world of 8 \(0 to 7\)"):
+        pipeengine.dry_run(main_interleaved, 8, ranks=[0, 8])
+    with pytest.raises(ValueError, match="devices_per_node=0"):
+        pipeengine.dry_run(main_interleaved, 8, devices_per_node=0)
+
+
+def test_a_model_copied_in_main_is_on_the_meta_device() -> None:
+    seen: list[torch.device] = []
+
+    def main() -> None:
+        seen.append(copy.deepcopy(mlp())[0][0].weight.device)
+
+    pipeengine.dry_run(main, 2, ranks=[1])
+    assert seen == [torch.device("meta")] * 2  # rank 0 for the record, then rank 1
