@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.comm import fake
+from schedules import Kind, state_bytes
 
 __all__ = ["DryRun", "RankReport", "dry_run"]
 
@@ -55,16 +56,21 @@ class RankReport:
     groups: dict[str, tuple[int, ...]]  # "pipeline", "data", "tensor": the world ranks of each group it joins
     partition: str  # the engine's partition table: every stage, its ranks, layers, parameters and memory
     steps: int  # train_step calls that ran
+    peak_bytes: float  # predicted: its parameters, gradients and AdamW's state, and the activations it holds at most
+    activations_measured: bool  # False: counted as 0 (not measured on the meta device yet)
 
     def __str__(self) -> str:
         dp, pp, tp = self.coordinates
         stages = ", ".join(f"stage {s}: layers {a}-{b - 1}" for s, (a, b) in self.stages.items())
         joined = "; ".join(f"{name} {list(ranks) if len(ranks) <= 8 else _span(ranks)}"
                            for name, ranks in self.groups.items())  # fmt: skip
-        return (f"rank {self.rank} of {self.world_size} (dp {dp}, pp {pp}, tp {tp}): {stages} "
-                f"({', '.join(self.layers[:3])}{', ...' if len(self.layers) > 3 else ''}); parameters "
-                f"{self.parameters:,} of the model's {self.parameters_whole:,}; groups: {joined}; "
-                f"{self.steps} train_step(s) ran")  # fmt: skip
+        return (
+            f"rank {self.rank} of {self.world_size} (dp {dp}, pp {pp}, tp {tp}): {stages} "
+            f"({', '.join(self.layers[:3])}{', ...' if len(self.layers) > 3 else ''}); parameters "
+            f"{self.parameters:,} of the model's {self.parameters_whole:,}; groups: {joined}; "
+            f"{self.steps} train_step(s) ran; predicted peak {self.peak_bytes / 2**30:.2f} GiB"
+            f"{'' if self.activations_measured else ' (weights, gradients and AdamW state; activations not counted)'}"
+        )
 
 
 def _span(ranks: Sequence[int]) -> str:
@@ -90,11 +96,19 @@ class DryRun:
         return "\n".join(lines)
 
 
-def dry_run(main: Callable[..., Any], world_size: int, ranks: Sequence[int] | None = None, *,
-            devices_per_node: int = 8, args: Sequence[Any] = ()) -> DryRun:  # fmt: skip
+def dry_run(
+    main: Callable[..., Any],
+    world_size: int,
+    ranks: Sequence[int] | None = None,
+    *,
+    devices_per_node: int = 8,
+    args: Sequence[Any] = (),
+    memory_limit: float | None = None,
+) -> DryRun:
     """Run ``main(*args)`` as each of ``ranks`` (default: the first and the last) of a world of ``world_size``
     would, in this process, on torch's fake backend and the meta device (the module's docstring); the reports of
-    the engines each built. Raises what a rank's ``main`` raises, noting the rank."""
+    the engines each built. Raises what a rank's ``main`` raises, noting the rank; with ``memory_limit`` (bytes a
+    device), a ValueError where a chosen rank's predicted peak (RankReport.peak_bytes) exceeds it."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: give the number of ranks of the layout, 1 or more")
     if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
@@ -103,6 +117,8 @@ def dry_run(main: Callable[..., Any], world_size: int, ranks: Sequence[int] | No
     outside = [r for r in chosen if not 0 <= r < world_size]
     if outside:
         raise ValueError(f"ranks {outside} are not ranks of a world of {world_size} (0 to {world_size - 1})")
+    if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
+        raise ValueError(f"memory_limit={memory_limit!r}: give the bytes of a device's memory (80e9), or None")
     if dist.is_initialized():
         raise RuntimeError("dry_run initialises torch.distributed for each rank it runs: call it where no process "
                            "group is set up (not inside launch or torchrun)")  # fmt: skip
@@ -113,6 +129,7 @@ def dry_run(main: Callable[..., Any], world_size: int, ranks: Sequence[int] | No
             built = _run_rank(main, args, rank, world_size, devices_per_node)
             if rank in chosen:
                 result.reports += [_report(engine, rank, world_size, steps) for engine, steps in built]
+                _check_memory(result.reports[-len(built) :] if built else [], memory_limit)
             del built  # nothing of this rank's world lives on into the next (_forget_meshes)
     finally:
         fake.GHOSTS.first.clear()
@@ -214,8 +231,43 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
         groups["data"] = topology.data.ranks
     if topology.tensor is not None:
         groups["tensor"] = topology.tensor.ranks
+    peak, measured = _peak(engine)
     return RankReport(rank, world_size, (topology.dp_rank, topology.pp_rank, topology.tp_rank), stages, layers,
-                      local, whole, groups, str(engine.partition), steps)  # fmt: skip
+                      local, whole, groups, str(engine.partition), steps, peak, measured)  # fmt: skip
+
+
+def _peak(engine: Any) -> tuple[float, bool]:
+    """The bytes this rank is predicted to hold at its peak, and whether activations were measured: each of its
+    stages' parameters, gradients and AdamW's two moments (LayerCosts.memory's state, a tensor-parallel rank's
+    shards), plus the most activations it holds at once as its program runs (a micro-batch's from its forward until
+    its backward, or its W for a split backward)."""
+    partition = engine.partition
+    sizes = partition.shards if partition.shards is not None else partition.costs
+    layers = {s: range(*engine.bounds[s]) for s in engine.stages}
+    state = sum(state_bytes(sizes.param_bytes[i]) for span in layers.values() for i in span)
+    acts = sizes.activation_bytes
+    if acts is None or not any(acts):  # no sample=, or measured on the meta device, where the ledger sees no storage
+        return float(state), False
+    per_stage = {s: sum(acts[i] for i in span) for s, span in layers.items()}
+    held = most = 0.0
+    for _, op in engine.schedule.ops(engine.pp_rank):
+        if op.kind is Kind.FORWARD:
+            held += per_stage[op.stage]
+            most = max(most, held)
+        elif op.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+            held -= per_stage[op.stage]
+    return float(state + most), True
+
+
+def _check_memory(reports: Sequence[RankReport], limit: float | None) -> None:
+    for report in reports:
+        if limit is not None and report.peak_bytes > limit:
+            stages = ", ".join(map(str, report.stages))
+            unmeasured = "" if report.activations_measured else " (activations not counted)"
+            raise ValueError(f"rank {report.rank} of {report.world_size} (stage {stages}) is predicted to hold "
+                             f"{report.peak_bytes / 2**30:.2f} GiB at its peak{unmeasured}, over memory_limit="
+                             f"{limit / 2**30:.2f} GiB: spread the model over more pipeline stages or tensor-parallel "
+                             "ranks, shard it (fsdp=True), or recompute activations (checkpoint=)")  # fmt: skip
 
 
 def _local_numel(param: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import pipeengine
 from pipeengine import PipelineEngine, hf, launch
-from schedules import build_schedule
+from schedules import build_schedule, state_bytes
 from tests.pipeengine.parity import ATOL, RTOL, OneProcess, close
 
 WIDTH = 16
@@ -68,9 +68,21 @@ def test_ranks_of_a_grid_are_built_and_stepped_with_a_report() -> None:
     shard = WIDTH * 4 * WIDTH * 2 // 2 + 4 * WIDTH // 2 + WIDTH  # column-wise bias split, row-wise bias whole
     assert (three.parameters, three.parameters_whole) == (2 * shard, 4 * block)
     assert three.steps == six.steps == 2
+    # its predicted peak: its shards (float32) with their gradients and AdamW's two moments; activations not counted
+    assert (three.peak_bytes, three.activations_measured) == (state_bytes(4 * 2 * shard), False)
     text = str(report)
     assert "rank 3 of 8 (dp 0, pp 1, tp 1): stage 1: layers 2-3" in text and "tensor [2, 3]" in text
     assert "partition by uniform: 2 stages" in text
+
+
+def test_a_rank_predicted_over_the_memory_limit_is_refused_naming_it() -> None:
+    peak = pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2)).reports[0].peak_bytes
+    assert pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2), memory_limit=peak).reports[0].peak_bytes == peak
+    with pytest.raises(ValueError, match=r"rank 3 of 8 \(stage 1\) is predicted to hold 0\.00 GiB at its peak "
+                                         r"\(activations not counted\), over memory_limit=0\.00 GiB: spread"):
+        pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2), memory_limit=peak - 1)
+    with pytest.raises(ValueError, match="memory_limit=-1: give the bytes"):
+        pipeengine.dry_run(train, 8, memory_limit=-1)
 
 
 def test_the_same_main_runs_for_real_on_four_gloo_ranks_equal_to_one_process(tmp_path: Path) -> None:
