@@ -71,6 +71,8 @@ class Checkpoints:
         root = Path(directory)
         number = self._number(root)
         snapshot = self._snapshot(root / f"checkpoint-{number}", optimizer, taken)
+        if world.alone:  # a dry run: every state gathered and named as the save would, nothing written
+            return snapshot.target
         if not background:
             return commit(world, snapshot.target, write(snapshot), keep)
         self.channel = self.channel or world.side_channel()
@@ -120,8 +122,10 @@ class Checkpoints:
         try:
             target = resolve(Path(directory))
             saved = extras.check(target, extra)  # a refused extra before anything is loaded
-            staged = read_checkpoint(target, self.params.stages.values(), optimizer, names, expected=set(self.keys))
-            rng = extras.read_rng(target, world.rank) if staged.meta.get("grid") == self.grid else None
+            staged = read_checkpoint(target, self.params.stages.values(), optimizer, names, expected=set(self.keys),
+                                     shapes_only=world.alone)  # fmt: skip  (a dry run reads no tensor's data)
+            same = staged.meta.get("grid") == self.grid and not world.alone  # a dry run leaves the process's generators
+            rng = extras.read_rng(target, world.rank) if same else None
             failure = None
         except Exception as error:  # noqa: BLE001  (every rank hears of it, then every rank raises it)
             failure = (type(error).__name__, str(error))
@@ -177,9 +181,11 @@ def read_checkpoint(
     names: Mapping[int, str],
     *,
     expected: set[str],
+    shapes_only: bool = False,
 ) -> Staged:
     """Read what this rank's modules hold (and its optimizer's state) from ``target`` and check it: every file read,
-    every shape the module's, every parameter's optimizer state there; the modules and optimizer are not touched."""
+    every shape the module's, every parameter's optimizer state there; the modules and optimizer are not touched.
+    ``shapes_only``: the tensors on the meta device, their data never read (a dry run's load)."""
     meta = read_meta(target)
     tied: dict[str, str] = meta.get("tied", {})  # another name of a tied weight -> the name it is stored under
     present = {key for keys in meta["parts"].values() for key in keys} | set(tied)
@@ -197,7 +203,7 @@ def read_checkpoint(
     if meta.get("format", 1) == 2:  # shards: each read as this rank places it, shapes checked as they are planned
         model, states, groups = fsdp_checkpoint.read(target, placed, params)
     else:
-        model, states, groups = _read(target, meta, set(placed))
+        model, states, groups = _read(target, meta, set(placed), shapes_only)
         where = {key: part for part, keys in meta["parts"].items() for key in keys}
         for key, value in placed.items():
             _same_shape(model[key], value, f"{target / where[key]}: {key!r}")
@@ -235,7 +241,7 @@ def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def _read(
-    target: Path, meta: dict[str, Any], wanted: set[str]
+    target: Path, meta: dict[str, Any], wanted: set[str], shapes_only: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Model tensors, optimizer states and optimizer groups for the wanted names, from the parts that hold them."""
     model: dict[str, Any] = {}
@@ -244,7 +250,7 @@ def _read(
     for part, keys in meta["parts"].items():
         if wanted.isdisjoint(keys):
             continue
-        payload = _part(target / part)
+        payload = _part(target / part, shapes_only)
         absent = sorted(wanted.intersection(keys) - set(payload["model"]))
         if absent:
             raise ValueError(f"{target / part} holds no tensor for {few(absent)}, which meta.json places there: the "
@@ -258,10 +264,11 @@ def _read(
     return model, states, groups
 
 
-def _part(path: Path) -> dict[str, Any]:
-    """A part file, read with weights_only (tensors and plain data: nothing in it runs), or refused naming it."""
+def _part(path: Path, shapes_only: bool = False) -> dict[str, Any]:
+    """A part file, read with weights_only (tensors and plain data: nothing in it runs), or refused naming it;
+    ``shapes_only``: its tensors on the meta device, no data read."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="meta" if shapes_only else "cpu", weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; load another or save "
                                 "again") from None  # fmt: skip

@@ -4,8 +4,10 @@ same main then runs for real on gloo ranks, equal to one process."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,24 +24,28 @@ from tests.pipeengine.parity import ATOL, RTOL, OneProcess, close
 WIDTH = 16
 
 
-def mlp() -> nn.Sequential:
+def mlp(width: int = WIDTH) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
                            for _ in range(4)])  # fmt: skip
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
+def batch(width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    return torch.randn(8, WIDTH, generator=generator), torch.randn(8, WIDTH, generator=generator)
+    return torch.randn(8, width, generator=generator), torch.randn(8, width, generator=generator)
 
 
-def train(out: str | None, dp: int, tp: int, steps: int = 2) -> None:
-    """The user's main, the same for the dry run and the real run: an MLP of blocks on dp x pp x tp, SGD steps."""
+def train(out: str | None, dp: int, tp: int, steps: int = 2, checkpoints: str | None = None, width: int = WIDTH
+          ) -> None:  # fmt: skip
+    """The user's main, the same for the dry run and the real run: an MLP of blocks on dp x pp x tp, SGD steps;
+    ``checkpoints``: resume from the latest there, if any, and save there after the steps."""
     plan = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()} if tp > 1 else None
-    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, partition="uniform",
+    engine = PipelineEngine(mlp(width), nn.functional.mse_loss, num_microbatches=2, partition="uniform",
                             data_parallel=dp, tensor_parallel=tp, tp_plan=plan)  # fmt: skip
-    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
-    x, y = batch()
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    if checkpoints is not None and pipeengine.latest_checkpoint(checkpoints) is not None:
+        engine.load(checkpoints, optimizer)
+    x, y = batch(width)
     mine = slice(engine.dp_rank * x.shape[0] // dp, (engine.dp_rank + 1) * x.shape[0] // dp)  # this replica's rows
     x, y = x[mine], y[mine]
     losses = []
@@ -47,6 +53,8 @@ def train(out: str | None, dp: int, tp: int, steps: int = 2) -> None:
         losses.append(engine.train_step(x if engine.first else None, y if engine.last else None))
         optimizer.step()
         optimizer.zero_grad()
+    if checkpoints is not None:
+        engine.save(checkpoints, optimizer)
     if out is not None:
         torch.save({"losses": losses, "state": {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                                                for k, v in engine.state_dict().items()}},
@@ -78,8 +86,11 @@ def test_ranks_of_a_grid_are_built_and_stepped_with_a_report() -> None:
 def test_a_rank_predicted_over_the_memory_limit_is_refused_naming_it() -> None:
     peak = pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2)).reports[0].peak_bytes
     assert pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2), memory_limit=peak).reports[0].peak_bytes == peak
-    with pytest.raises(ValueError, match=r"rank 3 of 8 \(stage 1\) is predicted to hold 0\.00 GiB at its peak "
-                                         r"\(activations not counted\), over memory_limit=0\.00 GiB: spread"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 3 of 8 \(stage 1\) is predicted to hold 0\.00 GiB at its peak "
+        r"\(activations not counted\), over memory_limit=0\.00 GiB: spread",
+    ):
         pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2), memory_limit=peak - 1)
     with pytest.raises(ValueError, match="memory_limit=-1: give the bytes"):
         pipeengine.dry_run(train, 8, memory_limit=-1)
@@ -87,9 +98,18 @@ def test_a_rank_predicted_over_the_memory_limit_is_refused_naming_it() -> None:
 
 def test_the_same_main_runs_for_real_on_four_gloo_ranks_equal_to_one_process(tmp_path: Path) -> None:
     pipeengine.dry_run(train, 4, ranks=[0, 3], args=(None, 2, 1))  # dp2 x pp2 on the meta device
-    launch(train, 4, args=(str(tmp_path), 2, 1), timeout=120)
+    launch(train, 4, args=(str(tmp_path), 2, 1, 2, str(tmp_path / "checkpoints")), timeout=120)
+    before = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    # the checkpoint of that run (dp2 x pp2) loads into a dry run of dp2 x pp2 x tp2 (its shapes and sharding checked,
+    # no tensor's data read), whose save writes nothing; another model's is refused with the real load's message
+    with _loads_no_data():
+        pipeengine.dry_run(train, 8, ranks=[0, 7], args=(None, 2, 2, 1, str(tmp_path / "checkpoints")))
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == before
+    with pytest.raises(ValueError, match=r"is \[64, 16\] there, \[128, 32\] in this model: it is a checkpoint of "
+                                         "another model"):  # fmt: skip
+        pipeengine.dry_run(train, 4, ranks=[3], args=(None, 2, 1, 1, str(tmp_path / "checkpoints"), 2 * WIDTH))
     one = OneProcess(mlp(), nn.functional.mse_loss)
-    optimizer = torch.optim.SGD(one.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)
     x, y = batch()
     losses = []
     for _ in range(2):
@@ -103,6 +123,26 @@ def test_the_same_main_runs_for_real_on_four_gloo_ranks_equal_to_one_process(tmp
         state.update(saved["state"])
     for name, value in one.seq.state_dict().items():
         close(state[name], value, f"{name} after two steps")
+
+
+@contextlib.contextmanager
+def _loads_no_data() -> Iterator[None]:
+    """Every part file loaded inside maps to the meta device (a dry run's load reads the model's and optimizer's
+    shapes, never their data; the small files of plain values beside them are read)."""
+    real = torch.load
+    maps: list[object] = []
+
+    def spy(*args: object, **kwargs: object) -> object:
+        if Path(str(args[0])).name.startswith("part-"):
+            maps.append(kwargs.get("map_location"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    torch.load = spy  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.load = real
+    assert maps and set(maps) == {"meta"}, maps
 
 
 def test_a_1024_rank_llama_shaped_world_builds_and_steps_the_first_last_stage_and_last_ranks() -> None:
