@@ -1,5 +1,6 @@
 """launch: N local ranks with a process group, errors re-raised with their rank, or torchrun's group joined."""
 
+import io
 import os
 import subprocess
 import sys
@@ -257,3 +258,27 @@ def test_on_ranks_runs_a_tests_own_body_on_each_rank_with_its_fixtures(value: in
     fixtures."""
     seen = ranks.all_gather_object((ranks.rank(), value, str(tmp_path)))
     assert seen == [(0, 3, str(tmp_path)), (1, 3, str(tmp_path))]
+
+
+def test_the_attempt_is_read_from_the_rendezvous_only_where_the_agent_runs_one(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:  # fmt: skip
+    """The agent's command line names its c10d rendezvous in either spelling; without one (or outside torchrun) the
+    rendezvous gives no round and the restart count serves; the state is unpickled with its own classes only."""
+    import pickle
+
+    from pipeengine.launcher import torchrun
+
+    argv = ["python", "-m", "torch.distributed.run", "--nnodes=2", "--rdzv_backend", "c10d", "--rdzv-endpoint=h:7"]
+    assert torchrun._options(argv)["rdzv_endpoint"] == "h:7" and torchrun._options(argv)["rdzv_backend"] == "c10d"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert torchrun.rendezvous_round(argv) is None  # not under torchrun's agent
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    assert torchrun.rendezvous_round(["torchrun", "--standalone", "--nproc-per-node", "2"]) is None
+    assert torchrun.rendezvous_round(["torchrun", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"]) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    monkeypatch.setattr(torchrun, "rendezvous_round", lambda: None)
+    assert torchrun.attempt() == (3, "TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.setattr(torchrun, "rendezvous_round", lambda: 5)
+    assert torchrun.attempt() == (5, "the rendezvous round")
+    with pytest.raises(pickle.UnpicklingError, match="names posix.system, which it never holds"):
+        torchrun._State(io.BytesIO(pickle.dumps(os.system))).load()
