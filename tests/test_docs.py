@@ -25,7 +25,7 @@ from tests.docs_blocks import CONTEXTS, ROOT, Block, every_block, finetuned, pag
 BLOCKS = [block for block in every_block() if block.language in ("python", "bash")]
 SKIPS = {  # each block not run, by page: the reason is in the page
     "docs/getting-started.md": 2,  # the Quickstart's install line (checked against .ci/run below); the CUDA install
-    "docs/guides/launching.md": 2,  # torchrun's own command line; two machines
+    "docs/guides/launching.md": 3,  # torchrun's own command line; two machines; a dry run through the environment
     "docs/guides/layout.md": 1,  # a hardware description measured on GPUs (test_cuda runs it on one)
     "README.md": 1,  # the developer's commands: pytest -n 2 (CI), mkdocs build (below), ruff and mypy
 }

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from pipeengine.comm import fake
 from schedules import Kind, state_bytes
 
-__all__ = ["DryRun", "RankReport", "dry_run"]
+__all__ = ["DryRun", "RankReport", "dry_run", "from_environment"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,24 @@ def dry_run(
     finally:
         fake.GHOSTS.first.clear()
     return result
+
+
+def from_environment(main: Callable[..., Any], per_node: int, args: Sequence[Any]) -> DryRun:
+    """The dry run ``launch(main, per_node, args)`` runs instead of its ranks where the environment asks for one:
+    PIPEENGINE_DRY_RUN_WORLD=N (the world's ranks), PIPEENGINE_DRY_RUN_RANKS=0,7,... (default: the first and the
+    last), PIPEENGINE_DRY_RUN_MEMORY=bytes (memory_limit, optional); ``per_node``: launch's processes a node."""
+    env = os.environ
+    try:
+        world = int(env["PIPEENGINE_DRY_RUN_WORLD"])
+        ranks = [int(r) for r in env["PIPEENGINE_DRY_RUN_RANKS"].split(",")] if env.get("PIPEENGINE_DRY_RUN_RANKS") \
+            else None  # fmt: skip
+        limit = float(env["PIPEENGINE_DRY_RUN_MEMORY"]) if env.get("PIPEENGINE_DRY_RUN_MEMORY") else None
+    except ValueError as error:
+        raise ValueError(f"PIPEENGINE_DRY_RUN_WORLD={env.get('PIPEENGINE_DRY_RUN_WORLD')!r}, PIPEENGINE_DRY_RUN_RANKS="
+                         f"{env.get('PIPEENGINE_DRY_RUN_RANKS')!r}, PIPEENGINE_DRY_RUN_MEMORY="
+                         f"{env.get('PIPEENGINE_DRY_RUN_MEMORY')!r}: give a whole number of ranks, ranks as 0,7,..., "
+                         f"and bytes ({error})") from None  # fmt: skip
+    return dry_run(main, world, ranks, devices_per_node=per_node, args=args, memory_limit=limit)
 
 
 def _run_rank(main: Callable[..., Any], args: Sequence[Any], rank: int, world_size: int, per_node: int

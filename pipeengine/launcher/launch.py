@@ -79,6 +79,9 @@ def launch(
     A rank whose ``fn`` returned exits without tearing down its interpreter: close the files it
     writes (see _exit).
 
+    With PIPEENGINE_DRY_RUN_WORLD=N in the environment (and PIPEENGINE_DRY_RUN_RANKS=0,7,...), ``launch`` runs
+    no rank: it prints a dry run of those ranks of a world of N, ``nprocs`` a node (pipeengine.launcher.dry).
+
     ``in_process=True`` runs the ranks as threads of this process, over an in-memory transport
     (CPU only; no torch.distributed): for tests and debugging, see pipeengine.comm.loopback. They share
     torch's thread pool, of ``threads`` threads while they run.
@@ -90,6 +93,11 @@ def launch(
     if max_restarts and in_process:
         raise ValueError("in-process ranks are threads of this process and cannot start afresh: max_restarts needs "
                          "processes (in_process=False)")
+    if os.environ.get("PIPEENGINE_DRY_RUN_WORLD") and os.environ.get("PIPEENGINE_DRY_RUN") != "1":
+        from pipeengine.launcher.dry import from_environment  # a dry run of the job, asked by its environment
+
+        print(from_environment(fn, nprocs, args), flush=True)
+        return
     if in_process:
         if device not in (None, "cpu"):
             raise ValueError(f"in-process ranks compute on the CPU, got device={device!r}")

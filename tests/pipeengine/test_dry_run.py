@@ -239,3 +239,17 @@ def test_a_model_copied_in_main_is_on_the_meta_device() -> None:
 
     pipeengine.dry_run(main, 2, ranks=[1])
     assert seen == [torch.device("meta")] * 2  # rank 0 for the record, then rank 1
+
+
+def test_launch_runs_the_dry_run_its_environment_asks_for(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """PIPEENGINE_DRY_RUN_WORLD=8 PIPEENGINE_DRY_RUN_RANKS=3 python train.py: launch(main, 4, args) runs no rank and
+    prints the dry run of rank 3 of 8, 4 a node (as torchrun --nproc-per-node 4 on 2 nodes would run it)."""
+    monkeypatch.setenv("PIPEENGINE_DRY_RUN_WORLD", "8")
+    monkeypatch.setenv("PIPEENGINE_DRY_RUN_RANKS", "3")
+    launch(train, 4, args=(None, 2, 2))
+    said = capsys.readouterr().out
+    assert "dry run of 1 rank(s) of 8:" in said and "rank 3 of 8 (dp 0, pp 1, tp 1)" in said, said
+    monkeypatch.setenv("PIPEENGINE_DRY_RUN_RANKS", "3,x")
+    with pytest.raises(ValueError, match="PIPEENGINE_DRY_RUN_RANKS='3,x'.*give a whole number of ranks"):
+        launch(train, 4, args=(None, 2, 2))
