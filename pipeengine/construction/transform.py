@@ -34,7 +34,10 @@ def transform_stage(
     if config.parallelize is not None:
         module = _user(module, stage, config, mesh)
     if config.compile:
-        compile_layers(module, {} if config.compile is True else dict(config.compile))
+        options = {} if config.compile is True else dict(config.compile)
+        if any(param.is_meta for param in module.parameters()):  # a dry run: dynamo's capture and AOT autograd are
+            options["backend"] = "aot_eager"  # checked on meta tensors, for which inductor generates no code
+        compile_layers(module, options)
     if config.fsdp:
         module = fsdp.shard_stage(module, stage, mesh, config.reshard_after_forward)
     return module

@@ -253,3 +253,16 @@ def test_launch_runs_the_dry_run_its_environment_asks_for(monkeypatch: pytest.Mo
     monkeypatch.setenv("PIPEENGINE_DRY_RUN_RANKS", "3,x")
     with pytest.raises(ValueError, match="PIPEENGINE_DRY_RUN_RANKS='3,x'.*give a whole number of ranks"):
         launch(train, 4, args=(None, 2, 2))
+
+
+def main_compiled() -> None:
+    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, partition="uniform", compile=True)
+    x, y = batch()
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    layer = next(iter(engine.stages[engine.pp_rank].children()))
+    assert layer._compiled_call_impl is not None  # traced by dynamo, differentiated by AOT autograd, on meta tensors
+
+
+def test_compiled_stages_are_traced_on_the_meta_device() -> None:
+    report = pipeengine.dry_run(main_compiled, 2, ranks=[0, 1])
+    assert [r.steps for r in report.reports] == [1, 1]
