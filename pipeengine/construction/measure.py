@@ -28,7 +28,7 @@ from pipeengine.construction.layercosts import LayerCosts
 from pipeengine.core.compiling import compile_in_place
 from pipeengine.core.dtensors import local, settled, tensor_parallel_numel
 from pipeengine.core.specs import Tensors, map_tensors, unpack
-from pipeengine.observe.ledger import Ledger
+from pipeengine.observe.ledger import Ledger, storage
 from pipeengine.runtime.backward import backward_input
 
 __all__ = ["COLUMNS", "Extras", "WithLoss", "compiled", "graded", "layer_bytes", "leaves", "measure", "nbytes",
@@ -213,8 +213,8 @@ def layer_bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) ->
     with ledger.watching(), torch.enable_grad():
         outputs = tuple(settled(o) for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0])))
         saved = dict(ledger.saved)  # storage -> [bytes, holders]
-    mine = {local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes() for t in inputs if t.numel()}
-    made = {local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes() for t in outputs if t.numel()}
+    mine = dict(storage(t) for t in inputs if t.numel())
+    made = dict(storage(t) for t in outputs if t.numel())
     # the last stage keeps a new scalar (the loss, weighted) and lets the loss's own output go: count its elements
     output = sum(t.numel() * t.element_size() for t in outputs) if isinstance(layer, WithLoss) else sum(made.values())
     gradient = sum(t.numel() * t.element_size() for t in outputs if t.is_floating_point())
@@ -225,8 +225,7 @@ def layer_bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) ->
         params = [p for p in layer.parameters() if p.requires_grad]
         grads = tuple(torch.ones_like(o) for o in needing)
         _, weight_pass = backward_input(needing, grads, inputs, params)
-        storages = {local(g).untyped_storage().data_ptr(): local(g).untyped_storage().nbytes()
-                    for _, held, _ in weight_pass.roots for g in held if g is not None}  # fmt: skip
+        storages = dict(storage(g) for _, held, _ in weight_pass.roots for g in held if g is not None)
         kept = sum(storages.values())
         # the output outlives I only if W needs it: the nodes above W's restart points go with the output
         shown = weight_pass.fallback[0] if weight_pass.fallback is not None else ()

@@ -57,7 +57,7 @@ class RankReport:
     partition: str  # the engine's partition table: every stage, its ranks, layers, parameters and memory
     steps: int  # train_step calls that ran
     peak_bytes: float  # predicted: its parameters, gradients and AdamW's state, and the activations it holds at most
-    activations_measured: bool  # False: counted as 0 (not measured on the meta device yet)
+    activations_measured: bool  # False: counted as 0 (the engine had no sample= to measure them on)
 
     def __str__(self) -> str:
         dp, pp, tp = self.coordinates
@@ -69,7 +69,7 @@ class RankReport:
             f"({', '.join(self.layers[:3])}{', ...' if len(self.layers) > 3 else ''}); parameters "
             f"{self.parameters:,} of the model's {self.parameters_whole:,}; groups: {joined}; "
             f"{self.steps} train_step(s) ran; predicted peak {self.peak_bytes / 2**30:.2f} GiB"
-            f"{'' if self.activations_measured else ' (weights, gradients and AdamW state; activations not counted)'}"
+            f"{'' if self.activations_measured else ' (activations not counted: give the engine sample=)'}"
         )
 
 
@@ -264,7 +264,7 @@ def _peak(engine: Any) -> tuple[float, bool]:
     layers = {s: range(*engine.bounds[s]) for s in engine.stages}
     state = sum(state_bytes(sizes.param_bytes[i]) for span in layers.values() for i in span)
     acts = sizes.activation_bytes
-    if acts is None or not any(acts):  # no sample=, or measured on the meta device, where the ledger sees no storage
+    if acts is None or not any(acts):  # no sample= given to the engine: not measured
         return float(state), False
     per_stage = {s: sum(acts[i] for i in span) for s, span in layers.items()}
     held = most = 0.0

@@ -26,9 +26,10 @@ __all__: list[str] = []
 
 
 def storage(tensor: torch.Tensor) -> tuple[int, int]:
-    """A tensor's storage: (its address, its bytes); what the ledger counts once (a DTensor's: its shard's)."""
+    """A tensor's storage: (its address, its bytes); what the ledger counts once (a DTensor's: its shard's). On the
+    meta device, where every storage's data is at 0, the address of the storage itself (a dry run's measure)."""
     storage = local(tensor, wait=False).untyped_storage()  # sampling must not wait: the step runs as untraced
-    return storage.data_ptr(), storage.nbytes()
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr(), storage.nbytes()
 
 
 class _Held:
@@ -50,7 +51,7 @@ class Ledger:
         self._disabled: tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]] | None = None
 
     def _pack(self, tensor: torch.Tensor) -> object:
-        if not tensor.numel() or tensor.device.type == "meta":
+        if not tensor.numel():
             return tensor
         key, size = storage(tensor)
         if key in self.ignore or (self.ignore_live is not None and

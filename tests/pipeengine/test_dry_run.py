@@ -266,3 +266,22 @@ def main_compiled() -> None:
 def test_compiled_stages_are_traced_on_the_meta_device() -> None:
     report = pipeengine.dry_run(main_compiled, 2, ranks=[0, 1])
     assert [r.steps for r in report.reports] == [1, 1]
+
+
+def main_with_sample() -> None:
+    x, y = batch()
+    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=4, partition="uniform", sample=x)
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+def test_a_rank_s_peak_counts_the_activations_its_program_holds_measured_on_the_meta_device() -> None:
+    """With sample=, the layers' saved activations are measured on the meta device (the ledger keys a meta storage by
+    itself: every meta tensor's data is at address 0) as on the CPU; 1F1B's first of 2 ranks holds 2 micro-batches'
+    at once, the last 1."""
+    first, last = pipeengine.dry_run(main_with_sample, 2, ranks=[0, 1]).reports
+    costs = pipeengine.measure(mlp(), batch()[0][:2])  # one micro-batch (8 rows / 4), on the CPU
+    assert costs.activation_bytes is not None and all(costs.activation_bytes)
+    for report, held, layers in ((first, 2, range(0, 2)), (last, 1, range(2, 4))):
+        state = sum(state_bytes(costs.param_bytes[i]) for i in layers)
+        assert report.activations_measured
+        assert report.peak_bytes == state + held * sum(costs.activation_bytes[i] for i in layers)
