@@ -56,6 +56,7 @@ class RankReport:
     groups: dict[str, tuple[int, ...]]  # "pipeline", "data", "tensor": the world ranks of each group it joins
     partition: str  # the engine's partition table: every stage, its ranks, layers, parameters and memory
     steps: int  # train_step calls that ran
+    program: str  # the pipeline's program as the rank ran it, validated under NCCL's rendezvous semantics
     peak_bytes: float  # predicted: its parameters, gradients and AdamW's state, and the activations it holds at most
     activations_measured: bool  # False: counted as 0 (the engine had no sample= to measure them on)
 
@@ -90,6 +91,7 @@ class DryRun:
         lines = [f"dry run of {len({r.rank for r in self.reports})} rank(s) of {self.world_size}:"]
         lines += [f"  {report}" for report in self.reports]
         if self.reports:
+            lines.append(f"every pipeline's program ({self.reports[0].program}; every pipeline of the world runs it)")
             lines += ["every pipeline stage of the world (the partition, as each rank built it; under tensor "
                       "parallelism a layer no rank of the dry run built is counted as sharded as one of its size "
                       "that a rank built, else whole):", self.reports[0].partition]  # fmt: skip
@@ -250,8 +252,12 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
     if topology.tensor is not None:
         groups["tensor"] = topology.tensor.ranks
     peak, measured = _peak(engine)
+    ran = engine.last_program or engine.schedule
+    program = (f"{ran.name}: {ran.num_ranks} pipeline ranks' streams, {ran.num_stages} stages, "
+               f"{ran.num_microbatches} micro-batches, {sum(1 for r in range(ran.num_ranks) for _ in ran.ops(r))} "
+               "instructions, validated under NCCL's rendezvous semantics")  # fmt: skip
     return RankReport(rank, world_size, (topology.dp_rank, topology.pp_rank, topology.tp_rank), stages, layers,
-                      local, whole, groups, str(engine.partition), steps, peak, measured)  # fmt: skip
+                      local, whole, groups, str(engine.partition), steps, program, peak, measured)  # fmt: skip
 
 
 def _peak(engine: Any) -> tuple[float, bool]:

@@ -76,6 +76,8 @@ def test_ranks_of_a_grid_are_built_and_stepped_with_a_report() -> None:
     shard = WIDTH * 4 * WIDTH * 2 // 2 + 4 * WIDTH // 2 + WIDTH  # column-wise bias split, row-wise bias whole
     assert (three.parameters, three.parameters_whole) == (2 * shard, 4 * block)
     assert three.steps == six.steps == 2
+    assert three.program.startswith("1f1b: 2 pipeline ranks' streams, 2 stages, 2 micro-batches")
+    assert three.program.endswith("validated under NCCL's rendezvous semantics")
     # its predicted peak: its shards (float32) with their gradients and AdamW's two moments; activations not counted
     assert (three.peak_bytes, three.activations_measured) == (state_bytes(4 * 2 * shard), False)
     text = str(report)
