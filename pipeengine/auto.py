@@ -23,6 +23,11 @@ def resolve_auto(config: EngineConfig, model: nn.Sequential, loss_fn: LossFn, sa
     it where this machine's prices are not kept)."""
     if config.schedule != AUTO:
         return config, None
+    if world.alone:
+        raise ValueError("schedule='auto' measures the layers and this machine to choose a layout, and a dry run "
+                         "(pipeengine.dry_run) computes nothing: dry-run the layout auto chooses, its row of "
+                         "python -m pipeengine.tune (candidate.engine_kwargs()), or a schedule of your own"
+                         )  # fmt: skip
     from pipeengine.planner.search import choose  # here: `import pipeengine` and `python -m pipeengine.tune` must
     # find the planner not yet imported
 

@@ -32,6 +32,8 @@ class Ghosts:
 
     first: dict[int, list[int]] = field(default_factory=dict)
     engines: list[Any] = field(default_factory=list)  # the engines built on the rank being run, for its report
+    saved: dict[str, tuple[Any, dict[str, Any]]] = field(default_factory=dict)  # directory -> (the checkpoint a save
+    # would have written, its plain extras): what a later load in the same run reads, as nothing was written
 
     def rows(self, mine: list[int], rank: int, size: int) -> list[list[int]]:
         """Every rank's header row for the call in ``mine`` (this rank's, at ``rank`` of ``size``): the others say

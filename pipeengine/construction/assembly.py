@@ -16,6 +16,7 @@ Nothing here runs at step time: the step (pipeengine.train.stepping) is handed t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -62,6 +63,10 @@ class Assembly:
 
 def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:
     """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
+    if world.alone and config.fsdp:
+        raise ValueError("fsdp=True cannot be dry-run: FSDP2 will not train parameters on the meta device (it wants "
+                         "them materialized). Dry-run the layout with fsdp=False (the same grid, partition, groups and "
+                         "program; each replica's state then counted whole, not 1/data_parallel of it)")  # fmt: skip
     grid = Grid.of(world.size, config.data_parallel, config.tensor_parallel)
     # every pattern matches (or none runs), at a degree every style can run at
     plan = tensor.plan_matches(model, config.tp_plan, config.tensor_parallel) if config.tp_plan else {}
@@ -124,6 +129,11 @@ def agree_partition(
     failure: Exception | None = None
     if transport.rank == source or transport.alone:  # alone: a dry run's rank works out what the source would send
         method = partition if isinstance(partition, str) else ("time" if sample is not None else "parameters")
+        if method == "time" and transport.alone:  # a dry run: layers timed on the meta device say nothing
+            warnings.warn("partition by time measures the layers on the device, and a dry run (pipeengine.dry_run) "
+                          "has none: it partitions by parameters instead; pass partition= (stage sizes, or "
+                          "'parameters' or 'memory') to check the layout the real run will use", stacklevel=2)
+            method = "parameters"
         try:
             micro = None if sample is None else _first_microbatch(sample, m)
             if method == "time" and micro is None:

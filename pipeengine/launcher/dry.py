@@ -27,6 +27,7 @@ meta device; a rank with ``fsdp=True`` fails naming that).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -121,6 +122,8 @@ def dry_run(
         raise ValueError(f"ranks {outside} are not ranks of a world of {world_size} (0 to {world_size - 1})")
     if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
         raise ValueError(f"memory_limit={memory_limit!r}: give the bytes of a device's memory (80e9), or None")
+    if ranks is not None and not chosen:
+        raise ValueError("ranks=[]: name the ranks to dry-run (default: the first and the last)")
     if dist.is_initialized():
         raise RuntimeError("dry_run initialises torch.distributed for each rank it runs: call it where no process "
                            "group is set up (not inside launch or torchrun)")  # fmt: skip
@@ -161,6 +164,7 @@ def _run_rank(main: Callable[..., Any], args: Sequence[Any], rank: int, world_si
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     fake.GHOSTS.engines.clear()
+    fake.GHOSTS.saved.clear()
     hook = sys.excepthook  # torch.distributed's init sets one that prefixes "[rank k]": one rank's, then put back
     with _environment(rank, world_size, per_node):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -244,8 +248,9 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
     stages = {stage: engine.bounds[stage] for stage in sorted(engine.stages)}
     layers = tuple(names[i] for a, b in stages.values() for i in range(a, b))
     local = sum(_local_numel(p) for p in engine.parameters())
-    whole = sum(p.numel() for p in {id(p): p for layer in engine._stepper.layers.meta for p in layer.parameters()
-                                    }.values())  # fmt: skip
+    aliases = engine._params.ties.aliases  # a tied weight's other names: counted once, under its first
+    whole = sum(p.numel() for index, layer in enumerate(engine._stepper.layers.meta)
+                for name, p in layer.named_parameters() if f"{names[index]}.{name}" not in aliases)  # fmt: skip
     groups = {"pipeline": topology.pipeline.ranks}
     if topology.data is not None:
         groups["data"] = topology.data.ranks
@@ -263,8 +268,9 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
 def _peak(engine: Any) -> tuple[float, bool]:
     """The bytes this rank is predicted to hold at its peak, and whether activations were measured: each of its
     stages' parameters, gradients and AdamW's two moments (LayerCosts.memory's state, a tensor-parallel rank's
-    shards), plus the most activations it holds at once as its program runs (a micro-batch's from its forward until
-    its backward, or its W for a split backward)."""
+    shards), plus the most activations it holds at once as its program runs: a micro-batch's from its forward until
+    its backward (or its W for a split backward); for a checkpointed stage only its input, and, while a backward
+    recomputes, one micro-batch's activations of the largest such stage."""
     partition = engine.partition
     sizes = partition.shards if partition.shards is not None else partition.costs
     layers = {s: range(*engine.bounds[s]) for s in engine.stages}
@@ -272,15 +278,33 @@ def _peak(engine: Any) -> tuple[float, bool]:
     acts = sizes.activation_bytes
     if acts is None or not any(acts):  # no sample= given to the engine: not measured
         return float(state), False
-    per_stage = {s: sum(acts[i] for i in span) for s, span in layers.items()}
+    whole = {s: sum(acts[i] for i in span) for s, span in layers.items()}
+    inputs = _stage_inputs(engine)
+    stages = engine.schedule.num_stages
+    recomputed = {s for s in layers if engine.config.checkpointed(s, stages) and inputs.get(s) is not None}
+    per_stage = {s: inputs[s] if s in recomputed else whole[s] for s in layers}
     held = most = 0.0
     for _, op in engine.schedule.ops(engine.pp_rank):
         if op.kind is Kind.FORWARD:
             held += per_stage[op.stage]
             most = max(most, held)
-        elif op.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+        elif op.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and op.stage in recomputed:
+            most = max(most, held + whole[op.stage])  # the stage's activations, recomputed for this backward
+        if op.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
             held -= per_stage[op.stage]
     return float(state + most), True
+
+
+def _stage_inputs(engine: Any) -> dict[int, float]:
+    """Bytes of each stage's input for one micro-batch, from the boundaries the engine's steps inferred (none before
+    a step)."""
+    found = dict(engine._stepper._boundaries)
+    if not found:
+        return {}
+    first, outputs = next(iter(found.items()))
+    boundaries = [first, *outputs]
+    return {s: float(sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in boundaries[s].specs))
+            for s in range(len(boundaries) - 1)}  # fmt: skip
 
 
 def _check_memory(reports: Sequence[RankReport], limit: float | None) -> None:

@@ -34,12 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeengine.comm import fake
 from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
 from pipeengine.core.dtensors import spread, whole
 from pipeengine.parallel import fsdp_checkpoint
 from pipeengine.train import extras
-from pipeengine.train.files import by_rank, few, latest_number, read_meta, refused, resolve
+from pipeengine.train.files import by_rank, few, latest_checkpoint, latest_number, read_meta, refused, resolve
 from pipeengine.train.parameters import Parameters
 from pipeengine.train.writing import Background, Snapshot, check_keep, commit, write
 
@@ -72,7 +73,7 @@ class Checkpoints:
         number = self._number(root)
         snapshot = self._snapshot(root / f"checkpoint-{number}", optimizer, taken)
         if world.alone:  # a dry run: every state gathered and named as the save would, nothing written
-            return snapshot.target
+            return _dry_saved(root, snapshot.target, taken, background)
         if not background:
             return commit(world, snapshot.target, write(snapshot), keep)
         self.channel = self.channel or world.side_channel()
@@ -83,7 +84,7 @@ class Checkpoints:
         reading the directory raised there."""
         world = self.topology.world
         try:
-            mine: int | str = latest_number(root) + 1 if world.rank == 0 else 0
+            mine: int | str = latest_number(root) + 1 if world.rank == 0 or world.alone else 0  # alone: a dry run
         except OSError as error:
             mine = f"{type(error).__name__}: {error}"
         found = world.all_gather_object(mine, "the number of the new checkpoint")[0]
@@ -119,6 +120,9 @@ class Checkpoints:
         self.background.wait()
         world = self.topology.world
         names = {id(param): name for name, param in self.params.named()}
+        own = fake.GHOSTS.saved.get(str(Path(directory).resolve())) if world.alone else None
+        if own is not None and latest_checkpoint(Path(directory)) is None:  # a dry run's own save: nothing on disk to
+            return extras.Loaded(own[1], own[0])  # read, and its shapes are this engine's
         try:
             target = resolve(Path(directory))
             saved = extras.check(target, extra)  # a refused extra before anything is loaded
@@ -129,7 +133,10 @@ class Checkpoints:
             failure = None
         except Exception as error:  # noqa: BLE001  (every rank hears of it, then every rank raises it)
             failure = (type(error).__name__, str(error))
-        agree(world.all_gather_object(failure, f"whether every rank can load {directory}"))
+        if world.alone:  # a dry run's rank speaks for itself alone (the others' would be its own, repeated)
+            agree([failure if rank == world.rank else None for rank in range(world.size)])
+        else:
+            agree(world.all_gather_object(failure, f"whether every rank can load {directory}"))
         staged.apply()
         return extras.restore(target, saved, extra, rng, world.device)
 
@@ -215,6 +222,17 @@ def read_checkpoint(
     if absent:
         raise ValueError(f"{target} holds no optimizer state for {few(absent)}: was it saved with optimizer=?")
     return Staged(target, meta, modules, model, optimizer, names, states, groups)
+
+
+def _dry_saved(root: Path, target: Path, taken: Mapping[str, Any], background: bool) -> Path | Future[Path]:
+    """A dry run's save: nothing written; recorded for a later load in the same run (comm.fake.Ghosts.saved), and
+    returned as the real save returns it (a Future, done, for a background save)."""
+    fake.GHOSTS.saved[str(root.resolve())] = (target, {k: v["value"] for k, v in taken.items() if "value" in v})
+    if not background:
+        return target
+    done: Future[Path] = Future()
+    done.set_result(target)
+    return done
 
 
 def _same_shape(stored: torch.Tensor, placed: torch.Tensor, what: str) -> None:
