@@ -36,8 +36,8 @@ def connect(group: dist.ProcessGroup | None, device: torch.device | None, timeou
         return NcclTransport(group, device or torch.device("cuda", torch.cuda.current_device()), timeout)
     if backend == "gloo":
         return GlooTransport(group, device or torch.device("cpu"), timeout)
-    if backend == "fake":  # a dry run (pipeengine.dry_run): tensors on the meta device
-        from pipeengine.comm.fake import FakeTransport
+    if backend == "fake":  # a dry run (pipeengine.dry_run): tensors on the meta device, whatever device= says (a
+        from pipeengine.comm.fake import FakeTransport  # main written for CUDA allocates nothing on a GPU here)
 
-        return FakeTransport(group, device or torch.device("meta"), timeout)
+        return FakeTransport(group, torch.device("meta"), timeout)
     raise ValueError(f"pipeengine runs on gloo (CPU) or NCCL (CUDA) process groups, got backend {backend!r}")
