@@ -357,3 +357,14 @@ def test_what_a_dry_run_cannot_check_is_said_plainly() -> None:
         pipeengine.dry_run(main_timed, 2)
     with pytest.raises(ValueError, match=r"ranks=\[\]: name the ranks"):
         pipeengine.dry_run(main_timed, 2, ranks=[])
+
+
+def main_for_cuda() -> None:
+    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, partition="uniform", device="cuda")
+    x, y = batch()
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+    assert engine.device == torch.device("meta")
+
+
+def test_a_main_written_for_cuda_dry_runs_on_the_meta_device_here() -> None:
+    assert [r.steps for r in pipeengine.dry_run(main_for_cuda, 2, ranks=[0, 1]).reports] == [1, 1]
