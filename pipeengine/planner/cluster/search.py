@@ -28,6 +28,7 @@ from pipeengine.planner.cluster.layout import (
     Price,
     Runtime,
     Transformer,
+    check,
     estimate,
     price,
 )
@@ -60,42 +61,44 @@ CHOICES = {"always": (True,), "never": (False,), "search": (True, False)}
 def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
                max_micro_batch: int = 16, schedules: tuple[str, ...] = SCHEDULES, fsdp: str = "search"
                ) -> list[Layout]:  # fmt: skip
-    """Every layout the module docstring lists."""
+    """Every layout the module docstring lists: the devices and the global batch split whole, and each layout one
+    that ``layout.check`` (the rules a fixed layout is held to: one set of rules) lets through."""
     for name, value in (("recompute", recompute), ("fsdp", fsdp)):
         if value not in CHOICES:
             raise ValueError(f"{name}={value!r}: one of 'always', 'never', 'search'")
-    recomputing = CHOICES[recompute]
     out = []
     for tp in _divisors(hw.devices_per_node):
-        if model.heads % tp or devices % tp:
-            continue
         for pp in _divisors(model.layers):
-            if devices % (tp * pp):
+            if devices % (tp * pp) or global_batch % (devices // (tp * pp)):
                 continue
             dp = devices // (tp * pp)
-            if global_batch % dp:
-                continue
             replica = global_batch // dp
             for b in _divisors(replica, min(replica, max_micro_batch)):
                 m = replica // b
                 for schedule, v in _schedules(model.layers // pp, pp, m, schedules):
-                    for again in recomputing:
+                    for again in CHOICES[recompute]:
                         for sharded in CHOICES[fsdp] if dp > 1 else (False,):  # one replica: nothing to shard
                             out.append(Layout(tp, pp, dp, b, m, schedule, v, again, sharded))
-    return out
+    return [layout for layout in out if _allowed(model, layout, hw)]
+
+
+def _allowed(model: Transformer, layout: Layout, hw: Hardware) -> bool:
+    try:
+        check(model, layout, hw)
+    except ValueError:
+        return False
+    return True
 
 
 def _schedules(layers: int, pp: int, m: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
     """(schedule, chunks) for ``layers`` a pipeline rank: one rank runs its micro-batches back to back ("1f1b");
-    interleaved with v chunks where v divides the rank's layers and pp divides m (Megatron-LM's rule); ZB-H1; ZB-V
-    where the rank's layers split in two."""
+    interleaved with v chunks (2 to 8), ZB-H1, ZB-V's 2; ``check`` refuses what a pipeline cannot run."""
     if pp == 1:
         return [("1f1b", 1)]
     found = [("1f1b", 1)] if "1f1b" in allowed else []
-    if "interleaved" in allowed and m % pp == 0:
-        found += [("interleaved", v) for v in _divisors(layers, 8)[1:]]
+    found += [("interleaved", v) for v in range(2, 9)] if "interleaved" in allowed else []
     found += [("zb-h1", 1)] if "zb-h1" in allowed else []
-    found += [("zb-v", 2)] if "zb-v" in allowed and layers % 2 == 0 else []
+    found += [("zb-v", 2)] if "zb-v" in allowed else []
     return found
 
 
