@@ -34,27 +34,7 @@ def free_port() -> int:
 
 @pytest.mark.timeout(240)
 def test_two_torchrun_nodes_train_like_one_process(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    endpoint, run = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    nodes, logs = [], []
-    for node in range(2):
-        log = (tmp_path / f"node{node}.log").open("w")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                   "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                   "--rdzv-id", run, str(script)]  # fmt: skip
-        nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path))
-        logs.append(log)
-    try:
-        codes = [node.wait(timeout=200) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-        for log in logs:
-            log.close()
-    output = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(2))
+    codes, output = finished(agents(tmp_path, SCRIPT, "2", [], per_node=2), tmp_path)
     assert codes == [0, 0], output
 
 
@@ -105,6 +85,17 @@ def agents(tmp_path: Path, script: str, nnodes: str, extra: list[str], per_node:
     return started
 
 
+def finished(nodes: list[subprocess.Popen[bytes]], tmp_path: Path) -> tuple[list[int], str]:
+    """Each agent's exit code (any still running after 200 s is killed) and the end of their logs."""
+    try:
+        codes = [node.wait(timeout=200) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    return codes, "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(len(nodes)))
+
+
 def left_behind(tmp_path: Path) -> list[str]:
     """Processes still running this test's script (a rank or an agent)."""
     found = subprocess.run(["pgrep", "-af", str(tmp_path / "train.py")], capture_output=True, text=True).stdout
@@ -123,14 +114,7 @@ def test_two_torchrun_nodes_restart_together_after_a_rank_is_killed_and_resume(t
     script = (f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import resume_or_kill\n"
               f"if __name__ == '__main__':\n    launch(resume_or_kill, 1, args=({str(tmp_path)!r}, True))\n"
               )  # fmt: skip
-    nodes = agents(tmp_path, script, "2", ["--max-restarts", "2"])
-    try:
-        codes = [node.wait(timeout=200) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    output = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(2))
+    codes, output = finished(agents(tmp_path, script, "2", ["--max-restarts", "2"]), tmp_path)
     assert codes == [0, 0], output
     assert [(tmp_path / f"starts.{r}").read_text().split() for r in range(2)] == [["0", "2"], ["0", "2"]], output
     assert not left_behind(tmp_path)
