@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -82,7 +83,20 @@ def agents(tmp_path: Path, script: str, nnodes: str, extra: list[str], per_node:
         started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
                                         start_new_session=new_session))  # fmt: skip
         log.close()
+        if node == 0:  # the first agent hosts the rendezvous's store (the endpoint's): a node that may be lost must not
+            _listening(endpoint, started[0])  # be the one hosting it, which loaded machines could otherwise make it
     return started
+
+
+def _listening(endpoint: str, agent: subprocess.Popen[bytes]) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and agent.poll() is None:
+        with socket.socket() as probe:
+            if probe.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"the first agent did not open the rendezvous at {endpoint} within 60 s")
 
 
 def finished(nodes: list[subprocess.Popen[bytes]], tmp_path: Path) -> tuple[list[int], str]:
