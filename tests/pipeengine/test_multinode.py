@@ -66,20 +66,21 @@ def resume_or_kill(directory: str, kill: bool) -> None:
         engine.save(directory, optimizer, step=step + 1)
 
 
-def agents(tmp_path: Path, script: str, nnodes: str, extra: list[str], per_node: int = 1, new_session: bool = False
-           ) -> list[subprocess.Popen[bytes]]:  # fmt: skip
+def agents(tmp_path: Path, script: str, nnodes: str, extra: list[str], per_node: int = 1, new_session: bool = False,
+           conf: str | None = None) -> list[subprocess.Popen[bytes]]:  # fmt: skip
     """Two torchrun agents on this machine, ``per_node`` processes each, on a c10d rendezvous of their own
     (``new_session``: each agent leads a process group of its own, which a test can kill whole, as a machine
-    going down)."""
+    going down; ``conf``: the rendezvous's --rdzv-conf, where the first agent is told to host its store)."""
     (tmp_path / "train.py").write_text(script)
     endpoint, run = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     started = []
     for node in range(2):
         log = (tmp_path / f"node{node}.log").open("w")
+        hosting = ["--rdzv-conf", f"{conf},is_host={'true' if node == 0 else 'false'}"] if conf is not None else []
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(per_node),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run, *extra,
-                   str(tmp_path / "train.py")]  # fmt: skip
+                   *hosting, str(tmp_path / "train.py")]  # fmt: skip  (hosting: the first agent hosts the store)
         started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
                                         start_new_session=new_session))  # fmt: skip
         log.close()
@@ -185,7 +186,7 @@ def test_with_elastic_nodes_the_job_goes_on_from_the_last_checkpoint_on_the_node
     script = (f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import elastic\n"
               f"if __name__ == '__main__':\n    launch(elastic, 2, args=({str(tmp_path)!r}, 6))\n")  # fmt: skip
     fast = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"  # a dead node seen
-    nodes = agents(tmp_path, script, "1:2", ["--max-restarts", "2", "--rdzv-conf", fast], per_node=2, new_session=True)
+    nodes = agents(tmp_path, script, "1:2", ["--max-restarts", "2"], per_node=2, new_session=True, conf=fast)
     try:
         started = time.monotonic()
         while not (tmp_path / "latest").exists() or (tmp_path / "latest").read_text() < "checkpoint-3":
