@@ -108,7 +108,7 @@ def test_the_same_main_runs_for_real_on_four_gloo_ranks_equal_to_one_process(tmp
         pipeengine.dry_run(train, 8, ranks=[0, 7], args=(None, 2, 2, 1, str(tmp_path / "checkpoints")))
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == before
     with pytest.raises(ValueError, match=r"^rank 0: .*part-0.pt: '0.0.weight' is \[64, 16\] there, \[128, 32\] in "
-                                         "this model: it is a checkpoint of another model"):  # fmt: skip  (rank 0 alone)
+                                         "this model: it is a checkpoint of another model"):  # fmt: skip
         pipeengine.dry_run(train, 4, ranks=[3], args=(None, 2, 1, 1, str(tmp_path / "checkpoints"), 2 * WIDTH))
     one = OneProcess(mlp(), nn.functional.mse_loss)
     optimizer = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)

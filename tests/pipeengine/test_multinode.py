@@ -185,7 +185,10 @@ def test_with_elastic_nodes_the_job_goes_on_from_the_last_checkpoint_on_the_node
 
     script = (f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import elastic\n"
               f"if __name__ == '__main__':\n    launch(elastic, 2, args=({str(tmp_path)!r}, 6))\n")  # fmt: skip
-    fast = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"  # a dead node seen
+    # a dead node seen in seconds (keep-alives); a round closes 8 s after its first node joins, time for the second to
+    # join the first round on a loaded machine (with 1 s, the first node began alone and the second's arrival
+    # restarted it, until the restarts ran out)
+    fast = "join_timeout=60,last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2"
     nodes = agents(tmp_path, script, "1:2", ["--max-restarts", "2"], per_node=2, new_session=True, conf=fast)
     try:
         started = time.monotonic()
