@@ -4,7 +4,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -67,37 +66,25 @@ def resume_or_kill(directory: str, kill: bool) -> None:
 
 
 def agents(tmp_path: Path, script: str, nnodes: str, extra: list[str], per_node: int = 1, new_session: bool = False,
-           conf: str | None = None) -> list[subprocess.Popen[bytes]]:  # fmt: skip
-    """Two torchrun agents on this machine, ``per_node`` processes each, on a c10d rendezvous of their own
-    (``new_session``: each agent leads a process group of its own, which a test can kill whole, as a machine
-    going down; ``conf``: the rendezvous's --rdzv-conf, where the first agent is told to host its store)."""
+           conf: str = "") -> list[subprocess.Popen[bytes]]:  # fmt: skip
+    """Two torchrun agents on this machine, ``per_node`` processes each, on a c10d rendezvous of their own, the first
+    hosting its store (``conf``: more of its --rdzv-conf). The second starts first and waits for the store, so both
+    join the first round together. ``new_session``: each agent leads a process group of its own, which a test can
+    kill whole, as a machine going down."""
     (tmp_path / "train.py").write_text(script)
     endpoint, run = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    started = []
-    for node in range(2):
+    started: dict[int, subprocess.Popen[bytes]] = {}
+    for node in (1, 0):
         log = (tmp_path / f"node{node}.log").open("w")
-        hosting = ["--rdzv-conf", f"{conf},is_host={'true' if node == 0 else 'false'}"] if conf is not None else []
+        hosting = ",".join(filter(None, [conf, f"is_host={'true' if node == 0 else 'false'}"]))
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(per_node),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run, *extra,
-                   *hosting, str(tmp_path / "train.py")]  # fmt: skip  (hosting: the first agent hosts the store)
-        started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                        start_new_session=new_session))  # fmt: skip
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run, "--rdzv-conf", hosting,
+                   *extra, str(tmp_path / "train.py")]  # fmt: skip
+        started[node] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                         start_new_session=new_session)  # fmt: skip
         log.close()
-        if node == 0:  # the first agent hosts the rendezvous's store (the endpoint's): a node that may be lost must not
-            _listening(endpoint, started[0])  # be the one hosting it, which loaded machines could otherwise make it
-    return started
-
-
-def _listening(endpoint: str, agent: subprocess.Popen[bytes]) -> None:
-    host, port = endpoint.rsplit(":", 1)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and agent.poll() is None:
-        with socket.socket() as probe:
-            if probe.connect_ex((host, int(port))) == 0:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"the first agent did not open the rendezvous at {endpoint} within 60 s")
+    return [started[0], started[1]]
 
 
 def finished(nodes: list[subprocess.Popen[bytes]], tmp_path: Path) -> tuple[list[int], str]:
@@ -185,10 +172,7 @@ def test_with_elastic_nodes_the_job_goes_on_from_the_last_checkpoint_on_the_node
 
     script = (f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import elastic\n"
               f"if __name__ == '__main__':\n    launch(elastic, 2, args=({str(tmp_path)!r}, 6))\n")  # fmt: skip
-    # a dead node seen in seconds (keep-alives); a round closes 8 s after its first node joins, time for the second to
-    # join the first round on a loaded machine (with 1 s, the first node began alone and the second's arrival
-    # restarted it, until the restarts ran out)
-    fast = "join_timeout=60,last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2"
+    fast = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"  # a dead node seen
     nodes = agents(tmp_path, script, "1:2", ["--max-restarts", "2"], per_node=2, new_session=True, conf=fast)
     try:
         started = time.monotonic()
