@@ -20,8 +20,11 @@ recorded it from a first stage's rank (pipeengine.comm.fake.Ghosts): rank 0 alwa
 chosen, is run for that record and left out of the report.
 
 What a dry run cannot see: anything that reads values (a NaN, a loss going up, the check that tensor-parallel ranks'
-whole parameters got the same gradients, which it skips), time, and FSDP (FSDP2 refuses to train parameters on the
-meta device; a rank with ``fsdp=True`` fails naming that).
+whole parameters got the same gradients, which it skips), and time: a partition by time becomes one by parameters
+(with a warning) and ``schedule="auto"`` is refused; and FSDP (FSDP2 refuses to train parameters on the meta
+device: ``fsdp=True`` is refused, naming why). Compiled stages compile with ``aot_eager`` (pipeengine.construction.
+transform); a save writes nothing and a load reads shapes only (pipeengine.train.checkpoint). docs/guides/
+launching.md says the same for users.
 """
 
 from __future__ import annotations
