@@ -27,8 +27,9 @@ __all__ = ["FakeTransport", "Ghosts"]
 
 @dataclass
 class Ghosts:
-    """What the ranks a dry run does not build would say in a step's header: the rows the first stage's rank gave,
-    by call number (recorded when the dry run built it)."""
+    """What a dry run keeps while it runs its ranks: what the ranks it does not build would say in a step's header
+    (the rows the first stage's rank gave, by call number, recorded when the dry run built it), the engines the
+    rank being run built, and what its saves would have written."""
 
     first: dict[int, list[int]] = field(default_factory=dict)
     engines: list[Any] = field(default_factory=list)  # the engines built on the rank being run, for its report

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pipeengine.comm import fake
+from pipeengine.core.dtensors import local
 from schedules import Kind, state_bytes
 
 __all__ = ["DryRun", "RankReport", "dry_run", "from_environment"]
@@ -136,8 +137,9 @@ def dry_run(
         for rank in ([0] if 0 not in chosen else []) + chosen:  # a first stage's rank first: the header's record
             built = _run_rank(main, args, rank, world_size, devices_per_node)
             if rank in chosen:
-                result.reports += [_report(engine, rank, world_size, steps) for engine, steps in built]
-                _check_memory(result.reports[-len(built) :] if built else [], memory_limit)
+                reports = [_report(engine, rank, world_size, steps) for engine, steps in built]
+                _check_memory(reports, memory_limit)
+                result.reports += reports
             del built  # nothing of this rank's world lives on into the next (_forget_meshes)
     finally:
         fake.GHOSTS.first.clear()
@@ -250,7 +252,7 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
     names = engine._checkpoints.layers  # the model's names of its layers
     stages = {stage: engine.bounds[stage] for stage in sorted(engine.stages)}
     layers = tuple(names[i] for a, b in stages.values() for i in range(a, b))
-    local = sum(_local_numel(p) for p in engine.parameters())
+    held = sum(local(p, wait=False).numel() for p in engine.parameters())  # a DTensor's: its shard
     aliases = engine._params.ties.aliases  # a tied weight's other names: counted once, under its first
     whole = sum(p.numel() for index, layer in enumerate(engine._stepper.layers.meta)
                 for name, p in layer.named_parameters() if f"{names[index]}.{name}" not in aliases)  # fmt: skip
@@ -265,7 +267,7 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
                f"{ran.num_microbatches} micro-batches, {sum(1 for r in range(ran.num_ranks) for _ in ran.ops(r))} "
                "instructions, validated under NCCL's rendezvous semantics")  # fmt: skip
     return RankReport(rank, world_size, (topology.dp_rank, topology.pp_rank, topology.tp_rank), stages, layers,
-                      local, whole, groups, str(engine.partition), steps, program, peak, measured)  # fmt: skip
+                      held, whole, groups, str(engine.partition), steps, program, peak, measured)  # fmt: skip
 
 
 def _peak(engine: Any) -> tuple[float, bool]:
@@ -319,8 +321,3 @@ def _check_memory(reports: Sequence[RankReport], limit: float | None) -> None:
                              f"{report.peak_bytes / 2**30:.2f} GiB at its peak{unmeasured}, over memory_limit="
                              f"{limit / 2**30:.2f} GiB: spread the model over more pipeline stages or tensor-parallel "
                              "ranks, shard it (fsdp=True), or recompute activations (checkpoint=)")  # fmt: skip
-
-
-def _local_numel(param: torch.Tensor) -> int:
-    inner = getattr(param, "_local_tensor", None)
-    return int(inner.numel() if inner is not None else param.numel())
