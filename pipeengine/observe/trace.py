@@ -263,7 +263,7 @@ def _clock_offsets(transport: Transport) -> tuple[list[float], float]:
         transport.post([transfer])
         transport.complete([transfer])
 
-    stamp = torch.zeros(1, dtype=torch.float64, device=transport.device)
+    stamp = torch.zeros(1, dtype=torch.float64, device=transport.control_device)
     for peer in range(1, transport.size):
         if rank == 0:
             best = (float("inf"), 0.0)

@@ -368,3 +368,18 @@ def main_for_cuda() -> None:
 
 def test_a_main_written_for_cuda_dry_runs_on_the_meta_device_here() -> None:
     assert [r.steps for r in pipeengine.dry_run(main_for_cuda, 2, ranks=[0, 1]).reports] == [1, 1]
+
+
+def main_traced_clipped_evaluated() -> None:
+    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, partition="uniform")
+    x, y = batch()
+    with engine.tracing():  # the clock pings keep their stamps on the CPU (Transport.control_device)
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+    assert (engine.timeline() is not None) == (engine.pp_rank == 0)
+    engine.clip_grad_norm_(1.0)
+    out = engine.eval_step(x if engine.first else None)
+    assert (out is None) if not engine.last else (out.shape == (8, WIDTH) and out.is_meta)  # type: ignore[union-attr]
+
+
+def test_tracing_clipping_and_eval_run_in_a_dry_run() -> None:
+    assert [r.steps for r in pipeengine.dry_run(main_traced_clipped_evaluated, 2, ranks=[0, 1]).reports] == [1, 1]
