@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from pipeengine.comm import fake
 from pipeengine.core.dtensors import local
-from schedules import Kind, state_bytes
+from schedules import Costs, Memory, simulate, state_bytes
 
 __all__ = ["DryRun", "RankReport", "dry_run", "from_environment"]
 
@@ -271,33 +271,25 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
 
 
 def _peak(engine: Any) -> tuple[float, bool]:
-    """The bytes this rank is predicted to hold at its peak, and whether activations were measured: each of its
-    stages' parameters, gradients and AdamW's two moments (LayerCosts.memory's state, a tensor-parallel rank's
-    shards), plus the most activations it holds at once as its program runs: a micro-batch's from its forward until
-    its backward (or its W for a split backward); for a checkpointed stage only its input, and, while a backward
-    recomputes, one micro-batch's activations of the largest such stage."""
+    """The bytes this rank is predicted to hold at its peak, and whether activations were measured: the schedule
+    simulated under the memory model (schedules.Memory) with, for each of its stages, its parameters, gradients and
+    AdamW's two moments (a tensor-parallel rank's shards) as the state, and one micro-batch's activations held from
+    its forward until its backward (or W); a checkpointed stage holds its input instead, and its activations while
+    a backward recomputes them (the backward's transient)."""
     partition = engine.partition
     sizes = partition.shards if partition.shards is not None else partition.costs
+    stages = engine.schedule.num_stages
     layers = {s: range(*engine.bounds[s]) for s in engine.stages}
-    state = sum(state_bytes(sizes.param_bytes[i]) for span in layers.values() for i in span)
+    state = [sum(state_bytes(sizes.param_bytes[i]) for i in layers.get(s, ())) for s in range(stages)]
     acts = sizes.activation_bytes
     if acts is None or not any(acts):  # no sample= given to the engine: not measured
-        return float(state), False
-    whole = {s: sum(acts[i] for i in span) for s, span in layers.items()}
+        return float(sum(state)), False
+    whole = [float(sum(acts[i] for i in layers.get(s, ()))) for s in range(stages)]
     inputs = _stage_inputs(engine)
-    stages = engine.schedule.num_stages
-    recomputed = {s for s in layers if engine.config.checkpointed(s, stages) and inputs.get(s) is not None}
-    per_stage = {s: inputs[s] if s in recomputed else whole[s] for s in layers}
-    held = most = 0.0
-    for _, op in engine.schedule.ops(engine.pp_rank):
-        if op.kind is Kind.FORWARD:
-            held += per_stage[op.stage]
-            most = max(most, held)
-        elif op.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and op.stage in recomputed:
-            most = max(most, held + whole[op.stage])  # the stage's activations, recomputed for this backward
-        if op.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
-            held -= per_stage[op.stage]
-    return float(state + most), True
+    recomputed = [s in layers and engine.config.checkpointed(s, stages) and s in inputs for s in range(stages)]
+    memory = Memory(state=state, activation=[inputs[s] if recomputed[s] else whole[s] for s in range(stages)],
+                    backward_transient=[whole[s] if recomputed[s] else 0.0 for s in range(stages)])  # fmt: skip
+    return float(simulate(engine.schedule, Costs(memory=memory)).peak_memory[engine.pp_rank]), True
 
 
 def _stage_inputs(engine: Any) -> dict[int, float]:
