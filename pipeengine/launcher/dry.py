@@ -275,7 +275,7 @@ def _peak(engine: Any) -> tuple[float, bool]:
     simulated under the memory model (schedules.Memory) with, for each of its stages, its parameters, gradients and
     AdamW's two moments (a tensor-parallel rank's shards) as the state, and one micro-batch's activations held from
     its forward until its backward (or W); a checkpointed stage holds its input instead, and its activations while
-    a backward recomputes them (the backward's transient)."""
+    a backward (a split backward's I) recomputes them (its transient)."""
     partition = engine.partition
     sizes = partition.shards if partition.shards is not None else partition.costs
     stages = engine.schedule.num_stages
@@ -287,8 +287,9 @@ def _peak(engine: Any) -> tuple[float, bool]:
     whole = [float(sum(acts[i] for i in layers.get(s, ()))) for s in range(stages)]
     inputs = _stage_inputs(engine)
     recomputed = [s in layers and engine.config.checkpointed(s, stages) and s in inputs for s in range(stages)]
+    again = [whole[s] if recomputed[s] else 0.0 for s in range(stages)]  # B recomputes; under a split backward, I
     memory = Memory(state=state, activation=[inputs[s] if recomputed[s] else whole[s] for s in range(stages)],
-                    backward_transient=[whole[s] if recomputed[s] else 0.0 for s in range(stages)])  # fmt: skip
+                    backward_transient=again, input_transient=again)  # fmt: skip
     return float(simulate(engine.schedule, Costs(memory=memory)).peak_memory[engine.pp_rank]), True
 
 

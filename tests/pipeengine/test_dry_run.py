@@ -289,17 +289,19 @@ def test_a_rank_s_peak_counts_the_activations_its_program_holds_measured_on_the_
         assert report.peak_bytes == state + held * sum(costs.activation_bytes[i] for i in layers)
 
 
-def main_checkpointed() -> None:
+def main_checkpointed(schedule: str = "1f1b") -> None:
     x, y = batch()
     engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=4, partition="uniform", sample=x,
-                            checkpoint="always")  # fmt: skip
+                            checkpoint="always", schedule=schedule)  # fmt: skip
     engine.train_step(x if engine.first else None, y if engine.last else None)
 
 
-def test_a_checkpointed_stage_holds_its_inputs_and_one_recomputation_at_its_peak() -> None:
-    """1F1B on 2 ranks, 4 micro-batches, every stage recomputed: rank 0 holds 2 micro-batches' inputs (2 rows of
-    WIDTH floats each) and, in a backward, one micro-batch's activations of its stage."""
-    first = pipeengine.dry_run(main_checkpointed, 2, ranks=[0]).reports[0]
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_checkpointed_stage_holds_its_inputs_and_one_recomputation_at_its_peak(schedule: str) -> None:
+    """1F1B (or ZB-H1, whose I recomputes) on 2 ranks, 4 micro-batches, every stage recomputed: rank 0 holds 2
+    micro-batches' inputs (2 rows of WIDTH floats each) and, in a backward, one micro-batch's activations of its
+    stage."""
+    first = pipeengine.dry_run(main_checkpointed, 2, ranks=[0], args=(schedule,)).reports[0]
     costs = pipeengine.measure(mlp(), batch()[0][:2])
     state = sum(state_bytes(costs.param_bytes[i]) for i in range(2))
     activations = sum(costs.activation_bytes[i] for i in range(2))  # type: ignore[index]

@@ -7,7 +7,9 @@
         --fix tp=8,pp=2,dp=32,micro_batch=4,schedule=1f1b,chunks=1
 
 ``--model``: a Hugging Face config.json (the model is described from it on the meta device, nothing allocated), or
-module:function returning a transformers config or a pipeengine.planner.cluster.layout.Transformer. ``--hardware``:
+module:function returning a transformers config, a pipeengine.planner.cluster.layout.Transformer, or the problem the
+planner on this machine takes, (model, loss_fn, sample[, tp_plan]) with model any nn.Sequential (priced layer by layer:
+pipeengine.planner.cluster.sequential; its tp_plan is not, tp stays 1). ``--hardware``:
 a preset (a100-80gb, h100-sxm, h200) or a hardware description's JSON file. Prints the ranked rows and writes a
 plot of where each row's step goes.
 """
@@ -23,9 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from pipeengine.planner.cluster.hardware import PRESETS, load
-from pipeengine.planner.cluster.layout import Layout, Price, Transformer, check, price
+from pipeengine.planner.cluster.layout import Layout, Model, Price, Transformer, check, price
 from pipeengine.planner.cluster.search import search
+from pipeengine.planner.cluster.sequential import Sequential
 
 __all__ = ["main"]
 
@@ -34,7 +40,8 @@ FIXED = ("tp", "pp", "dp", "micro_batch")  # what --fix must name; schedule, chu
 
 def parser() -> argparse.ArgumentParser:
     made = argparse.ArgumentParser(prog="python -m pipeengine.tune", description=__doc__.split("\n")[0])
-    made.add_argument("--model", required=True, help="a Hugging Face config.json, or module:function")
+    made.add_argument("--model", required=True, help="a Hugging Face config.json, or module:function (returning a "
+                      "config, or (model, loss_fn, sample) with an nn.Sequential)")  # fmt: skip
     made.add_argument("--devices", type=int, required=True, help="GPUs in all")
     made.add_argument("--devices-per-node", type=int, help="GPUs a node (default: the hardware's)")
     made.add_argument("--hardware", default="a100-80gb", help=f"one of {', '.join(PRESETS)}, or a JSON file")
@@ -64,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.devices > hw.devices_per_node and args.devices % hw.devices_per_node:
             raise ValueError(f"--devices {args.devices} is not whole nodes of {hw.devices_per_node} devices: give a "
                              f"multiple of {hw.devices_per_node} (or --devices-per-node to match your nodes)")
-        model = _model(args.model, args.seq)
+        model = _model(args.model, args.seq, args.precision)
         if args.fix:
             layout = _fixed(args.fix, args.global_batch, args.recompute, args.fsdp)
             if layout.devices != args.devices:
@@ -96,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _model(spec: str, seq: int) -> Transformer:
+def _model(spec: str, seq: int, precision: str = "bf16") -> Model:
     from pipeengine.planner.cluster.models import from_config, load_config
 
     if spec.endswith(".json"):
@@ -114,7 +121,14 @@ def _model(spec: str, seq: int) -> Transformer:
         return made
     if hasattr(made, "num_hidden_layers"):
         return from_config(made, seq)
-    raise TypeError(f"{spec}() returned a {type(made).__name__}: return a transformers config or a Transformer")
+    if isinstance(made, tuple) and len(made) in (3, 4) and isinstance(made[0], nn.Sequential):
+        if len(made) == 4:
+            print("note: the tp_plan is not priced on clusters: a generic nn.Sequential is planned at tp=1",
+                  file=sys.stderr)  # fmt: skip
+        return Sequential(made[0], made[2], seq, torch.float16 if precision == "fp16" else torch.bfloat16)
+    raise TypeError(f"{spec}() returned a {type(made).__name__}: return a transformers config, a Transformer, or "
+                    "(model, loss_fn, sample[, tp_plan]) as for the planner on this machine, model an nn.Sequential "
+                    "(build a large one under `with torch.device('meta'):`)")
 
 
 def _fixed(text: str, global_batch: int, recompute: str = "search", fsdp: str = "search") -> Layout:

@@ -37,12 +37,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from pipeengine.planner.cluster import collectives
 from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.hardware import Hardware
 
-__all__ = ["PIPEENGINE", "Layout", "Price", "Runtime", "Transformer", "check", "estimate", "price"]
+__all__ = ["PIPEENGINE", "Layout", "Model", "Parts", "Price", "Runtime", "Transformer", "check", "estimate",
+           "phase_seconds", "price", "schedule_of", "sync_seconds"]
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # Megatron-LM's two (Narayanan et al. 2021), zero-bubble's
 SPLIT = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"})  # a backward split into I, then W
@@ -85,6 +87,30 @@ class Runtime:
 PIPEENGINE = Runtime()  # a stage's AR starts after its last backward (pipeengine.parallel.gradsync); .grad accumulates
 
 
+class Model(Protocol):
+    """What the pricing needs of a model: ``Transformer`` (a decoder-only transformer's sizes and block) or
+    ``sequential.Sequential`` (any nn.Sequential, traced layer by layer)."""
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def seq(self) -> int:  # tokens a sequence (what tokens/s counts)
+        ...
+
+    @property
+    def parameters(self) -> float:  # the whole model's
+        ...
+
+    def flops_per_step(self, global_batch: int) -> float: ...
+
+    def check(self, layout: Layout, hw: Hardware) -> None: ...
+
+    def parts(self, layout: Layout, hw: Hardware, dtype: str, runtime: Runtime, exact: bool = True) -> Parts:
+        """Stage times, sync and peak; ``exact=False``: the peak may be a lower bound (what the search prunes by)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Transformer:
     """What the pricing needs of a decoder-only transformer: its sizes, and the ops of one block (and of the
@@ -110,6 +136,20 @@ class Transformer:
         b, s, h, layer, v = global_batch, self.seq, self.hidden, self.layers, self.vocab
         return 96 * b * s * layer * h * h * (1 + s / (6 * h) + v / (16 * layer * h))
 
+    def check(self, layout: Layout, hw: Hardware) -> None:
+        """Tensor parallelism inside a node and dividing the heads; pp x chunks dividing the layers."""
+        t, p, v = layout.tp, layout.pp, layout.chunks
+        if t > hw.devices_per_node or hw.devices_per_node % t or self.heads % t:
+            raise ValueError(f"tp={t}: tensor parallelism stays inside a node of {hw.devices_per_node} devices and "
+                             f"divides the {self.heads} heads: use a tp dividing both")  # fmt: skip
+        if self.layers % (p * v):
+            raise ValueError(f"pp={p} x chunks={v} does not divide the {self.layers} layers: every stage holds whole "
+                             "layers, the same number each")  # fmt: skip
+
+    def parts(self, layout: Layout, hw: Hardware, dtype: str, runtime: Runtime, exact: bool = True) -> Parts:
+        del exact  # the memory is a formula: exact either way
+        return _parts(self, layout, hw, dtype, runtime)
+
 
 @dataclass(frozen=True)
 class Price:
@@ -123,7 +163,7 @@ class Price:
     refused: str = ""  # why the layout cannot run (it is then priced nonetheless, for the table)
 
 
-def _roofline(ops: list[Op], hw: Hardware, dtype: str) -> dict[str, float]:
+def phase_seconds(ops: list[Op], hw: Hardware, dtype: str) -> dict[str, float]:
     """Seconds of each phase's ops: a matmul or attention at the matmul rate, anything else at the memory rate;
     "weight": the backward's ops only the weights' gradients need (its W; included in "backward")."""
     fast = hw.peak_flops[dtype] * hw.matmul_efficiency
@@ -144,7 +184,7 @@ def _embedding(op: Op) -> bool:
 
 
 @dataclass(frozen=True)
-class _Parts:
+class Parts:
     """A layout's stage times and the rest of its step, before the schedule is replayed."""
 
     forward: list[float]  # seconds of each stage's forward of one micro-batch, its exchange included
@@ -156,12 +196,12 @@ class _Parts:
     peak_bytes: float
 
 
-def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime: Runtime) -> _Parts:
+def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime: Runtime) -> Parts:
     t, p, b, v, m = layout.tp, layout.pp, layout.micro_batch, layout.chunks, layout.num_microbatches
-    block = _roofline(model.block_ops(t, b), hw, dtype)
+    block = phase_seconds(model.block_ops(t, b), hw, dtype)
     ends_ops = model.head_ops(t, b)
-    first = _roofline([op for op in ends_ops if _embedding(op)], hw, dtype)
-    last = _roofline([op for op in ends_ops if not _embedding(op)], hw, dtype)
+    first = phase_seconds([op for op in ends_ops if _embedding(op)], hw, dtype)
+    last = phase_seconds([op for op in ends_ops if not _embedding(op)], hw, dtype)
     activation = b * model.seq * model.hidden * model.dtype_bytes  # a block's input, one micro-batch
     tp_link = collectives.group_link(hw, t, 1)
     tp_ar = collectives.all_reduce(activation, t, tp_link) if t > 1 else 0.0
@@ -186,9 +226,19 @@ def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime
             message += collectives.all_gather(activation, t, tp_link)  # and gather
         forward = [f + message for f in forward]
         backward = [b_ + message for b_ in backward]
-    d = layout.dp
+    replicas, optimizer = sync_seconds(params_device, model.dtype_bytes, layout, hw, runtime, backward)
+    tp_time = per_stage * v * (6 if layout.recompute else 4) * tp_ar
+    return Parts(forward, backward, weight, tp_time, replicas, optimizer, _memory(model, layout, activation))
+
+
+def sync_seconds(params_device: float, dtype_bytes: int, layout: Layout, hw: Hardware, runtime: Runtime,
+          backward: list[float]) -> tuple[float, float]:  # fmt: skip
+    """Seconds of the replicas' gradient sync (FSDP: the weights' all-gather and the gradients' reduce-scatter) and
+    of the optimizer, for a device holding ``params_device`` parameters of the stages whose backward of one
+    micro-batch take ``backward`` seconds."""
+    t, p, d = layout.tp, layout.pp, layout.dp
     link = collectives.group_link(hw, d, t * p)
-    gradients = params_device * model.dtype_bytes
+    gradients = params_device * dtype_bytes
     gather = 0.0
     if d == 1:
         reduce = 0.0
@@ -198,18 +248,16 @@ def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime
     else:
         reduce = collectives.all_reduce(gradients, d, link)
     if reduce and runtime.overlap_grad_reduce:  # hidden behind the rank's last backward, but for its last bucket
-        mine = (0, 2 * p - 1) if layout.schedule in V_SHAPED else range(0, stages, p)  # rank 0's stages
+        mine = (0, 2 * p - 1) if layout.schedule in V_SHAPED else range(0, len(backward), p)  # rank 0's stages
         last_backward = sum(backward[stage] for stage in mine)  # one micro-batch
         tail = collectives.all_reduce(min(gradients, runtime.bucket_bytes), d, link)
         reduce = max(tail, reduce - last_backward)
-    replicas = gather + reduce
     optimizer = params_device / (d if layout.fsdp else 1) * 38 / hw.memory_bandwidth  # fp16 grad read, fp32 master,
     # moments read and written: each replica its shard under FSDP
-    tp_time = per_stage * v * (6 if layout.recompute else 4) * tp_ar
-    return _Parts(forward, backward, weight, tp_time, replicas, optimizer, _memory(model, layout, activation))
+    return gather + reduce, optimizer
 
 
-def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts: _Parts, pipeline: float) -> Price:
+def _priced(model: Model, layout: Layout, hw: Hardware, dtype: str, parts: Parts, pipeline: float) -> Price:
     step = pipeline + parts.replicas + parts.optimizer
     global_batch = layout.micro_batch * layout.num_microbatches * layout.dp
     flops = model.flops_per_step(global_batch) / step / layout.devices
@@ -221,20 +269,16 @@ def _priced(model: Transformer, layout: Layout, hw: Hardware, dtype: str, parts:
                  parts.peak_bytes, shares, refused)  # fmt: skip
 
 
-def check(model: Transformer, layout: Layout, hw: Hardware) -> None:
-    """Refuse a layout the search would never build, naming the rule and the values: tensor parallelism inside a
-    node and dividing the heads, the pipeline dividing the layers (and each rank's layers its chunks), a schedule
-    priced here (SCHEDULES), with its chunks (ZB-V: 2; interleaved: micro-batches a multiple of pp)."""
-    t, p, v, m = layout.tp, layout.pp, layout.chunks, layout.num_microbatches
+def check(model: Model, layout: Layout, hw: Hardware) -> None:
+    """Refuse a layout the search would never build, naming the rule and the values: a schedule priced here
+    (SCHEDULES), with its chunks (ZB-V: 2; interleaved: micro-batches a multiple of pp), and the model's own rules
+    (``model.check``: a transformer's tensor parallelism inside a node and dividing the heads, the pipeline dividing
+    its layers)."""
+    p, v, m = layout.pp, layout.chunks, layout.num_microbatches
     if layout.schedule not in SCHEDULES:
         raise ValueError(f"schedule {layout.schedule!r} is not priced on clusters (its memory is not modelled here): "
                          f"use one of {', '.join(SCHEDULES)}")  # fmt: skip
-    if t > hw.devices_per_node or hw.devices_per_node % t or model.heads % t:
-        raise ValueError(f"tp={t}: tensor parallelism stays inside a node of {hw.devices_per_node} devices and "
-                         f"divides the {model.heads} heads: use a tp dividing both")  # fmt: skip
-    if model.layers % (p * v):
-        raise ValueError(f"pp={p} x chunks={v} does not divide the {model.layers} layers: every stage holds whole "
-                         "layers, the same number each")  # fmt: skip
+    model.check(layout, hw)
     wanted = {"zb-v": 2, "1f1b": 1, "zb-h1": 1}.get(layout.schedule)
     if wanted is not None and v != wanted:
         raise ValueError(f"{layout.schedule} runs {wanted} chunk(s) a rank, got chunks={v}")
@@ -242,18 +286,18 @@ def check(model: Transformer, layout: Layout, hw: Hardware) -> None:
         raise ValueError(f"interleaved: {m} micro-batches is not a multiple of pp={p} (Megatron-LM's rule)")
 
 
-def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
+def price(model: Model, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
           ) -> Price:  # fmt: skip
     """The layout's step time and memory per device (the module's docstring says how): the schedule replayed."""
     from schedules import Costs
     from schedules.sim.simulation import summarize
 
-    parts = _parts(model, layout, hw, dtype, runtime)
+    parts = model.parts(layout, hw, dtype, runtime)
     p, m, v = layout.pp, layout.num_microbatches, layout.chunks
     if p == 1:
         pipeline = m * sum(parts.forward + parts.backward)  # one rank: its stages back to back, no bubble
     else:
-        schedule = _schedule(layout.schedule, p, m, v)
+        schedule = schedule_of(layout.schedule, p, m, v)
         inputs = [b_ - w for b_, w in zip(parts.backward, parts.weight, strict=True)]  # a split backward's I, then W
         costs = Costs(forward=parts.forward, backward=parts.backward, backward_input=inputs,
                       backward_weight=parts.weight)  # each schedule runs B whole, or I and W apart
@@ -261,13 +305,13 @@ def price(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16",
     return _priced(model, layout, hw, dtype, parts, pipeline)
 
 
-def estimate(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
+def estimate(model: Model, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
              ) -> Price:  # fmt: skip
     """``price`` with the pipeline's bubble from a formula instead of the replay, what the search prunes by: for
     1F1B and interleaved, (m + (p - 1) / v) slots of the slowest stage's forward and backward (Narayanan et al. 2021,
     section 2.2); for a split backward, m slots and (p - 1) (F + I - W) of a stage (Qi et al. 2024, ZB-H1's
     bubble, which the V-shaped schedules are only near: the replay ranks them)."""
-    parts = _parts(model, layout, hw, dtype, runtime)
+    parts = model.parts(layout, hw, dtype, runtime, exact=False)
     p, m, v = layout.pp, layout.num_microbatches, layout.chunks
     slowest = max(range(p * v), key=lambda stage: parts.forward[stage] + parts.backward[stage])
     f, b, w = parts.forward[slowest], parts.backward[slowest], parts.weight[slowest]
@@ -281,7 +325,7 @@ def estimate(model: Transformer, layout: Layout, hw: Hardware, dtype: str = "fp1
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(name: str, p: int, m: int, chunks: int | None):  # type: ignore[no-untyped-def]
+def schedule_of(name: str, p: int, m: int, chunks: int | None):  # type: ignore[no-untyped-def]
     from schedules import build_schedule
 
     return build_schedule(name, p, m, chunks=chunks)

@@ -2,17 +2,19 @@
 global batch on W devices, priced from a hardware description in seconds.
 
 Every candidate is priced by ``layout.estimate`` (the bubble from its formula; its memory from the same model as
-``price``); those past the device's memory are refused with the reason. The best ``replayed`` by that estimate are
-priced again by ``layout.price``, the schedule replayed by the simulator, and ranked by it: the bounds prune, the
+``price``, or a bound below it where that model is a replay: ``sequential.Sequential``'s); those past the device's
+memory are refused with the reason. The best ``replayed`` by that estimate that fit are priced again by
+``layout.price``, the schedule replayed by the simulator, and ranked by it: the bounds prune, the
 simulator ranks what is left. A layout the user fixes is priced by the same ``price``, so it costs the same however
 it was found.
 
-What is searched: tp dividing the devices of a node and the heads (tensor parallelism stays inside a node); pp
-dividing the layers; dp = W / (tp pp) dividing the global batch; micro-batch sizes dividing a replica's batch (up to
-``max_micro_batch``); 1F1B, interleaved 1F1B with v chunks where v divides the layers of a stage and the
-micro-batches divide by pp (Megatron-LM's rule), ZB-H1 and ZB-V (the backward split into I and W, Qi et al.); full
-recomputation or none (``recompute``); the replicas copying the weights or sharding them with FSDP2 (``fsdp``, where
-dp > 1).
+What is searched: tp dividing the devices of a node and the heads (tensor parallelism stays inside a node; a generic
+nn.Sequential, ``sequential.Sequential``, keeps tp=1); pp dividing a transformer's layers (a Sequential's: any pp
+up to its layers, the stages cut by time); dp = W / (tp pp) dividing the global batch; micro-batch sizes dividing a
+replica's batch (up to ``max_micro_batch``); 1F1B, interleaved 1F1B with v chunks where v divides the layers of a
+stage and the micro-batches divide by pp (Megatron-LM's rule), ZB-H1 and ZB-V (the backward split into I and W, Qi
+et al.); full recomputation or none (``recompute``); the replicas copying the weights or sharding them with FSDP2
+(``fsdp``, where dp > 1).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pipeengine.planner.cluster.layout import (
     PIPEENGINE,
     SCHEDULES,
     Layout,
+    Model,
     Price,
     Runtime,
     Transformer,
@@ -58,7 +61,7 @@ def _divisors(n: int, at_most: int | None = None) -> list[int]:
 CHOICES = {"always": (True,), "never": (False,), "search": (True, False)}
 
 
-def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
+def candidates(model: Model, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
                max_micro_batch: int = 16, schedules: tuple[str, ...] = SCHEDULES, fsdp: str = "search"
                ) -> list[Layout]:  # fmt: skip
     """Every layout the module docstring lists: the devices and the global batch split whole, and each layout one
@@ -68,7 +71,7 @@ def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int
             raise ValueError(f"{name}={value!r}: one of 'always', 'never', 'search'")
     out = []
     for tp in _divisors(hw.devices_per_node):
-        for pp in _divisors(model.layers):
+        for pp in range(1, model.layers + 1):
             if devices % (tp * pp) or global_batch % (devices // (tp * pp)):
                 continue
             dp = devices // (tp * pp)
@@ -82,7 +85,7 @@ def candidates(model: Transformer, devices: int, hw: Hardware, global_batch: int
     return [layout for layout in out if _allowed(model, layout, hw)]
 
 
-def _allowed(model: Transformer, layout: Layout, hw: Hardware) -> bool:
+def _allowed(model: Model, layout: Layout, hw: Hardware) -> bool:
     try:
         check(model, layout, hw)
     except ValueError:
@@ -102,7 +105,7 @@ def _schedules(layers: int, pp: int, m: int, allowed: tuple[str, ...]) -> list[t
     return found
 
 
-def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
+def search(model: Model, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
            dtype: str = "fp16", replayed: int = 3, max_micro_batch: int = 16,
            schedules: tuple[str, ...] = SCHEDULES, runtime: Runtime = PIPEENGINE, fsdp: str = "search"
            ) -> ClusterPlan:  # fmt: skip
@@ -113,8 +116,9 @@ def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *,
         raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be 1 or more")
     layouts = candidates(model, devices, hw, global_batch, recompute, max_micro_batch, schedules, fsdp)
     if not layouts:
+        heads = f"{model.heads} heads, " if isinstance(model, Transformer) else ""
         raise ValueError(f"no layout of {devices} devices ({hw.devices_per_node} a node) splits {model.layers} layers, "
-                         f"{model.heads} heads and a global batch of {global_batch}: change one of them")  # fmt: skip
+                         f"{heads}and a global batch of {global_batch}: change one of them")  # fmt: skip
     refused: dict[str, str] = {}
     fitting: list[Price] = []
     for layout in layouts:
@@ -124,6 +128,14 @@ def search(model: Transformer, devices: int, hw: Hardware, global_batch: int, *,
         else:
             fitting.append(guess)
     fitting.sort(key=lambda priced: priced.step_s)
-    rows = sorted((price(model, guessed.layout, hw, dtype, runtime) for guessed in fitting[:replayed]),
-                  key=lambda priced: priced.step_s)  # fmt: skip
+    rows: list[Price] = []
+    for guessed in fitting:  # the estimate's memory may be a bound below the replay's (sequential.Sequential's)
+        if len(rows) == replayed:
+            break
+        priced = price(model, guessed.layout, hw, dtype, runtime)
+        if priced.refused:
+            refused[priced.layout.describe()] = priced.refused
+        else:
+            rows.append(priced)
+    rows.sort(key=lambda priced: priced.step_s)
     return ClusterPlan(rows, len(layouts), refused, time.perf_counter() - started)
