@@ -3,7 +3,7 @@
     python benchmarks/split_backward.py                      # the three stages, 15 alternating rounds each
     python benchmarks/split_backward.py --rounds 5 --models mlp
 
-Issue 61's first step: zero-bubble schedules pay only if I + W (pipeengine.runtime.backward: I to the stage's input
+Issue 61's first step: zero-bubble schedules pay only if I + W (pipeengine.step.backward: I to the stage's input
 now, W for its weights later, re-entering each autograd node with weights beneath it) costs what B (one autograd call
 for both) does. Three stages, each as a rank of a 2-stage pipeline holds it, on one thread (a rank's share of a
 2-core machine): the benchmark MLP's (4 x Linear(1024), a micro-batch of 8 rows: docs/benchmarks.md's schedule
@@ -31,7 +31,7 @@ from common import OUT, write_report
 from torch import nn
 
 from pipeengine.launcher.launch import keep_freed_memory
-from pipeengine.runtime.backward import WeightPass, backward_input
+from pipeengine.step.backward import WeightPass, backward_input
 
 MODELS = ("mlp", "gpt", "llama")
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from pipeengine.comm.base import Transport
 from pipeengine.core.config import AUTO, EngineConfig
-from pipeengine.runtime.stage import LossFn
+from pipeengine.step.stage import LossFn
 
 __all__: list[str] = []
 

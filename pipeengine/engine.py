@@ -21,12 +21,12 @@ from pipeengine.comm.consensus import agree_on_model
 from pipeengine.construction.assembly import Assembly, assemble
 from pipeengine.core.config import DEFAULT_TIMEOUT, EngineConfig, check_arguments
 from pipeengine.core.specs import Tensors
-from pipeengine.runtime.precision import GradScaler
-from pipeengine.runtime.stage import LossFn
+from pipeengine.step.precision import GradScaler
+from pipeengine.step.stage import LossFn
+from pipeengine.step.stepping import StageLayers, Stepper
 from pipeengine.train.checkpoint import Checkpoints
 from pipeengine.train.extras import Loaded
 from pipeengine.train.parameters import Parameters
-from pipeengine.train.stepping import StageLayers, Stepper
 from pipeengine.train.tracing import Tracing
 from schedules import Schedule, Timeline
 
@@ -44,7 +44,7 @@ class PipelineEngine:
 
     Gradients equal one process's on the whole batch. The options are keywords, each described where it is checked
     (pipeengine.core.config.EngineConfig); what builds this rank's part is pipeengine.construction.assembly, what
-    runs a step pipeengine.train.stepping, and each parallelism lives in pipeengine.parallel. ``engine.mesh`` is
+    runs a step pipeengine.step.stepping, and each parallelism lives in pipeengine.parallel. ``engine.mesh`` is
     torch's DeviceMesh where a stage transform needed one.
     """
 
@@ -126,7 +126,7 @@ class PipelineEngine:
         """The streams the transport ran for the last step."""
         return self._stepper.last_program
 
-    # ---- steps (pipeengine.train.stepping)
+    # ---- steps (pipeengine.step.stepping)
 
     def train_step(self, inputs: object = None, targets: object = None) -> float:
         """Forward and backward over all micro-batches; returns the mean loss on every rank."""

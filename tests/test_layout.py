@@ -9,16 +9,22 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import pytest
+import torch
+from torch import nn
+
+from tests.pipeengine.ranks import on_ranks
 
 ROOT = Path(__file__).parent.parent
 
 # lowest first: a module imports from its own folder or from folders strictly below it; "" is the package's top
 LAYERS = {
     "schedules": [["ir"], ["proof"], ["sim"], ["passes"], ["compilers"], [""]],
-    "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["parallel"], ["runtime"],
+    "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["parallel"], ["step"],
                    ["construction"], ["train", "hf"], ["planner"], [""]],  # fmt: skip
 }
 
@@ -153,17 +159,58 @@ def test_the_step_path_runs_down_and_never_into_construction() -> None:
     """engine -> stepper -> executor -> mailbox -> transport: nothing a step runs imports the construction folder,
     directly or through another module; the program cache is the runtime's."""
     edges = graph("pipeengine")
-    start = ["pipeengine.train.stepping", "pipeengine.train.tracing", "pipeengine.runtime.executor"]
+    start = ["pipeengine.step.stepping", "pipeengine.train.tracing", "pipeengine.step.executor"]
     seen, todo = set(start), list(start)
     while todo:
         for child in edges[todo.pop()]:
             if child not in seen:
                 seen.add(child)
                 todo.append(child)
-    assert {"pipeengine.runtime.mailbox", "pipeengine.runtime.programs"} <= seen
+    assert {"pipeengine.step.mailbox", "pipeengine.step.programs"} <= seen
     assert not [m for m in seen if folder("pipeengine", m) == "construction"], sorted(seen)
-    programs = _modules()["pipeengine.runtime.programs"]
+    programs = _modules()["pipeengine.step.programs"]
     assert "Programs" in {node.name for node in ast.walk(programs) if isinstance(node, ast.ClassDef)}
+
+
+STEP_FOLDERS = ("", "step", "core", "comm")  # an untraced step: the engine, the step folder, core/ and the transport
+
+
+def entered(call: Callable[[], object]) -> set[str]:
+    """The pipeengine modules whose functions ``call`` runs, on this thread."""
+    found: set[str] = set()
+
+    def watch(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and str(frame.f_globals.get("__name__", "")).startswith("pipeengine"):
+            found.add(frame.f_globals["__name__"])
+
+    sys.setprofile(watch)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+@on_ranks(2, in_process=True, timeout=60)
+def test_an_untraced_step_stays_in_the_step_folder() -> None:
+    """engine -> step/ -> transport: an untraced 1F1B training step on 2 ranks enters the engine, step/, core/ and
+    comm/ alone (no tracing, no gradient-sync protocol without syncs, no FSDP without FSDP, no call back into the
+    engine for its parameters), at most 10 modules outside comm/; a traced step enters the tracing (train/, observe/),
+    so this check sees what it looks for."""
+    from pipeengine import PipelineEngine
+
+    torch.manual_seed(0)
+    engine = PipelineEngine(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.functional.mse_loss,
+                            num_microbatches=2)  # fmt: skip
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    engine.train_step(x, y)  # the first step infers the boundaries and builds the program
+    untraced = entered(lambda: engine.train_step(x, y))
+    outside = sorted(m for m in untraced if folder("pipeengine", m) not in STEP_FOLDERS)
+    assert not outside, f"an untraced step entered {outside}"
+    assert len([m for m in untraced if folder("pipeengine", m) != "comm"]) <= 10, sorted(untraced)
+    with engine.tracing():
+        traced = entered(lambda: engine.train_step(x, y))
+    assert {"pipeengine.train.tracing", "pipeengine.observe.trace"} <= traced
 
 
 # each parallelism's machinery (torch's modules for it) is imported by its own home alone

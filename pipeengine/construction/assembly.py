@@ -8,9 +8,9 @@ assemble(model, loss_fn, config, sample, world)
     stages      this rank's layers, under the model's names, cut and transformed on the mesh
                 (construction.transform: the parallelisms of pipeengine.parallel), with a StageWorker each
     syncs       the gradient synchronisations its AR and TR instructions start (pipeengine.parallel)
-    executor    the interpreter of this rank's streams, and the program cache it runs (runtime.programs)
+    executor    the interpreter of this rank's streams, and the program cache it runs (step.programs)
 
-Nothing here runs at step time: the step (pipeengine.train.stepping) is handed the executor and the programs.
+Nothing here runs at step time: the step (pipeengine.step.stepping) is handed the executor and the programs.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.core.ties import Ties
 from pipeengine.parallel import checked_ties, gradient_syncs, tensor
-from pipeengine.runtime.backward import keep_compiled_graphs
-from pipeengine.runtime.executor import Executor
-from pipeengine.runtime.programs import Programs
-from pipeengine.runtime.stage import LossFn, StageWorker
+from pipeengine.step.backward import keep_compiled_graphs
+from pipeengine.step.executor import Executor
+from pipeengine.step.programs import Programs
+from pipeengine.step.stage import LossFn, StageWorker
 from schedules import Kind, Schedule, build_schedule, lowered, validate, with_gradient_sync, with_tie_sync
 
 __all__: list[str] = []
@@ -100,7 +100,7 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
         for s, module in stages.items()
     }  # fmt: skip
     if any(op.kind is Kind.BACKWARD_INPUT for rank in range(schedule.num_ranks) for _, op in schedule.ops(rank)):
-        keep_compiled_graphs()  # W re-enters what I kept: compiled regions must allow it (runtime.backward)
+        keep_compiled_graphs()  # W re-enters what I kept: compiled regions must allow it (step.backward)
     topology.pipeline.open_channels()
     syncs = gradient_syncs(ties, lowered, topology, stages, config.fsdp, config.reshard_after_forward)
     executor = Executor(topology.pp_rank, workers, topology.pipeline, syncs)

@@ -29,7 +29,7 @@ from pipeengine.core.compiling import compile_in_place
 from pipeengine.core.dtensors import local, settled, tensor_parallel_numel
 from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.observe.ledger import Ledger, storage
-from pipeengine.runtime.backward import backward_input
+from pipeengine.step.backward import backward_input
 
 __all__ = ["COLUMNS", "Extras", "WithLoss", "compiled", "graded", "layer_bytes", "leaves", "measure", "nbytes",
            "profile_columns", "time_layer"]
@@ -135,7 +135,7 @@ def compiled(probe: nn.Module, layer: nn.Module, compile: bool | Mapping[str, ob
     (the engine's compile=: True or torch.compile's keywords); a copy does not keep nn.Module.compile's compiled call:
     compiled again, as the user or compile= compiled the layer, with the user's own options unknown: torch.compile's
     defaults. A compiled layer's I then makes its weight gradients too, and its W is nothing
-    (pipeengine.runtime.backward), as the engine runs it."""
+    (pipeengine.step.backward), as the engine runs it."""
     if compile or getattr(layer, "_compiled_call_impl", None) is not None:
         compile_in_place(probe, {} if isinstance(compile, bool) else compile)
     return probe
@@ -165,7 +165,7 @@ def graded(layer: nn.Module, inputs: Tensors, value: torch.Tensor | Tensors) -> 
 def time_layer(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: torch.device,
                flush: Callable[[], None]) -> tuple[float, ...]:  # fmt: skip
     """Forward, full backward, input-gradient (I) and weight-gradient (W) seconds of one layer on one input,
-    each through the engine's own code (pipeengine.runtime.backward for I and W, as a zero-bubble stage runs them),
+    each through the engine's own code (pipeengine.step.backward for I and W, as a zero-bubble stage runs them),
     each after ``flush()`` (the CPU's caches emptied)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = [p for p in layer.parameters() if p.requires_grad]

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from types import TracebackType
+from typing import Protocol
 
 import torch
 
@@ -99,6 +101,19 @@ def profiler_open() -> bool:
 
     kind = torch.autograd.profiler.profile
     return any(type(o) is kind and o.entered and o.kineto_results is None for o in gc.get_objects())
+
+
+class Spans(Protocol):
+    """What a step's code asks of its tracer: a span around each instruction it runs, and, where a ledger watches
+    memory, a sample after each. A Tracer is one; an untraced step's (pipeengine.step.executor.UNTRACED) records
+    nothing and enters nothing of this module."""
+
+    @property
+    def ledger(self) -> Ledger | None: ...
+
+    def span(self, action: Action, wait: bool = False) -> AbstractContextManager[object]: ...
+
+    def sample(self, action: Action, held: Iterable[torch.Tensor]) -> None: ...
 
 
 class Tracer:

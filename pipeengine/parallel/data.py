@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pipeengine.comm.base import Transport
-from pipeengine.observe.trace import Tracer
+from pipeengine.observe.trace import Spans
 from pipeengine.parallel.gradsync import GradientSync, SyncBytes, aligned, size
 from schedules import Action, Instruction, Kind
 
@@ -57,7 +57,7 @@ class ReplicaMean(GradientSync):
                     if param.grad is not None and id(param) not in self._left:
                         param.grad.zero_()
 
-    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Spans) -> None:
         with tracer.span(op):
             params = self.owned(stream)[op.stage]
             grads = [aligned(p) for p in params if p.grad is not None]  # the same on every replica: the same graph

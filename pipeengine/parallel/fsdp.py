@@ -25,7 +25,7 @@ from torch import nn
 
 from pipeengine.core.dtensors import tensor_parallel_numel
 from pipeengine.core.ties import Ties
-from pipeengine.observe.trace import Tracer
+from pipeengine.observe.trace import Spans
 from pipeengine.parallel.gradsync import Gathered, GradientSync, SyncBytes
 from schedules import Action, Instruction, Kind, Memory
 
@@ -151,7 +151,7 @@ class ShardedReduce(GradientSync):
         root.set_reshard_after_backward(False)  # type: ignore[operator]
         root.set_requires_gradient_sync(False)  # type: ignore[operator]
 
-    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Spans) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         root = self.roots[op.stage]
@@ -168,7 +168,7 @@ class ShardedReduce(GradientSync):
                     group.post_backward()  # the reduce-scatter into the sharded .grad; the parameters resharded
             self._begun.append(root)
 
-    def finish(self, tracer: Tracer) -> None:
+    def finish(self, tracer: Spans) -> None:
         from torch.distributed.fsdp import fully_shard
 
         begun, self._begun = self._begun, []

@@ -49,7 +49,7 @@ from torch import nn
 from pipeengine.comm.base import Pending, Transport
 from pipeengine.core.dtensors import is_dtensor, local
 from pipeengine.errors import PipelineError
-from pipeengine.observe.trace import Tracer
+from pipeengine.observe.trace import Spans
 from schedules import Action, Instruction, Kind
 
 __all__ = ["GradientSync", "SyncBytes", "Syncs"]
@@ -85,7 +85,7 @@ class Reduction:
     grads: list[torch.Tensor]
     divisor: int
 
-    def finish(self, tracer: Tracer) -> None:
+    def finish(self, tracer: Spans) -> None:
         with tracer.span(self.op, wait=True) if self.op is not None else contextlib.nullcontext():
             self.pending.wait()
         if self.divisor > 1:
@@ -119,14 +119,14 @@ class GradientSync(abc.ABC):
         """Before a training step's first backward: what .grad holds from earlier steps, counted once by a sum."""
 
     @abc.abstractmethod
-    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Spans) -> None:
         """Start synchronising what ``op`` names; ``stream`` is this rank's program, ``average`` as above."""
 
-    def end(self, tracer: Tracer) -> None:  # noqa: B027  (a sync its instructions start has nothing more to start)
+    def end(self, tracer: Spans) -> None:  # noqa: B027  (a sync its instructions start has nothing more to start)
         """At a training step's end, once the syncs it comes ``after`` have finished: start what no instruction
         starts (``kind`` None)."""
 
-    def finish(self, tracer: Tracer) -> None:
+    def finish(self, tracer: Spans) -> None:
         """Wait for every reduction started this step and write the results back into the gradients."""
         started, self.started = self.started, []
         for reduction in started:
@@ -188,7 +188,7 @@ class Syncs:
         for sync in self.order:
             sync.begin(average)
 
-    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Spans) -> None:
         sync = self.by_kind.get(op.kind)
         if sync is None:
             need = "data parallelism (data_parallel > 1)" if op.kind is Kind.ALL_REDUCE else "a tied weight"
@@ -198,7 +198,7 @@ class Syncs:
         else:
             sync.start(op, stream, average, tracer)
 
-    def finish(self, tracer: Tracer, train: bool) -> None:
+    def finish(self, tracer: Spans, train: bool) -> None:
         """Every sync finished, in order; a training step's (``train``) syncs that no instruction starts started
         first, each once those it comes after have finished."""
         for sync in self.order:

@@ -16,7 +16,7 @@ backward (their gradients need no reduction of ours: a replica's AR reduces each
                                them: one the plan left out is refused (parallel.leftout, as a per-head weight with a
                                row per head is by plan_matches)
 Its checkpoint form is the DTensor itself (pipeengine.core.dtensors: whole, spread); a stage whose output is a
-shard is refused where the stage runs (pipeengine.runtime.stage).
+shard is refused where the stage runs (pipeengine.step.stage).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pipeengine.core.dtensors import is_dtensor, tensor_parallel_numel
 from pipeengine.core.grid import DIMS, Grid
 from pipeengine.core.ties import Ties
 from pipeengine.errors import PipelineError
-from pipeengine.observe.trace import Tracer
+from pipeengine.observe.trace import Spans
 from pipeengine.parallel.gradsync import GradientSync
 from pipeengine.parallel.leftout import check_replicated, refuse_headwise, whole_parameters
 from schedules import Action, Instruction, Kind
@@ -285,11 +285,11 @@ class TensorSum(GradientSync):
                 if param.grad is not None:
                     param.grad.zero_()
 
-    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Spans) -> None:
         raise PipelineError(f"{op}: the tensor-parallel ranks' gradient sum is started by no instruction, at the "
                             "step's end: a schedule has no instruction for it")
 
-    def end(self, tracer: Tracer) -> None:
+    def end(self, tracer: Spans) -> None:
         grads = []
         for param in self.params():
             if param.grad is None:  # unused here this step: its part of the sum is zero
@@ -299,7 +299,7 @@ class TensorSum(GradientSync):
         self._reduce(None, grads, self.tensor, what, 1)
         self._due = not self.checked
 
-    def finish(self, tracer: Tracer) -> None:
+    def finish(self, tracer: Spans) -> None:
         super().finish(tracer)
         if self._due:  # once per engine: a few numbers a parameter, gathered in one collective (leftout)
             self._due = False

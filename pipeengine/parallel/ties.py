@@ -19,7 +19,7 @@ from pipeengine.comm.base import Transport
 from pipeengine.comm.topology import Topology
 from pipeengine.core.ties import Ties
 from pipeengine.errors import PipelineError
-from pipeengine.observe.trace import Tracer
+from pipeengine.observe.trace import Spans
 from pipeengine.parallel.gradsync import GradientSync, SyncBytes, aligned, size
 from schedules import Action, Instruction, Kind, Schedule, tie_ranks
 
@@ -63,7 +63,7 @@ class TieSum(GradientSync):
                 elif scale > 1:
                     param.grad.mul_(scale)
 
-    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Tracer) -> None:
+    def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Spans) -> None:
         tie = self.groups.get(op.tie_group)
         if tie is None:
             raise PipelineError(f"{op}: this rank holds no weights of tie group {op.tie_group}")

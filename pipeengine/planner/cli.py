@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -162,7 +163,8 @@ def _problem(parser: argparse.ArgumentParser, problem: str) -> tuple[nn.Sequenti
     module, _, function = problem.partition(":")
     if not module or not function:
         parser.error(f"problem must be module:function (e.g. examples.train_gpt:planning), got {problem!r}")
-    sys.path.insert(0, ".")
+    sys.path.insert(0, os.getcwd())  # this folder, as it is now (a cached "." may name another)
+    importlib.invalidate_caches()
     try:
         found = importlib.import_module(module)
     except ImportError as error:

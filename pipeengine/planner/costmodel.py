@@ -10,7 +10,7 @@ beyond its input and output, and a layer's output inside the stage only if that 
     activation(a..b) = input(a) + sum saved_other(l) + sum out(l) [l or l+1 saves it] + out(b-1)
 
 A split backward's I keeps, until W, everything saved and the gradient arriving at each node with
-weights beneath it (measured per layer through pipeengine.runtime.backward), and lets the stage's output go
+weights beneath it (measured per layer through pipeengine.step.backward), and lets the stage's output go
 unless W needs it (something beneath W's restart points saved it), and what each layer saved for
 nodes above them (measured per layer: such tensors are the layer's own); on the first stage, whose
 input needs no gradient, W is the whole backward and keeps the received gradient instead. A step's

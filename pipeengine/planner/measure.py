@@ -60,7 +60,7 @@ def profile_layers(
     ``allocator``: watch each compute's allocations too (pipeengine.planner.transients; one thread of this process
     may profile at a time). A layer is measured compiled where the engine runs it so: the user compiled it, or
     ``compile`` (the engine's compile=: True or torch.compile's keywords); a compiled layer's I then makes its weight
-    gradients too, and its W is nothing (pipeengine.runtime.backward), as the engine runs it. ``progress()`` is called
+    gradients too, and its W is nothing (pipeengine.step.backward), as the engine runs it. ``progress()`` is called
     after each layer. ``tensor_parallel`` > 1: each layer as one of that many ranks runs it under ``tp_plan`` (the
     engine's: fnmatch patterns of the model's module names), with the collectives it runs (the module docstring); a
     plan that splits a parameter's dim into unequal shards is refused, naming it. ``warm``: on the CPU, each timed run

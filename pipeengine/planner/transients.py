@@ -31,7 +31,7 @@ from torch import nn
 from pipeengine.core.dtensors import settle, settled
 from pipeengine.core.specs import Tensors, unpack
 from pipeengine.observe.allocator import AllocatorWatch, AllocatorWatches
-from pipeengine.runtime.backward import backward_input
+from pipeengine.step.backward import backward_input
 
 __all__: list[str] = []
 
@@ -113,7 +113,7 @@ def optimizer_step(params: Sequence[nn.Parameter], device: torch.device) -> floa
 
 def stage(allocations: Sequence[Allocation], a: int, b: int, one_pass: bool = False) -> dict[str, float]:
     """A stage of layers [a, b): the simulator's transients (schedules.sim.memory_model), composed. ``one_pass``: its
-    W is one autograd call from its outputs (runtime.backward's, for a checkpointed stage), as the first stage's."""
+    W is one autograd call from its outputs (step.backward's, for a checkpointed stage), as the first stage's."""
     layers = allocations[a:b]
 
     def composed(index: int, backward: bool, peaks: Callable[[Allocation], float] | None = None,
@@ -132,7 +132,7 @@ def stage(allocations: Sequence[Allocation], a: int, b: int, one_pass: bool = Fa
         return top
 
     # the first stage's input needs no gradient: its I does nothing, and its W is its whole backward, one autograd
-    # call that returns every gradient before any is added to .grad (runtime.backward's fallback); a checkpointed
+    # call that returns every gradient before any is added to .grad (step.backward's fallback); a checkpointed
     # stage's W is one such call too (measured: a 2-block stage's later W held its 4 MiB of gradients, not 1)
     first = a == 0
     return {

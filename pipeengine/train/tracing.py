@@ -3,7 +3,7 @@
 ``with engine.tracing():`` (or ``trace=True``) runs each step under a Tracer (pipeengine.observe.trace) that
 the stepper hands down to the executor (``with tracing.step(...) as tracer: executor.run(..., tracer)``).
 A traced training step first measures each of this rank's stages once per batch shape and program
-(pipeengine.runtime.sizes: its worker run on the step's first micro-batch under a ledger, its state from the
+(pipeengine.step.sizes: its worker run on the step's first micro-batch under a ledger, its state from the
 optimizer's; what the gradient syncs hold from their protocol, pipeengine.parallel.gradsync), then samples the
 bytes held after every instruction. Rank 0 gathers one Timeline when the step ends.
 
@@ -27,8 +27,8 @@ from pipeengine.core.specs import unpack
 from pipeengine.observe.allocator import AllocatorWatch, training_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies
 from pipeengine.observe.trace import NULL_TRACER, RANGES_ONLY, Tracer, profiler_open, profiling
-from pipeengine.runtime.executor import Executor, StepInputs
-from pipeengine.runtime.sizes import optimizer_transient, stage_sizes
+from pipeengine.step.executor import Executor, StepInputs
+from pipeengine.step.sizes import optimizer_transient, stage_sizes
 from schedules import Kind, Schedule, Timeline
 
 __all__: list[str] = []

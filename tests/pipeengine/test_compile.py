@@ -158,7 +158,7 @@ def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_lef
     """Split backward over a compiled block (one autograd node for the whole region): I returns the input gradient
     and leaves the block's weight gradients whole in .grad; W has nothing to run; both equal eager autograd's. The
     eager head behind it keeps its usual split: its weights wait for W."""
-    from pipeengine.runtime.backward import backward_input, keep_compiled_graphs
+    from pipeengine.step.backward import backward_input, keep_compiled_graphs
 
     keep_compiled_graphs()
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeengine import PipelineEngine, launch
-from pipeengine.runtime.precision import GradScaler
+from pipeengine.step.precision import GradScaler
 from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
 from tests.pipeengine.parity import OneProcess, check_grads, close, model_parity

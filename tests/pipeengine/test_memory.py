@@ -128,7 +128,7 @@ def test_the_loss_a_step_keeps_per_micro_batch_holds_one_number() -> None:
     """CPU mse_loss returns a 0-d view of its elementwise buffer (a micro-batch's output in size): the losses a step
     keeps to report must not keep those buffers alive (the allocator saw 0.5 MiB per micro-batch more than the model
     on the last stage, and the ledger, which sees no such view, could not count it)."""
-    from pipeengine.runtime.stage import StageWorker
+    from pipeengine.step.stage import StageWorker
 
     worker = StageWorker(0, nn.Linear(64, 64), is_last=True, loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(128, 64, requires_grad=True), torch.randn(128, 64)

@@ -13,7 +13,7 @@ import torch
 from pipeengine import EngineConfig, PeerError, PipelineError, launch
 from pipeengine.comm.base import Transfer
 from pipeengine.comm.loopback import Hub, LoopbackTransport
-from pipeengine.runtime.executor import HANDLERS
+from pipeengine.step.executor import HANDLERS
 from schedules import Kind, parse
 from tests.pipeengine import ranks
 from tests.pipeengine.parity import model_parity

@@ -277,7 +277,7 @@ def test_a_weight_pass_makes_one_layers_gradients_at_a_time() -> None:
     node's are made (bound to a name across the loop, two layers' were alive at once: 4 MiB more per W on the
     benchmark MLP)."""
     from pipeengine.observe.allocator import AllocatorWatch
-    from pipeengine.runtime.backward import backward_input
+    from pipeengine.step.backward import backward_input
 
     torch.manual_seed(0)
     stage = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(3)])

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,7 +112,8 @@ def _model(spec: str, seq: int, precision: str = "bf16") -> Model:
     module, _, function = spec.partition(":")
     if not module or not function:
         raise ValueError(f"--model must be a config.json or module:function, got {spec!r}")
-    sys.path.insert(0, ".")
+    sys.path.insert(0, os.getcwd())  # this folder, as it is now (a cached "." may name another)
+    importlib.invalidate_caches()
     try:
         made = getattr(importlib.import_module(module), function)()
     except (ImportError, AttributeError) as error:

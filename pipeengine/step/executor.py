@@ -1,7 +1,7 @@
 """The executor: interprets one rank's instruction stream; it never decides order.
 
 Each instruction goes to the handler of its kind (a kind without one is refused): computes to the
-stage workers, sends and recvs to the step's mailbox (pipeengine.runtime.mailbox), AR and TR to
+stage workers, sends and recvs to the step's mailbox (pipeengine.step.mailbox), AR and TR to
 the gradient synchronisations (pipeengine.parallel.gradsync's Syncs). What a compute consumes and produces
 is schedules.ir.dataflow's. Data flows one way: the step's inputs in, a StepResult (losses,
 outputs) back.
@@ -9,21 +9,42 @@ outputs) back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeengine.comm.base import Transport
 from pipeengine.core.specs import Boundary, Tensors
 from pipeengine.errors import PipelineError, PlanError
-from pipeengine.observe.trace import NULL_TRACER, Tracer
 from pipeengine.parallel.gradsync import Syncs
-from pipeengine.runtime.mailbox import Mailbox
-from pipeengine.runtime.stage import StageWorker
+from pipeengine.step.mailbox import Mailbox
+from pipeengine.step.stage import StageWorker
 from schedules import Action, Dataflow, Instruction, Kind, Post, Schedule
 
+if TYPE_CHECKING:
+    from pipeengine.observe.trace import Spans
+
 __all__: list[str] = []
+
+
+class _Untraced:
+    """An untraced step's tracer: no spans, no samples, and nothing of pipeengine.observe entered (a traced step, or
+    one under the user's torch.profiler, runs under pipeengine.train.tracing's instead)."""
+
+    ledger = None
+    _nothing = nullcontext()
+
+    def span(self, action: Action, wait: bool = False) -> nullcontext[None]:
+        return self._nothing
+
+    def sample(self, action: Action, held: Iterable[torch.Tensor]) -> None:
+        """Never called: there is no ledger."""
+
+
+UNTRACED = _Untraced()
 
 
 @dataclass(frozen=True)
@@ -67,14 +88,15 @@ class Executor:
             flow = self._flows[id(program)] = Dataflow.of(program)
         return flow
 
-    def run(self, program: Schedule, step: StepInputs, tracer: Tracer = NULL_TRACER) -> StepResult:
+    def run(self, program: Schedule, step: StepInputs, traced: Spans | None = None) -> StepResult:
         """Run this rank's stream of ``program``; return the losses (training) or outputs (evaluation)."""
         flow = self.flow(program)
+        tracer: Spans = UNTRACED if traced is None else traced
         state = _Step(self, program, flow, step, tracer, Mailbox(self.pipeline, program, flow, step.boundaries, tracer))
         stream = program.instructions[self.rank]
         index, action = -1, None
         try:
-            if step.train:
+            if step.train and self.syncs.by_kind:
                 self.syncs.begin(step.average_replicas)
             for index, action in enumerate(stream):  # noqa: B007  (read in the except clause)
                 state.mailbox.reap()
@@ -86,7 +108,8 @@ class Executor:
                     tracer.sample(action, state.held())
             index, action = len(stream), None
             state.mailbox.complete()
-            self.syncs.finish(tracer, step.train)
+            if self.syncs.by_kind:
+                self.syncs.finish(tracer, step.train)
         except Exception as error:
             context = state.where(index, action)
             if isinstance(error, PlanError):  # the user's plan refused, on every rank: a ValueError still
@@ -107,7 +130,7 @@ class _Step:
     program: Schedule
     flow: Dataflow
     step: StepInputs
-    tracer: Tracer
+    tracer: Spans
     mailbox: Mailbox
     result: StepResult = field(default_factory=StepResult)
 

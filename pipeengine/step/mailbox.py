@@ -18,7 +18,7 @@ import torch
 from pipeengine.comm.base import Tensors, Transfer, Transport
 from pipeengine.core.specs import Boundary
 from pipeengine.errors import PeerError
-from pipeengine.observe.trace import Tracer
+from pipeengine.observe.trace import Spans
 from schedules import Action, Dataflow, Message, Schedule, ops_of
 
 __all__: list[str] = []
@@ -30,7 +30,7 @@ class Mailbox:
     program: Schedule
     flow: Dataflow
     boundaries: Sequence[Boundary]  # per stage, its output for one micro-batch: what a recv's buffers hold
-    tracer: Tracer
+    tracer: Spans
     outbox: dict[int, Tensors] = field(default_factory=dict)  # message key -> produced, until sent or taken here
     pending: dict[int, Transfer] = field(default_factory=dict)  # message key -> posted recv
     sending: deque[Transfer] = field(default_factory=deque)  # posted sends, oldest first

@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from pipeengine.core.dtensors import is_dtensor
 from pipeengine.core.specs import Boundary, Tensors, map_tensors, pack, unpack
 from pipeengine.parallel.fsdp import gather, stage_output, units
-from pipeengine.runtime.backward import WeightPass, backward_input
-from pipeengine.runtime.precision import autocast
+from pipeengine.step.backward import WeightPass, backward_input
+from pipeengine.step.precision import autocast
 
 __all__: list[str] = []
 
@@ -127,7 +127,7 @@ class StageWorker:
     def backward_input(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
         """The input gradients alone (zero-bubble I); the weight pass is kept for backward_weight."""
         inputs, outputs, grads = self._pop(mb, grad_outputs)
-        params = list(gather(self.module).parameters())  # FSDP: the graph used the whole ones
+        params = list((gather(self.module) if self.sharded else self.module).parameters())  # FSDP: the whole ones
         input_grads, self.weight_passes[mb] = backward_input(outputs, grads, inputs, params, self.checkpointed)
         return input_grads
 

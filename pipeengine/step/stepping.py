@@ -9,14 +9,17 @@ program run, and the step's loss returned the same on every rank.
       run: executor under the tracer        run
       loss: last stage -> pipeline -> replicas   outputs on the last stage's rank
 
-The step path runs down: engine -> Stepper -> Executor -> Mailbox -> Transport, the program cache
-(runtime.programs) and the tracer (train.tracing) handed to it; nothing here reaches back into construction.
+The step path runs down: engine -> Stepper -> Executor -> Mailbox -> Transport, with the program cache
+(step.programs); nothing here reaches back into construction. The tracing (train.tracing, handed to the stepper) is
+entered only for a traced step or one under the user's torch.profiler: an untraced step runs the executor under its
+own null tracer (step.executor.UNTRACED) and enters nothing outside step/, core/ and comm/ (tests/test_layout.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,11 +29,13 @@ from pipeengine.comm.topology import Topology
 from pipeengine.core.config import EngineConfig
 from pipeengine.core.specs import Boundary, Tensors, infer_boundaries, unpack
 from pipeengine.parallel.data import share_buffers
-from pipeengine.runtime.executor import Executor, StepInputs, StepResult
-from pipeengine.runtime.programs import Programs
-from pipeengine.train.losses import count_units
-from pipeengine.train.tracing import Tracing
+from pipeengine.step.executor import Executor, StepInputs, StepResult
+from pipeengine.step.losses import count_units
+from pipeengine.step.programs import Programs
 from schedules import Schedule
+
+if TYPE_CHECKING:
+    from pipeengine.train.tracing import Tracing
 
 __all__: list[str] = []
 
@@ -48,7 +53,7 @@ class Stepper:
         self.last_program: Schedule | None = None  # the streams the transport ran for the last step
         self._boundaries: dict[Boundary, list[Boundary]] = {}
         self._steps = {True: 0, False: 0}  # training and evaluation steps run, for error messages
-        self._summed_checked = False  # loss_count: whether loss_fn was found to return a sum (train.losses)
+        self._summed_checked = False  # loss_count: whether loss_fn was found to return a sum (step.losses)
         topology.world.engines += 1
         self._engine = topology.world.engines  # which engine of this world: in-process ranks infer its boundaries once
 
@@ -101,8 +106,11 @@ class Stepper:
     def run(self, program: Schedule, step: StepInputs) -> StepResult:
         self._steps[step.train] += 1
         self.last_program = program
-        with self.tracing.step(self.executor, program, step, self.params()) as tracer:
-            result = self.executor.run(program, step, tracer)
+        if self.tracing.enabled or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+            with self.tracing.step(self.executor, program, step, self.params()) as tracer:
+                result = self.executor.run(program, step, tracer)
+        else:  # untraced, no profiler recording: nothing of the tracing entered
+            result = self.executor.run(program, step)
         data = self.topology.data
         if data is not None and any(module.training for module in self.layers.stages.values()):
             share_buffers(self.layers.stages.values(), data)  # replica 0's (batch norm's statistics)

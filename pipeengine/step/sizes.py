@@ -21,7 +21,7 @@ from pipeengine.core.dtensors import settle
 from pipeengine.core.specs import Boundary, Tensors
 from pipeengine.observe.allocator import AllocatorWatch
 from pipeengine.observe.ledger import Ledger, StageSizes, storage
-from pipeengine.runtime.stage import StageWorker
+from pipeengine.step.stage import StageWorker
 
 __all__ = ["optimizer_transient", "stage_sizes"]
 
