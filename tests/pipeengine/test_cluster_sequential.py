@@ -111,8 +111,12 @@ def test_tensor_parallelism_and_more_stages_than_layers_are_refused_saying_why()
         check(described, Layout(tp=2, pp=1, dp=1, micro_batch=1, num_microbatches=1), machine())
     with pytest.raises(ValueError, match="pp=2 x chunks=2 stages, but the model has 3 layers"):
         check(described, Layout(1, 2, 1, 1, 4, "interleaved", 2), machine())
-    with pytest.raises(TypeError, match="an nn.Sequential of one layer or more, got Linear"):
+    with pytest.raises(TypeError, match="Sequential plans an nn.Sequential, got a Linear"):
         Sequential(nn.Linear(2, 2), torch.zeros(1, 2), seq=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="an nn.Sequential of one layer or more, got an empty one"):
+        Sequential(nn.Sequential(), torch.zeros(1, 2), seq=1)
+    with pytest.raises(ValueError, match="seq=8, but the sample's sequences are 5 tokens"):
+        Sequential(nn.Sequential(nn.Embedding(10, 4)), torch.zeros(1, 5, dtype=torch.long), seq=8)
 
 
 def test_a_meta_model_of_billions_of_parameters_plans_without_allocating() -> None:
@@ -148,3 +152,55 @@ def test_the_command_line_plans_the_planners_own_problem(tmp_path: Path, monkeyp
     assert "the tp_plan is not priced on clusters" in capsys.readouterr().err
     assert main(["--model", "problem_mlp:problem", *common, "--fix", "tp=2,pp=2,dp=2,micro_batch=4"]) == 2
     assert "tp=2: a generic nn.Sequential" in capsys.readouterr().err
+
+
+class Attention(nn.Module):
+    """Causal self-attention over the width's heads of 16 (no projections): scaled_dot_product_attention alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, width = x.shape
+        q = x.view(b, s, width // 16, 16).transpose(1, 2)
+        return nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(b, s, width)
+
+
+def test_attention_holds_no_score_matrix_as_a_gpu_s_fused_kernel_keeps_none() -> None:
+    described = Sequential(nn.Sequential(nn.Linear(64, 64), Attention()), torch.zeros(1, 256, 64), seq=256)
+    (_, attention) = described.profile(1)
+    scores = 256 * 256 * 4 * 2  # s x s a head, 4 heads, bf16: what the meta device's math path would save
+    assert 0 < attention.saved_bytes < scores
+
+
+def test_a_model_that_fails_at_a_micro_batch_size_is_planned_at_the_others() -> None:
+    """Batch norm over one row fails in training: micro-batches of one are refused saying so, the rest planned."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 8))
+    plan = search(Sequential(model, torch.zeros(1, 8), seq=1), 1, machine(), 8, dtype="bf16")
+    assert plan.rows and all(row.layout.micro_batch > 1 for row in plan.rows)
+    assert any("micro_batch=1: the model fails at this size" in why for why in plan.refused.values())
+    assert max(layout.micro_batch for layout in candidates(Sequential(model, torch.zeros(1, 8), seq=1), 1,
+                                                           machine(), 64)) == 64  # fmt: skip  # not capped at 16
+
+
+def test_a_tied_weight_is_held_once_by_the_rank_that_holds_both_its_layers() -> None:
+    def model(tied: bool) -> nn.Sequential:
+        embed, head = nn.Embedding(100, 32), nn.Linear(32, 100, bias=False)
+        if tied:
+            head.weight = embed.weight
+        return nn.Sequential(embed, head)
+
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    one_rank = Layout(tp=1, pp=1, dp=1, micro_batch=2, num_microbatches=2, recompute=False)
+    tied, apart = (price(Sequential(model(t), tokens, seq=4), one_rank, machine(), "bf16") for t in (True, False))
+    assert apart.peak_bytes - tied.peak_bytes == 16 * 100 * 32  # the state of one weight of 100 x 32
+    two_ranks = dataclasses.replace(one_rank, pp=2)  # each rank its own copy, as the engine's tied ranks hold it
+    assert price(Sequential(model(True), tokens, seq=4), two_ranks, machine(), "bf16").peak_bytes == \
+        price(Sequential(model(False), tokens, seq=4), two_ranks, machine(), "bf16").peak_bytes  # fmt: skip
+
+
+def test_when_nothing_fits_the_refusal_names_the_layout_needing_the_least() -> None:
+    described = Sequential(three(), torch.zeros(1, 64), seq=1)
+    hw = machine(memory=1e4)
+    least = min(estimate(described, layout, hw, "bf16").peak_bytes for layout in candidates(described, 4, hw, 16))
+    plan = search(described, 4, hw, 16, dtype="bf16")
+    assert plan.closest is not None and plan.closest.peak_bytes == least
+    with pytest.raises(ValueError, match=f"the one needing the least memory, {plan.closest.layout.describe()}, needs"):
+        plan.best  # noqa: B018

@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
                       help="the replicas shard the weights and optimizer state (FSDP2), copy them, or either")
     made.add_argument("--fix", help="price this one layout: tp=8,pp=2,dp=32,micro_batch=4[,schedule=1f1b,chunks=1,"
                       "recompute=always,fsdp=never]")  # fmt: skip
+    made.add_argument("--max-micro-batch", type=int, help="the largest micro-batch searched (default: 16 sequences "
+                      "for a transformer, a replica's whole batch for an nn.Sequential)")  # fmt: skip
     made.add_argument("--json", type=Path, help="write the rows here")
     made.add_argument("--plot", type=Path, default=Path("out/plan/cluster_plan.png"), help="where the plot goes")
     return made
@@ -82,17 +84,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows, said = [price(model, layout, hw, args.precision)], f"{layout.describe()} priced"
         else:
             plan = search(model, args.devices, hw, args.global_batch, recompute=args.recompute, dtype=args.precision,
-                          fsdp=args.fsdp)  # fmt: skip
+                          fsdp=args.fsdp, max_micro_batch=args.max_micro_batch)  # fmt: skip
             rows = plan.rows
             said = (f"{plan.considered} layouts considered in {plan.seconds:.2f} s, {len(plan.refused)} refused "
-                    f"(past the device's memory), the best {len(rows)} replayed")  # fmt: skip
+                    "(past the device's memory, or a micro-batch size the model fails at), the best "
+                    f"{len(rows)} replayed")  # fmt: skip
             if not rows:
                 plan.best  # noqa: B018  (raises, saying the smallest need against the device's memory)
     except (ValueError, TypeError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"{hw.name}, {args.devices} devices ({hw.devices_per_node} a node), {model.layers} layers, "
-          f"{model.parameters / 1e9:.1f}B parameters, {args.global_batch} x {args.seq} tokens a step: {said}")
+          f"{_count(model.parameters)} parameters, {args.global_batch} x {args.seq} tokens a step: {said}")
     for row in rows:
         print(_line(row))
     if args.json is not None:
@@ -123,12 +126,18 @@ def _model(spec: str, seq: int, precision: str = "bf16") -> Model:
         return made
     if hasattr(made, "num_hidden_layers"):
         return from_config(made, seq)
-    if isinstance(made, tuple) and len(made) in (3, 4) and isinstance(made[0], nn.Sequential):
+    if isinstance(made, tuple) and len(made) in (3, 4):
+        if not isinstance(made[0], nn.Sequential):
+            raise TypeError(f"{spec}() returned (model, loss_fn, sample) with a {type(made[0]).__name__} for the "
+                            "model: the cluster planner takes an nn.Sequential (its layers, the pipeline's to cut)")
         if len(made) == 4:
             print("note: the tp_plan is not priced on clusters: a generic nn.Sequential is planned at tp=1",
                   file=sys.stderr)  # fmt: skip
         return Sequential(made[0], made[2], seq, torch.float16 if precision == "fp16" else torch.bfloat16)
-    raise TypeError(f"{spec}() returned a {type(made).__name__}: return a transformers config, a Transformer, or "
+    if isinstance(made, nn.Sequential):
+        raise TypeError(f"{spec}() returned the model alone: return (model, loss_fn, sample), sample one batch whose "
+                        "first dimension is the rows (only its shapes are read)")  # fmt: skip
+    raise TypeError(f"{spec}() returned {type(made).__name__!r}: return a transformers config, a Transformer, or "
                     "(model, loss_fn, sample[, tp_plan]) as for the planner on this machine, model an nn.Sequential "
                     "(build a large one under `with torch.device('meta'):`)")
 
@@ -166,9 +175,16 @@ def _fixed(text: str, global_batch: int, recompute: str = "search", fsdp: str = 
     return Layout(tp, pp, dp, b, global_batch // (dp * b), schedule, chunks, recompute=again, fsdp=sharded)
 
 
+def _count(parameters: float) -> str:
+    return f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
+
+
 def _line(row: Price) -> str:
-    memory = f"{row.peak_bytes / 2**30:.1f} GiB" + (f" (refused: {row.refused})" if row.refused else "")
-    return (f"  {row.layout.describe():<48} step {row.step_s:8.3f} s  {row.tokens_per_s:12,.0f} tokens/s  "
+    gib = row.peak_bytes >= 2**30
+    memory = f"{row.peak_bytes / 2**30:.1f} GiB" if gib else f"{row.peak_bytes / 2**20:.1f} MiB"
+    memory += f" (refused: {row.refused})" if row.refused else ""
+    step = f"{row.step_s:8.3f} s " if row.step_s >= 1 else f"{row.step_s * 1e3:8.3f} ms"
+    return (f"  {row.layout.describe():<48} step {step}  {row.tokens_per_s:12,.0f} tokens/s  "
             f"MFU {row.mfu:5.1%}  peak {memory}")  # fmt: skip
 
 

@@ -261,12 +261,16 @@ def _priced(model: Model, layout: Layout, hw: Hardware, dtype: str, parts: Parts
     step = pipeline + parts.replicas + parts.optimizer
     global_batch = layout.micro_batch * layout.num_microbatches * layout.dp
     flops = model.flops_per_step(global_batch) / step / layout.devices
-    need, have = parts.peak_bytes / 2**30, hw.memory_bytes / 2**30
-    refused = f"needs {need:.1f} GiB a device, the device has {have:.1f} GiB" if need > have else ""
+    refused = f"needs {_size(parts.peak_bytes)} a device, the device has {_size(hw.memory_bytes)}" \
+        if parts.peak_bytes > hw.memory_bytes else ""  # fmt: skip
     shares = {"pipeline": pipeline, "data-parallel sync": parts.replicas, "optimizer": parts.optimizer,
               "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces}  # fmt: skip
     return Price(layout, step, global_batch * model.seq / step, flops / 1e12, flops / hw.peak_flops[dtype],
                  parts.peak_bytes, shares, refused)  # fmt: skip
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def check(model: Model, layout: Layout, hw: Hardware) -> None:

@@ -9,12 +9,12 @@ simulator ranks what is left. A layout the user fixes is priced by the same ``pr
 it was found.
 
 What is searched: tp dividing the devices of a node and the heads (tensor parallelism stays inside a node; a generic
-nn.Sequential, ``sequential.Sequential``, keeps tp=1); pp dividing a transformer's layers (a Sequential's: any pp
-up to its layers, the stages cut by time); dp = W / (tp pp) dividing the global batch; micro-batch sizes dividing a
-replica's batch (up to ``max_micro_batch``); 1F1B, interleaved 1F1B with v chunks where v divides the layers of a
-stage and the micro-batches divide by pp (Megatron-LM's rule), ZB-H1 and ZB-V (the backward split into I and W, Qi
-et al.); full recomputation or none (``recompute``); the replicas copying the weights or sharding them with FSDP2
-(``fsdp``, where dp > 1).
+nn.Sequential, ``sequential.Sequential``, keeps tp=1); pp dividing a transformer's layers (a Sequential's: any pp up
+to its layers, the stages cut by time); dp = W / (tp pp) dividing the global batch; micro-batch sizes dividing a
+replica's batch (up to ``max_micro_batch``: by default 16 for a transformer, a replica's batch for a Sequential);
+1F1B, interleaved 1F1B with v chunks where v divides the layers of a stage and the micro-batches divide by pp
+(Megatron-LM's rule), ZB-H1 and ZB-V (the backward split into I and W, Qi et al.); full recomputation or none
+(``recompute``); the replicas copying the weights or sharding them with FSDP2 (``fsdp``, where dp > 1).
 """
 
 from __future__ import annotations
@@ -45,11 +45,16 @@ class ClusterPlan:
     considered: int
     refused: dict[str, str] = field(default_factory=dict)  # a layout -> why it cannot run
     seconds: float = 0.0
+    closest: Price | None = None  # of the layouts refused for memory, the one that needs the least
 
     @property
     def best(self) -> Price:
         if not self.rows:
-            raise ValueError(f"no layout of the {self.considered} considered fits: "
+            if self.closest is not None:
+                raise ValueError(f"no layout of the {self.considered} considered fits; the one needing the least "
+                                 f"memory, {self.closest.layout.describe()}, {self.closest.refused}: give the devices "
+                                 "more memory, or more devices")  # fmt: skip
+            raise ValueError(f"no layout of the {self.considered} considered can run: "
                              f"{next(iter(self.refused.values()), 'none was possible')}")  # fmt: skip
         return self.rows[0]
 
@@ -62,7 +67,7 @@ CHOICES = {"always": (True,), "never": (False,), "search": (True, False)}
 
 
 def candidates(model: Model, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
-               max_micro_batch: int = 16, schedules: tuple[str, ...] = SCHEDULES, fsdp: str = "search"
+               max_micro_batch: int | None = None, schedules: tuple[str, ...] = SCHEDULES, fsdp: str = "search"
                ) -> list[Layout]:  # fmt: skip
     """Every layout the module docstring lists: the devices and the global batch split whole, and each layout one
     that ``layout.check`` (the rules a fixed layout is held to: one set of rules) lets through."""
@@ -76,13 +81,22 @@ def candidates(model: Model, devices: int, hw: Hardware, global_batch: int, reco
                 continue
             dp = devices // (tp * pp)
             replica = global_batch // dp
-            for b in _divisors(replica, min(replica, max_micro_batch)):
+            for b in _divisors(replica, min(replica, _largest(model, replica, max_micro_batch))):
                 m = replica // b
                 for schedule, v in _schedules(model.layers // pp, pp, m, schedules):
                     for again in CHOICES[recompute]:
                         for sharded in CHOICES[fsdp] if dp > 1 else (False,):  # one replica: nothing to shard
                             out.append(Layout(tp, pp, dp, b, m, schedule, v, again, sharded))
     return [layout for layout in out if _allowed(model, layout, hw)]
+
+
+def _largest(model: Model, replica: int, max_micro_batch: int | None) -> int:
+    """The largest micro-batch searched: ``max_micro_batch``, else 16 sequences for a transformer (Megatron-LM's
+    runs use 1 to 16) and a replica's whole batch for any other model (a micro-batch of a few rows of an MLP
+    leaves a GPU idle)."""
+    if max_micro_batch is not None:
+        return max_micro_batch
+    return 16 if isinstance(model, Transformer) else replica
 
 
 def _allowed(model: Model, layout: Layout, hw: Hardware) -> bool:
@@ -106,7 +120,7 @@ def _schedules(layers: int, pp: int, m: int, allowed: tuple[str, ...]) -> list[t
 
 
 def search(model: Model, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
-           dtype: str = "fp16", replayed: int = 3, max_micro_batch: int = 16,
+           dtype: str = "fp16", replayed: int = 3, max_micro_batch: int | None = None,
            schedules: tuple[str, ...] = SCHEDULES, runtime: Runtime = PIPEENGINE, fsdp: str = "search"
            ) -> ClusterPlan:  # fmt: skip
     """The fastest layouts of ``model`` on ``devices`` devices of ``hw`` for ``global_batch`` sequences a step, as
@@ -121,10 +135,16 @@ def search(model: Model, devices: int, hw: Hardware, global_batch: int, *, recom
                          f"{heads}and a global batch of {global_batch}: change one of them")  # fmt: skip
     refused: dict[str, str] = {}
     fitting: list[Price] = []
+    closest: Price | None = None
     for layout in layouts:
-        guess = estimate(model, layout, hw, dtype, runtime)
+        try:
+            guess = estimate(model, layout, hw, dtype, runtime)
+        except ValueError as error:  # the model cannot run this layout (a Sequential's forward at one micro-batch)
+            refused[layout.describe()] = str(error)
+            continue
         if guess.refused:
             refused[layout.describe()] = guess.refused
+            closest = guess if closest is None or guess.peak_bytes < closest.peak_bytes else closest
         else:
             fitting.append(guess)
     fitting.sort(key=lambda priced: priced.step_s)
@@ -135,7 +155,8 @@ def search(model: Model, devices: int, hw: Hardware, global_batch: int, *, recom
         priced = price(model, guessed.layout, hw, dtype, runtime)
         if priced.refused:
             refused[priced.layout.describe()] = priced.refused
+            closest = priced if closest is None or priced.peak_bytes < closest.peak_bytes else closest
         else:
             rows.append(priced)
     rows.sort(key=lambda priced: priced.step_s)
-    return ClusterPlan(rows, len(layouts), refused, time.perf_counter() - started)
+    return ClusterPlan(rows, len(layouts), refused, time.perf_counter() - started, closest)

@@ -31,7 +31,7 @@ config is priced at every tp) and the loss (the trace stops at the last layer's 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +41,7 @@ from pipeengine.construction.measure import layer_bytes
 from pipeengine.construction.partition import solve
 from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.planner.cluster import collectives
-from pipeengine.planner.cluster.costs import Op, trace
+from pipeengine.planner.cluster.costs import Op, fused_attention, trace
 from pipeengine.planner.cluster.layout import V_SHAPED, Parts, phase_seconds, schedule_of, sync_seconds
 
 if TYPE_CHECKING:
@@ -80,35 +80,52 @@ class Sequential:
 
     def __init__(self, model: nn.Sequential, sample: torch.Tensor | Tensors, seq: int,
                  dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
-        if not isinstance(model, nn.Sequential) or not len(model):
-            raise TypeError(f"Sequential plans an nn.Sequential of one layer or more, got {type(model).__name__}")
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(f"Sequential plans an nn.Sequential, got a {type(model).__name__}: wrap its layers in one")
+        if not len(model):
+            raise ValueError("Sequential plans an nn.Sequential of one layer or more, got an empty one")
         if any(t.dim() == 0 for t in unpack(sample)):
             raise ValueError("sample: its tensors' first dimension is the batch; give at least one row")
         if seq < 1:
             raise ValueError(f"seq={seq}: tokens a sample, 1 or more (1 counts samples)")
+        tokens = unpack(sample)[0]
+        if not tokens.is_floating_point() and tokens.dim() >= 2 and tokens.shape[1] != seq:
+            raise ValueError(f"seq={seq}, but the sample's sequences are {tokens.shape[1]} tokens (its second "
+                             f"dimension): give seq={tokens.shape[1]}, or a sample of {seq} tokens")  # fmt: skip
         self._layers = [meta_copy(layer).to(dtype) for layer in model]
         self._sample = map_tensors(sample, lambda t: torch.empty(t.shape[1:], dtype=dtype if t.is_floating_point()
                                                                  else t.dtype, device="meta"))  # fmt: skip
         self.layers, self.seq = len(model), seq
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        self.layer_parameters = tuple(float(sum(p.numel() for p in layer.parameters())) for layer in self._layers)
+        self._owned = [{id(p): float(p.numel()) for p in layer.parameters()} for layer in model]  # tied: one id
         self.parameters = float(sum(p.numel() for p in model.parameters()))  # a weight shared by two layers once
         self._profiles: dict[int, list[_Layer]] = {}
         self._seconds: dict[tuple[int, str, str], list[dict[str, float]]] = {}
         self._bounds: dict[tuple[int, int, str, str], list[tuple[int, int]]] = {}
         self._held: dict[tuple[object, ...], list[float]] = {}
-        self._flops_per_sample = float(sum(op.flops for layer in self.profile(1) for op in layer.ops))
 
     def flops_per_step(self, global_batch: int) -> float:
-        """The model's FLOPs a step: its traced forward and backward, recomputation not counted (model FLOPs)."""
-        return self._flops_per_sample * global_batch
+        """The model's FLOPs a step: its traced forward and backward, recomputation not counted (model FLOPs), from
+        the smallest micro-batch traced so far (the FLOPs of a layer grow with its rows)."""
+        size = min(self._profiles, default=global_batch)
+        return sum(op.flops for layer in self.profile(size) for op in layer.ops) / size * global_batch
 
     def profile(self, micro_batch: int) -> list[_Layer]:
-        """Each layer's ops and bytes at this micro-batch size (traced once a size)."""
+        """Each layer's ops and bytes at this micro-batch size (traced once a size); a ValueError where the model's
+        forward fails at that size on the meta device (batch norm over one row, say)."""
         found = self._profiles.get(micro_batch)
         if found is None:
-            found = self._profiles[micro_batch] = self._traced(micro_batch)
+            try:
+                found = self._traced(micro_batch)
+            except (RuntimeError, ValueError) as error:
+                raise ValueError(f"micro_batch={micro_batch}: the model fails at this size on the meta device "
+                                 f"({type(error).__name__}: {error})") from error  # fmt: skip
+            self._profiles[micro_batch] = found
         return found
+
+    def _parameters(self, layers: Iterable[int]) -> float:
+        """The parameters these layers hold, a weight they share once."""
+        return float(sum({key: n for i in layers for key, n in self._owned[i].items()}.values()))
 
     def _traced(self, micro_batch: int) -> list[_Layer]:
         value: torch.Tensor | Tensors = map_tensors(self._sample, lambda t: t.expand(micro_batch, *t.shape).clone())
@@ -121,7 +138,8 @@ class Sequential:
                    tuple((tuple(t.shape), t.dtype) for t in unpack(value)))  # fmt: skip
             if key not in alike:
                 ops = trace(layer, grad)
-                alike[key] = (ops, float(layer_bytes(layer, value, first)["saved"]))
+                with fused_attention():  # what a GPU saves: no score matrix (as trace prices the time)
+                    alike[key] = (ops, float(layer_bytes(layer, value, first)["saved"]))
             ops, saved = alike[key]
             with torch.device("meta"), torch.no_grad():
                 following = map_tensors(layer(value), torch.Tensor.detach)
@@ -172,7 +190,7 @@ class Sequential:
         backward = total(lambda i: seconds[i]["backward"])
         if layout.recompute:
             backward = [b_ + f for b_, f in zip(backward, forward, strict=True)]
-        params = total(lambda i: self.layer_parameters[i])
+        params = [self._parameters(range(lo, hi)) for lo, hi in bounds]
         accumulate = [n * runtime.accumulate_bytes / hw.memory_bandwidth * (m - 1) / m for n in params]
         weight = [w + a for w, a in zip(weight, accumulate, strict=True)]
         backward = [b_ + a for b_, a in zip(backward, accumulate, strict=True)]
@@ -187,7 +205,7 @@ class Sequential:
         ranks = [[rank, 2 * p - 1 - rank] for rank in range(p)] if layout.schedule in V_SHAPED else \
             [list(range(rank, stages, p)) for rank in range(p)]  # fmt: skip
         per = STATE_BYTES - SHARDED_BYTES + SHARDED_BYTES / layout.dp if layout.fsdp else STATE_BYTES
-        state = [sum(params[s] for s in mine) * per for mine in ranks]
+        state = [self._parameters(i for s in mine for i in range(*bounds[s])) * per for mine in ranks]
         replicas, optimizer = sync_seconds(max(state) / per, self.dtype_bytes, layout, hw, runtime, backward)
         saved = total(lambda i: rows[i].saved_bytes)
         held = [inputs[s] + saved[s] if layout.recompute else saved[s] for s in range(stages)]  # one micro-batch
