@@ -210,10 +210,10 @@ def _state(seq: nn.Module, grads: bool = True) -> dict[str, dict[str, torch.Tens
             "buffers": {n: b.detach().clone() for n, b in seq.named_buffers()}}  # fmt: skip
 
 
-def run(config: Config, directory: str, index: int = 0) -> None:
+def run(config: Config, directory: str) -> None:
     """The configuration on every rank of this world (see the module docstring)."""
     model = build(config)
-    once = Once((str(config), index))
+    once = Once(str(config))
     one = once.holder(lambda: _reference(model, config))
     if config.compile == "on":
         compiled(model)

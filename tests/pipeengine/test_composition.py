@@ -13,6 +13,7 @@ import pytest
 from pipeengine import launch
 from tests.composition import Config, matrix
 from tests.composition.harness import build, engine_for, run
+from tests.pipeengine import ranks
 
 pytest.importorskip("transformers")
 # imported here, before any launch, so that the ranks' fork server imports the Llama once for all (launch's PRELOAD)
@@ -39,29 +40,85 @@ def worlds() -> dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]
     return named
 
 
+def ident(config: Config) -> str:
+    """A configuration's name, from its levels alone: stable when others are added, removed or reordered."""
+    c = config
+    return (f"{c.schedule}-{c.data}-tp{c.tp}-tie_{c.tie}-{c.loss}-acc{c.accumulate}-{c.precision}-ckpt_{c.checkpoint}"
+            f"-{c.after}-{c.model}-compile_{c.compile}")  # fmt: skip
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if metafunc.function is test_every_configuration_trains_like_one_process_or_is_refused_with_its_message:
-        metafunc.parametrize("name", sorted(worlds()))
+    """Each configuration its own test id (its world's name, then its levels), the configurations of a world in one
+    xdist group: the world starts once, on one worker, for all its configurations that were selected."""
+    if metafunc.function is test_each_configuration_trains_like_one_process_or_is_refused_with_its_message:
+        params = [pytest.param(name, ident(config), id=f"{name}:{ident(config)}", marks=pytest.mark.xdist_group(name))
+                  for name, (_, _, configs, refusals) in sorted(worlds().items())
+                  for config in [*(c for c, _ in refusals), *configs]]  # fmt: skip
+        metafunc.parametrize("world_name, config_id", params)
 
 
 def every(configs: list[Config], refusals: list[tuple[Config, str]], directory: str) -> None:
-    """The refusals first (each on every rank), then each configuration against one process."""
+    """The refusals first (each on every rank), then each configuration against one process; each one done on every
+    rank is written down (rank 0 appends its name to ``directory``/done) before the next starts."""
+    done = Path(directory) / "done"
     for config, message in refusals:
         with pytest.raises(ValueError, match=message):
             engine_for(config, build(config))
-    for index, config in enumerate(configs):
+        _done(done, config)
+    for config in configs:
         try:
-            run(config, f"{directory}/{index}", index)
+            run(config, f"{directory}/{ident(config)}")
         except Exception as error:
-            error.add_note(f"in the composition matrix's configuration {config}")
+            error.add_note(f"in the composition matrix's configuration {ident(config)}")
             raise
+        _done(done, config)
+
+
+def _done(path: Path, config: Config) -> None:
+    ranks.barrier()
+    if ranks.rank() == 0:
+        with path.open("a") as file:
+            file.write(ident(config) + "\n")
+
+
+_OUTCOMES: dict[str, dict[str, str]] = {}  # world -> configuration -> "" (passed) or why it failed
+
+
+def outcomes(name: str, session: pytest.Session, directory: Path) -> dict[str, str]:
+    """Run the world's selected configurations (once per worker: the first of its tests asks) and say how each did:
+    those done on every rank passed; the one it stopped at failed with the error; any after it did not run."""
+    found = _OUTCOMES.get(name)
+    if found is not None:
+        return found
+    selected = {item.callspec.params["config_id"] for item in session.items
+                if hasattr(item, "callspec") and item.callspec.params.get("world_name") == name}  # fmt: skip
+    processes, world, configs, refusals = worlds()[name]
+    configs = [c for c in configs if ident(c) in selected]
+    refusals = [(c, message) for c, message in refusals if ident(c) in selected]
+    error = ""
+    try:
+        launch(every, world, args=(configs, refusals, str(directory)), timeout=360, in_process=not processes)
+    except Exception as raised:  # noqa: BLE001  (reported by the configuration it stopped at)
+        error = f"{type(raised).__name__}: {raised}\n" + "\n".join(getattr(raised, "__notes__", []))
+    done = set((directory / "done").read_text().split()) if (directory / "done").exists() else set()
+    order = [ident(c) for c, _ in refusals] + [ident(c) for c in configs]
+    stopped = next((cid for cid in order if cid not in done), None)
+    found = {cid: "" if cid in done else error if cid == stopped else f"not run: {stopped} of this world failed first"
+             for cid in order}  # fmt: skip
+    _OUTCOMES[name] = found
+    return found
 
 
 @pytest.mark.timeout(400)
-def test_every_configuration_trains_like_one_process_or_is_refused_with_its_message(name: str, tmp_path: Path
-                                                                                    ) -> None:  # fmt: skip
-    processes, world, configs, refusals = worlds()[name]
-    launch(every, world, args=(configs, refusals, str(tmp_path)), timeout=360, in_process=not processes)
+def test_each_configuration_trains_like_one_process_or_is_refused_with_its_message(
+    world_name: str, config_id: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:  # fmt: skip
+    """One configuration of the matrix against one process (or refused with its documented message). Its world
+    runs every selected configuration of it in one launch, on the first of their tests: `pytest -k` one id and
+    only that configuration runs."""
+    failed = outcomes(world_name, request.session, tmp_path_factory.mktemp(world_name))[config_id]
+    if failed:
+        pytest.fail(failed, pytrace=False)
 
 
 def test_the_matrix_is_its_committed_table() -> None:
