@@ -150,7 +150,7 @@ def test_the_matrix_covers_every_pair_that_can_go_together_as_the_design_page_sa
     assert sum(len(refusals) for *_, refusals in worlds().values()) == len(found.refused) > 0
 
 
-ROUND_4 = {  # the reliability round 4 issue's defects, each the levels that together made it
+DEFECTS_OF_CROSSINGS = {  # defects once found where features crossed, each the levels that together made it
     "accumulation x a tie x replicas": {"accumulate": {2}, "tie": {"across"}, "data": {"dp2"}},
     "accumulation x a tie x FSDP": {"accumulate": {2}, "tie": {"across"}, "data": {"fsdp", "fsdp-reshard"}},
     "accumulation x replicas x loss_count": {"accumulate": {2}, "loss": {"sum"}, "data": {"dp2"}},
@@ -167,8 +167,8 @@ ROUND_4 = {  # the reliability round 4 issue's defects, each the levels that tog
 }
 
 
-@pytest.mark.parametrize("defect", sorted(ROUND_4))
-def test_each_defect_of_reliability_round_4_is_in_a_configuration(defect: str) -> None:
-    wanted = ROUND_4[defect]
+@pytest.mark.parametrize("defect", sorted(DEFECTS_OF_CROSSINGS))
+def test_each_crossing_that_once_failed_is_in_a_configuration(defect: str) -> None:
+    wanted = DEFECTS_OF_CROSSINGS[defect]
     held = [c for c in matrix().running if all(getattr(c, name) in levels for name, levels in wanted.items())]
     assert held, f"no configuration of the matrix holds {defect}: {wanted}"
