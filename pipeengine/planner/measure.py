@@ -28,9 +28,9 @@ from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.parallel import tensor
 from pipeengine.planner import transients
 from pipeengine.planner.costmodel import LayerProfile
-from pipeengine.planner.elsewhere import elsewhere
+from pipeengine.planner.elsewhere import elsewhere, one_process
 
-__all__ = ["parameter_keys", "profile_layers"]
+__all__ = ["measure_layouts", "parameter_keys", "profile_layers"]
 
 
 def parameter_keys(model: Iterable[nn.Module], sizes: Sequence[Sequence[int]] | None = None
@@ -81,6 +81,38 @@ def profile_layers(
             return _measured(model, sample, rows, **arguments, progress=progress, shard=(mesh, shards))  # type: ignore[arg-type]
     return _measured(model, sample, rows, repeats=repeats, device=device, threads=threads, loss=loss, target=target,
                      timed=timed, allocator=allocator, compile=compile, progress=progress, warm=warm)  # fmt: skip
+
+
+def measure_layouts(model: nn.Sequential, sample: torch.Tensor | Tensors, wanted: Sequence[tuple[int, int, bool]],
+                    measuring: Mapping[str, object], progress: Callable[[int, int, int], None] | None = None
+                    ) -> tuple[dict[tuple[int, int, bool], LayerProfile], dict[int, str]]:  # fmt: skip
+    """The layers profiled (``profile_layers`` with ``measuring``'s options) at each (rows, tensor-parallel degree,
+    host path warm) in ``wanted``, and the degrees whose plan cannot split a layer equally (tp -> why; their other
+    sizes are not measured). ``progress(done, layers, sizes)``: 0 first, then after each layer at each size."""
+    done, layers = 0, len(model)
+    if progress is not None:
+        progress(0, layers, len(wanted))
+
+    def layer_done() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, layers, len(wanted))
+
+    profiles: dict[tuple[int, int, bool], LayerProfile] = {}
+    failed: dict[int, str] = {}
+    with one_process():  # on a rank (schedule="auto"), the TP shards measured in one fresh process, not one each
+        for rows, tp, alone in wanted:
+            if tp in failed:
+                continue
+            try:
+                profiles[rows, tp, alone] = profile_layers(model, sample, rows, progress=layer_done, tensor_parallel=tp,
+                                                           warm=alone, **measuring)  # type: ignore[arg-type]  # fmt: skip
+            except ValueError as error:
+                if tp == 1:
+                    raise
+                failed[tp] = str(error)
+    return profiles, failed
 
 
 def _measured(

@@ -45,8 +45,7 @@ from pipeengine.parallel import checked_ties
 from pipeengine.planner import calibration
 from pipeengine.planner.calibration import Prices
 from pipeengine.planner.costmodel import LayerProfile
-from pipeengine.planner.elsewhere import one_process
-from pipeengine.planner.measure import profile_layers
+from pipeengine.planner.measure import measure_layouts
 from pipeengine.planner.pricing import Spec, in_parallel, price
 from pipeengine.planner.result import Candidate, TuneResult
 from schedules import SCHEDULES, Schedule, Semantics, build_schedule, registration, with_gradient_sync
@@ -108,21 +107,8 @@ def tune(
     processors, where there are enough candidates and the platform forks).
     """
     _check_problem(model, sample, target)
-    for label, value in (("world_size", world_size), ("data_parallel", 1 if data_parallel is None else data_parallel),
-                         ("tensor_parallel", 1 if tensor_parallel is None else tensor_parallel),
-                         ("max_microbatches", max_microbatches),
-                         ("repeats", repeats), *(("each of microbatches", m) for m in microbatches or ())):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{label} must be a positive int, got {value!r}")
-    if fsdp and data_parallel is not None and data_parallel < 2:
-        raise ValueError(f"fsdp=True shards the state over the data-parallel replicas, but data_parallel="
-                         f"{data_parallel}: pass data_parallel=2 (or more), or leave fsdp out")  # fmt: skip
-    if (tensor_parallel or 1) > 1 and tp_plan is None:
-        raise ValueError(f"tensor_parallel={tensor_parallel} needs tp_plan= (the engine's) to shard the layers by")
-    for option in checkpoint:
-        if option not in CHECKPOINTING:
-            raise ValueError(f"checkpoint options are {', '.join(CHECKPOINTING)}, got {option!r}")
-    check_memory_limit(memory_limit)
+    _check_options(world_size, data_parallel, tensor_parallel, tp_plan, fsdp, checkpoint, max_microbatches, repeats,
+                   microbatches, memory_limit)  # fmt: skip
     rates = prices if isinstance(prices, Prices) else calibration.load(prices)
     if rates.world_size is not None and rates.world_size != world_size:
         warnings.warn(
@@ -151,51 +137,22 @@ def tune(
 
     started = time.perf_counter()
     where = torch.device(device) if device is not None else torch.device("cpu")
-    share = threads or max(1, (os.cpu_count() or 1) // world_size)
     if where.type == "cpu" and reuse_memory:
         keep_freed_memory()
-    # a layout of one pipeline rank runs every layer back to back: its layers timed with the host path warm (measure)
-    warm = where.type == "cpu"
-    wanted = sorted({(per_replica[dp] // m, tp, warm and pp == 1) for dp, pp, tp in found for m in counts[dp]})
-    done, layers = 0, len(model)
-    if progress is not None:
-        progress(0, layers, len(wanted))
-
-    def layer_done() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, layers, len(wanted))
-
-    profiles: dict[tuple[int, int, bool], LayerProfile] = {}
-    with one_process():  # on a rank (schedule="auto"), the TP shards measured in one fresh process, not one each
-        for rows, tp, alone in wanted:
-            if not any(t == tp for _, _, t in found):  # refused at another size already
-                continue
-            try:
-                profiles[rows, tp, alone] = profile_layers(
-                    model, sample, rows, repeats=repeats, device=where, threads=share, loss=loss_fn, target=target,
-                    allocator=allocator, compile=compile, progress=layer_done, tensor_parallel=tp,
-                    tp_plan=tp_plan, warm=alone)  # fmt: skip
-            except ValueError as error:  # a plan this degree cannot split equally: every layout of it is refused
-                if tp == 1:
-                    raise
-                for layout in [x for x in found if x[2] == tp]:
-                    refused[_named(layout)] = str(error)
-                    found.remove(layout)
+    measuring = {"repeats": repeats, "device": where, "threads": threads or max(1, (os.cpu_count() or 1) // world_size),
+                 "loss": loss_fn, "target": target, "allocator": allocator, "compile": compile, "tp_plan": tp_plan}
+    # a layout of one pipeline rank runs every layer back to back: on the CPU, its layers timed with the host path warm
+    wanted = sorted({(per_replica[dp] // m, tp, where.type == "cpu" and pp == 1) for dp, pp, tp in found
+                     for m in counts[dp]})  # fmt: skip
+    profiles, failed = measure_layouts(model, sample, wanted, measuring, progress)
+    for layout in [x for x in found if x[2] in failed]:  # a plan this degree cannot split equally: refused
+        refused[_named(layout)] = failed[layout[2]]
+        found.remove(layout)
     measured = time.perf_counter() - started
 
     started = time.perf_counter()
-    specs: list[tuple[Spec, Candidate]] = []  # each candidate to price, and what it is
-    programs: dict[tuple[str, int, int, int, bool], Schedule | str] = {}  # shared by the layouts of one pipeline size
-    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]] = {}  # (rows, tp, alone, method, stages)
-    checked: dict[tuple[object, ...], str] = {}  # (bounds, placement, fsdp) -> why the engine refuses it ("": builds)
-    for layout in found:
-        dp, pp, tp = layout
-        for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
-            specs += _layout_candidates(
-                model, layout, sharded, names, counts[dp], per_replica[dp], profiles, methods, checkpoint,
-                transport, refused, programs, cuts, checked, tp_plan)  # fmt: skip
+    specs = _specs(model, found, fsdp, names, counts, per_replica, profiles, methods, checkpoint, transport, refused,
+                   tp_plan)  # fmt: skip
     priced = in_parallel(len(specs), lambda i: price(specs[i][0], rates, optimizer_copies, buffered), workers)
     candidates = [dataclasses.replace(candidate, step_time=step, bubble=bubble, peak_memory=peaks)
                   for (_, candidate), (step, bubble, peaks) in zip(specs, priced, strict=True)]  # fmt: skip
@@ -209,6 +166,46 @@ def tune(
     kept = [c for c in candidates if c.fits(memory_limit)]
     dropped = [c for c in candidates if not c.fits(memory_limit)]
     return TuneResult(kept, dropped, memory_limit, time.perf_counter() - started, measured, rates.source, refused)
+
+
+def _check_options(world_size: int, data_parallel: int | None, tensor_parallel: int | None, tp_plan: object,
+                   fsdp: bool | None, checkpoint: Sequence[str], max_microbatches: int, repeats: int,
+                   microbatches: Sequence[int] | None, memory_limit: float | None) -> None:  # fmt: skip
+    """tune's options refused before anything is measured, each naming the rule and the value."""
+    for label, value in (("world_size", world_size), ("data_parallel", 1 if data_parallel is None else data_parallel),
+                         ("tensor_parallel", 1 if tensor_parallel is None else tensor_parallel),
+                         ("max_microbatches", max_microbatches),
+                         ("repeats", repeats), *(("each of microbatches", m) for m in microbatches or ())):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
+    if fsdp and data_parallel is not None and data_parallel < 2:
+        raise ValueError(f"fsdp=True shards the state over the data-parallel replicas, but data_parallel="
+                         f"{data_parallel}: pass data_parallel=2 (or more), or leave fsdp out")  # fmt: skip
+    if (tensor_parallel or 1) > 1 and tp_plan is None:
+        raise ValueError(f"tensor_parallel={tensor_parallel} needs tp_plan= (the engine's) to shard the layers by")
+    for option in checkpoint:
+        if option not in CHECKPOINTING:
+            raise ValueError(f"checkpoint options are {', '.join(CHECKPOINTING)}, got {option!r}")
+    check_memory_limit(memory_limit)
+
+
+def _specs(model: nn.Sequential, found: list[Layout], fsdp: bool | None, names: list[str], counts: dict[int, list[int]],
+           per_replica: dict[int, int], profiles: dict[tuple[int, int, bool], LayerProfile], methods: Sequence[str],
+           checkpoint: Sequence[str], transport: object, refused: dict[str, str], tp_plan: object
+           ) -> list[tuple[Spec, Candidate]]:  # fmt: skip
+    """Each candidate of every layout to price, and what it is (the programs, cuts and engine checks shared among
+    the layouts that can share them)."""
+    specs: list[tuple[Spec, Candidate]] = []
+    programs: dict[tuple[str, int, int, int, bool], Schedule | str] = {}  # shared by the layouts of one pipeline size
+    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]] = {}  # (rows, tp, alone, method, stages)
+    checked: dict[tuple[object, ...], str] = {}  # (bounds, placement, fsdp) -> why the engine refuses it ("": builds)
+    for layout in found:
+        dp, pp, tp = layout
+        for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
+            specs += _layout_candidates(
+                model, layout, sharded, names, counts[dp], per_replica[dp], profiles, methods, checkpoint,
+                transport, refused, programs, cuts, checked, tp_plan)  # fmt: skip
+    return specs
 
 
 def layouts(model: nn.Sequential, world_size: int, batch: int, data_parallel: int | None = None,

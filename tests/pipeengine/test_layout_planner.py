@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from pipeengine import PipelineEngine, launch
 from pipeengine.construction import measure
 from pipeengine.planner import calibration, probes, shared_cores, wakes
+from pipeengine.planner import measure as planner_measure
 from pipeengine.planner.calibration import Link, Prices
 from pipeengine.planner.measure import profile_layers
 from pipeengine.tune import tune
@@ -273,7 +274,6 @@ def test_a_layout_of_one_pipeline_rank_is_priced_from_layers_timed_with_the_host
     assert copy[0] == timed[0] == "F" and copy[1] != timed[1]
     assert len(flushed) == 8 and all(order[i + 1] == copy for i in flushed)  # F, B, I, W: each run warm, twice
     assert {ptr for kind, ptr in order if kind == "F"} == {copy[1], timed[1]}
-    import pipeengine.planner.search as search
 
     calls: list[tuple[int, int, bool]] = []
 
@@ -282,7 +282,7 @@ def test_a_layout_of_one_pipeline_rank_is_priced_from_layers_timed_with_the_host
         real = profile_layers(model, sample, rows, **{**kw, "warm": False})  # type: ignore[arg-type]
         return dataclasses.replace(real, forward=tuple(f + (1.0 if kw["warm"] else 0.0) for f in real.forward))
 
-    monkeypatch.setattr(search, "profile_layers", measured)
+    monkeypatch.setattr(planner_measure, "profile_layers", measured)
     x, y = data()
     result = tune(blocks(2), mse, x, 2, target=y, schedules=["1f1b"], microbatches=[2], methods=("uniform",),
                   checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip
@@ -407,10 +407,9 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     # the search's step is the simulated program's makespan and the frame around it: the same layers (measured once)
     # priced without a frame and with one over a pipeline of 2 take 7 s more each
     x, y = data()
-    import pipeengine.planner.search as search
 
     measured = {}
-    monkeypatch.setattr(search, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
+    monkeypatch.setattr(planner_measure, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
         (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
     record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
     steps = []
@@ -449,10 +448,9 @@ def test_candidates_are_priced_on_forked_workers_in_order_and_as_here(monkeypatc
 
     with pytest.raises(RuntimeError, match=r"(?s)on 2 workers failed: Traceback.*ZeroDivisionError: candidate 1"):
         pricing.in_parallel(pricing.WORTH * 2, broken, workers=2)
-    import pipeengine.planner.search as search
 
     measured: dict[tuple[int, int, bool], object] = {}
-    monkeypatch.setattr(search, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
+    monkeypatch.setattr(planner_measure, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
         (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
     monkeypatch.setattr(pricing, "WORTH", 8)
     x, y = data()
