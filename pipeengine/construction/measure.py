@@ -212,7 +212,7 @@ def layer_bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) ->
     ledger = Ledger(ignore=[*layer.parameters(), *unpack(target)])
     with ledger.watching(), torch.enable_grad():
         outputs = tuple(settled(o) for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0])))
-        saved = dict(ledger.saved)  # storage -> [bytes, holders]
+        saved = {key: entry.bytes for key, entry in ledger.saved.items()}  # storage -> bytes
     mine = dict(storage(t) for t in inputs if t.numel())
     made = dict(storage(t) for t in outputs if t.numel())
     # the last stage keeps a new scalar (the loss, weighted) and lets the loss's own output go: count its elements
@@ -231,15 +231,15 @@ def layer_bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) ->
         shown = weight_pass.fallback[0] if weight_pass.fallback is not None else ()
         del outputs, needing
         output_kept = all(ledger.holds(key, shown) for key in made)
-        other_freed = sum(saved[key][0] for key in other if not ledger.holds(key, shown))
+        other_freed = sum(saved[key] for key in other if not ledger.holds(key, shown))
     return {
         "kept": kept,
         "parameter_bytes": sum(nbytes(p) for p in layer.parameters()),
         "parameter_count": sum(tensor_parallel_numel(p) for p in layer.parameters()),
-        "saved": sum(entry[0] for entry in saved.values()),
+        "saved": sum(saved.values()),
         "output": output,
         "gradient": gradient,
-        "saved_other": sum(saved[key][0] for key in other),
+        "saved_other": sum(saved[key] for key in other),
         "saves_input": any(key in saved for key in mine),
         "saves_output": any(key in saved for key in made),
         "output_kept": output_kept,

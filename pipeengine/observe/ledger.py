@@ -39,6 +39,14 @@ class _Held:
         self.tensor = tensor
 
 
+@dataclass(slots=True)
+class Saved:
+    """A storage autograd saved: its bytes, and how many saved tensors hold it now."""
+
+    bytes: int
+    holders: int = 0
+
+
 class Ledger:
     """The bytes alive of the tensors autograd saved (while a step runs under watching()) and of those shown."""
 
@@ -46,7 +54,7 @@ class Ledger:
                  ignore_live: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:  # fmt: skip
         self.ignore = {storage(t)[0] for t in ignore if t.numel()}
         self.ignore_live = ignore_live  # tensors whose storage moves (FSDP's gathered parameters): looked up when saved
-        self.saved: dict[int, list[int]] = {}  # storage -> [bytes, holders alive]
+        self.saved: dict[int, Saved] = {}  # storage -> its bytes and the holders alive
         self.lock = threading.Lock()
         self._disabled: tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]] | None = None
 
@@ -58,8 +66,8 @@ class Ledger:
                                   key in {storage(t)[0] for t in self.ignore_live() if t.numel()}):  # fmt: skip
             return tensor
         with self.lock:
-            entry = self.saved.setdefault(key, [size, 0])
-            entry[1] += 1
+            entry = self.saved.setdefault(key, Saved(size))
+            entry.holders += 1
         held = _Held(tensor.detach())  # the same storage without its grad_fn: a saved output would hold its
         weakref.finalize(held, self._release, key)  # own node, a cycle through autograd that is never freed
         return held
@@ -67,8 +75,8 @@ class Ledger:
     def _release(self, key: int) -> None:
         with self.lock:
             entry = self.saved[key]
-            entry[1] -= 1
-            if not entry[1]:
+            entry.holders -= 1
+            if not entry.holders:
                 del self.saved[key]
 
     @staticmethod
@@ -94,7 +102,7 @@ class Ledger:
     def bytes(self, shown: Iterable[torch.Tensor]) -> int:
         """Bytes of every storage alive: saved by autograd, or among ``shown``; each storage once."""
         with self.lock:
-            sizes = {key: entry[0] for key, entry in self.saved.items()}
+            sizes = {key: entry.bytes for key, entry in self.saved.items()}
         for tensor in shown:
             if tensor.numel():
                 key, size = storage(tensor)

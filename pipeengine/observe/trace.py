@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -101,6 +101,18 @@ def profiler_open() -> bool:
 
     kind = torch.autograd.profiler.profile
     return any(type(o) is kind and o.entered and o.kineto_results is None for o in gc.get_objects())
+
+
+class RankTrace(NamedTuple):
+    """What a rank sends rank 0 at a traced step's end."""
+
+    origin: float  # its time zero, on its clock (seconds; 0 where a CUDA event marks it)
+    spans: list[Span]
+    samples: list[tuple[float, float, Action | None]]  # (seconds since zero, bytes held, after which instruction)
+    sizes: dict[int, StageSizes]  # its stages, measured for this step
+    allocated: float | None  # the allocator's peak in the step, where it was watched
+    optimizer: float  # the optimizer step's peak after it
+    tie_sync: dict[int, float]  # tie group -> the bytes its TR flattens on this rank
 
 
 class Spans(Protocol):
@@ -204,25 +216,25 @@ class Tracer:
         seconds = self._seconds()
         samples = [(seconds(mark), held, action) for mark, held, action in self.samples]
         optimizer = sum(s.state + s.optimizer for s in self.sizes.values())  # the optimizer step after this one
-        mine = (origin, self.spans(rank), samples, self.sizes, self.allocated, optimizer, self.tie_sync)
-        gathered = transport.all_gather_object(mine, "the traced step's spans")
+        mine = RankTrace(origin, self.spans(rank), samples, self.sizes, self.allocated, optimizer, self.tie_sync)
+        gathered: list[RankTrace] = transport.all_gather_object(mine, "the traced step's spans")
         if rank != 0:
             return None
-        base = gathered[0][0]
+        base = gathered[0].origin
         spans, memory = [], []
-        for r, (their_origin, their_spans, their_samples, *_) in enumerate(gathered):
-            shift = their_origin - offsets[r] - base  # their time zero, on rank 0's clock, since rank 0's zero
-            spans += [Span(s.rank, s.action, s.start + shift, s.end + shift, s.wait) for s in their_spans]
-            memory.append([(t + shift, held, action) for t, held, action in their_samples])
+        for r, theirs in enumerate(gathered):
+            shift = theirs.origin - offsets[r] - base  # their time zero, on rank 0's clock, since rank 0's zero
+            spans += [Span(s.rank, s.action, s.start + shift, s.end + shift, s.wait) for s in theirs.spans]
+            memory.append([(t + shift, held, action) for t, held, action in theirs.samples])
         timeline = Timeline(size, spans, label=label, unit="s", measured=True, clock_error=error)
         if self.samples:
             timeline.memory = memory
-            ties = {group: held for g in gathered for group, held in g[6].items()}
-            timeline.sizes = _sizes([g[3] for g in gathered], num_stages, transport.semantics is Semantics.BUFFERED,
+            ties = {group: held for g in gathered for group, held in g.tie_sync.items()}
+            timeline.sizes = _sizes([g.sizes for g in gathered], num_stages, transport.semantics is Semantics.BUFFERED,
                                     [ties.get(group, 0.0) for group in range(max(ties, default=-1) + 1)])  # fmt: skip
-            peaks = [g[4] for g in gathered]
-            timeline.allocated_peak = peaks if all(p is not None for p in peaks) else None
-            timeline.optimizer_peak = [g[5] for g in gathered]
+            peaks = [g.allocated for g in gathered if g.allocated is not None]
+            timeline.allocated_peak = peaks if len(peaks) == len(gathered) else None
+            timeline.optimizer_peak = [g.optimizer for g in gathered]
         return timeline
 
 
