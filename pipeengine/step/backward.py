@@ -3,8 +3,12 @@
 Nothing is recomputed. Let P be the autograd nodes that lead to a stage input: I runs
 autograd to the inputs only, so each P node computes only its input-side gradients,
 while a prehook keeps the gradient arriving at every P node that also has weights
-beneath it. W re-enters each such node with its kept gradient and asks for only the
-weights directly beneath it: the node computes only its weight-side outputs::
+beneath it. W computes the weights directly beneath each such node from its kept gradient:
+for a Linear, a LayerNorm and a weight's element-wise product, from what the node saved, as
+its backward would (``_direct_weights``: no autograd re-entry, which costs a graph task and a
+walk of the graph below the node each time); for any other node, by re-entering it with its
+kept gradient and asking for those weights alone, so that it computes only its weight-side
+outputs::
 
     output ─► [P] Addmm ─► [P] ... ─► input          I: dY flows down P, dX comes out
                  └─► weight (not in P)               W: restart at Addmm with its dY, ask for weight
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
+from pipeengine.core.dtensors import is_dtensor
 from pipeengine.core.specs import Tensors
 
 __all__: list[str] = []
@@ -61,6 +66,8 @@ class WeightPass:
             outputs, grads, params = self.fallback
             self._accumulate(params, torch.autograd.grad(outputs, params, grads, allow_unused=True))
         for index, (node, kept, params) in enumerate(self.roots):
+            if _direct_weights(node, kept, params):  # a formula of what the node saved: no autograd re-entry
+                continue
             edges = [GradientEdge(node, i) for i, g in enumerate(kept) if g is not None]
             values = [g for g in kept if g is not None]
             targets = [GradientEdge(_node(p), 0) for p in params]  # type: ignore[arg-type]
@@ -79,6 +86,93 @@ class WeightPass:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
+
+
+def _direct_weights(node: Node, kept: list[torch.Tensor | None], params: list[nn.Parameter]) -> bool:
+    """W of a node whose weight gradients are a formula of what it saved and the gradient I kept: a Linear's
+    (``addmm(bias, x, weight.t())`` or ``mm(x, weight.t())``, as F.linear records it), a LayerNorm's, a weight's
+    element-wise product (an RMSNorm's scale): computed as its backward computes them, without re-entering autograd
+    (each re-entry sets up a graph task and walks the graph below its node: about 0.1 ms on a CPU, where these
+    formulas take tens of microseconds; docs/benchmarks.md). False (W re-enters) for anything else: another node, a
+    weight not beneath it as a leaf (autocast's cast, a computed weight), a DTensor's (tensor parallel, FSDP's
+    shards), a weight with gradient hooks, mixed dtypes, a scaled addmm."""
+    handler = _DIRECT.get(type(node).__name__)
+    if handler is None or len(kept) != 1 or kept[0] is None or len(params) > 2:
+        return False
+    grad = kept[0]
+    if any(is_dtensor(p) or p.dtype != grad.dtype or p._backward_hooks or p._post_accumulate_grad_hooks is not None
+           for p in params):  # fmt: skip
+        return False
+    owners = [_node(p) for p in params]
+    made = handler(node, grad, owners)
+    if made is None:
+        return False
+    WeightPass._accumulate(params, made)
+    return True
+
+
+def _edge(node: Node, index: int) -> Node | None:
+    return node.next_functions[index][0]
+
+
+def _leaves(owners: list[Node | None], *edges: Node | None) -> bool:
+    """The weights beneath the node are exactly these leaves (None: an edge without a gradient)."""
+    return set(owners) == {e for e in edges if e is not None} and all(type(e).__name__ == "AccumulateGrad"
+                                                                       for e in owners)  # fmt: skip
+
+
+def _addmm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+    if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
+        return None
+    return _linear(node, grad, owners, _edge(node, 0), _edge(node, 2), node._saved_mat1)  # type: ignore[attr-defined]
+
+
+def _mm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+    return _linear(node, grad, owners, None, _edge(node, 1), node._saved_self)  # type: ignore[attr-defined]
+
+
+def _linear(node: Node, grad: torch.Tensor, owners: list[Node | None], bias: Node | None, transposed: Node | None,
+            x: torch.Tensor) -> list[torch.Tensor] | None:  # fmt: skip
+    if transposed is None or type(transposed).__name__ != "TBackward0" or x.dtype != grad.dtype:
+        return None
+    weight = _edge(transposed, 0)
+    if not _leaves(owners, weight, bias):
+        return None
+    with torch.no_grad():  # the saved input is an activation: nothing here is recorded
+        return [grad.t().mm(x) if owner is weight else grad.sum(0) for owner in owners]
+
+
+def _layer_norm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+    """The kernel its backward runs, asked for the weight's and the bias's gradients alone."""
+    weight, bias = _edge(node, 1), _edge(node, 2)
+    x = node._saved_input  # type: ignore[attr-defined]
+    if not _leaves(owners, weight, bias) or x.dtype != grad.dtype:
+        return None
+    with torch.no_grad():
+        _, weight_grad, bias_grad = torch.ops.aten.native_layer_norm_backward(
+            grad, x, node._saved_normalized_shape, node._saved_result1, node._saved_result2,  # type: ignore[attr-defined]
+            node._saved_weight, node._saved_bias, [False, weight is not None, bias is not None])  # type: ignore[attr-defined]  # fmt: skip
+    return [weight_grad if owner is weight else bias_grad for owner in owners]
+
+
+def _mul(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+    """A weight times an activation (either side): its gradient the other side's, times the gradient, summed to
+    the weight's shape."""
+    if len(owners) != 1:
+        return None
+    side = next((i for i in (0, 1) if _edge(node, i) is owners[0]), None)
+    if side is None or not _leaves(owners, owners[0]):
+        return None
+    other = node._saved_other if side == 0 else node._saved_self  # type: ignore[attr-defined]
+    if other is None or other.dtype != grad.dtype:
+        return None
+    shape = owners[0].variable.shape  # type: ignore[union-attr]
+    with torch.no_grad():
+        return [(grad * other).sum_to_size(shape)]
+
+
+_DIRECT = {"AddmmBackward0": _addmm, "MmBackward0": _mm, "NativeLayerNormBackward0": _layer_norm,
+           "MulBackward0": _mul}  # fmt: skip
 
 
 def backward_input(

@@ -1,0 +1,91 @@
+"""Split backward (pipeengine.step.backward): I to the stage's input now, W for its weights later. W computes a
+Linear's, a LayerNorm's and a weight's element-wise product's gradients from what their autograd nodes saved and the
+gradient I kept (no autograd re-entry), and re-enters autograd for anything else; either way every gradient equals
+one autograd backward's (one process), in float32's tolerance."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+from pipeengine.step import backward
+from tests.pipeengine.parity import OneProcess, close
+
+
+class Scale(nn.Module):
+    """An RMSNorm's learned scale (weight * x, or x * weight)."""
+
+    def __init__(self, width: int, weight_first: bool) -> None:
+        super().__init__()
+        self.weight, self.weight_first = nn.Parameter(torch.randn(width)), weight_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x if self.weight_first else x * self.weight
+
+
+def stages() -> dict[str, tuple[nn.Module, set[str]]]:
+    """Stages, and the nodes whose weights W computes directly (the rest re-enter autograd)."""
+    return {
+        "linears": (nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8, bias=False)),
+                    {"AddmmBackward0", "MmBackward0"}),
+        "norms": (nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), Scale(8, True), Scale(8, False)),
+                  {"AddmmBackward0", "NativeLayerNormBackward0", "MulBackward0"}),
+        "conv": (nn.Sequential(nn.Conv1d(5, 5, 3, padding=1), nn.Tanh()), set()),
+    }  # fmt: skip
+
+
+def split(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, spy: collections.Counter[tuple[str, bool]]
+          ) -> torch.Tensor:  # fmt: skip
+    """I then W on ``module``; the input's gradient."""
+    xi = x.detach().requires_grad_()
+    out = module(xi)
+    (input_grad,), weight_pass = backward.backward_input((out,), (grad,), (xi,), list(module.parameters()))
+    assert all(p.grad is None for p in module.parameters())  # nothing of W's made in I
+    direct = backward._direct_weights
+
+    def watched(node: object, kept: object, params: object) -> bool:
+        done = direct(node, kept, params)  # type: ignore[arg-type]
+        spy[type(node).__name__, done] += 1
+        return done
+
+    backward._direct_weights = watched  # type: ignore[assignment]
+    try:
+        weight_pass.run()
+    finally:
+        backward._direct_weights = direct  # type: ignore[assignment]
+    return input_grad
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_w_computes_what_it_can_from_the_saved_tensors_and_every_gradient_equals_one_process(name: str) -> None:
+    torch.manual_seed(0)
+    module, direct = stages()[name]
+    one = OneProcess(module)
+    x = torch.randn(3, 5, 8)
+    grad = torch.randn(3, 5, 8)
+    spy: collections.Counter[tuple[str, bool]] = collections.Counter()
+    input_grad = split(module, x, grad, spy)
+    assert {kind for kind, done in spy if done} == direct
+    assert not any(done for kind, done in spy if kind not in direct)
+    close(input_grad, one.input_gradient(x.requires_grad_(), grad), "the input gradient")  # type: ignore[arg-type]
+    for (label, mine), theirs in zip(module.named_parameters(), one.parameters(), strict=True):
+        close(mine.grad, theirs.grad, f"{label}'s gradient")  # type: ignore[arg-type]
+
+
+def test_w_re_enters_autograd_for_a_weight_autocast_casts_or_one_with_a_gradient_hook() -> None:
+    """A bf16-autocast Linear's weight reaches its matmul through a cast; a hooked weight's hook must run: both are
+    left to autograd, and their gradients still equal one process's."""
+    torch.manual_seed(0)
+    hooked = nn.Linear(8, 8)
+    calls: list[int] = []
+    hooked.weight.register_hook(lambda g: calls.append(1))  # type: ignore[arg-type, return-value]
+    for module, context in ((nn.Linear(8, 8), torch.autocast("cpu", torch.bfloat16)), (hooked, None)):
+        spy: collections.Counter[tuple[str, bool]] = collections.Counter()
+        x, grad = torch.randn(4, 8), torch.randn(4, 8)
+        with context if context is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            split(module, x, grad, spy)
+        assert spy and not any(done for _, done in spy)
+    assert calls  # the hook ran in W
