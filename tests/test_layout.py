@@ -213,6 +213,14 @@ def test_an_untraced_step_stays_in_the_step_folder() -> None:
     assert {"pipeengine.train.tracing", "pipeengine.observe.trace"} <= traced
 
 
+def test_the_step_folder_knows_fsdp_only_through_the_protocols_it_is_handed() -> None:
+    """A sharded stage's gather and its forward's context come in as step.stage.Sharding (made by parallel.fsdp at
+    construction), its gradient syncs as parallel.gradsync's protocol: no module of step/ imports parallel.fsdp."""
+    edges = graph("pipeengine")
+    step = [module for module in edges if folder("pipeengine", module) == "step"]
+    assert step and not [module for module in step if "pipeengine.parallel.fsdp" in edges[module]]
+
+
 # each parallelism's machinery (torch's modules for it) is imported by its own home alone
 HOMES = {
     "torch.distributed.fsdp": "pipeengine.parallel.fsdp",

@@ -34,7 +34,7 @@ from pipeengine.core.config import METHODS, EngineConfig
 from pipeengine.core.grid import Grid
 from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.core.ties import Ties
-from pipeengine.parallel import checked_ties, gradient_syncs, tensor
+from pipeengine.parallel import checked_ties, fsdp, gradient_syncs, tensor
 from pipeengine.step.backward import keep_compiled_graphs
 from pipeengine.step.executor import Executor
 from pipeengine.step.programs import Programs
@@ -96,7 +96,8 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
         partition = dataclasses.replace(partition, shards=shards)
     workers = {
         s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn,
-                       checkpointed=config.checkpointed(s, num_stages), precision=config.dtype)
+                       checkpointed=config.checkpointed(s, num_stages), precision=config.dtype,
+                       sharding=fsdp.sharding(module))
         for s, module in stages.items()
     }  # fmt: skip
     if any(op.kind is Kind.BACKWARD_INPUT for rank in range(schedule.num_ranks) for _, op in schedule.ops(rank)):

@@ -73,6 +73,25 @@ def stage_output(module: nn.Module) -> Iterator[None]:
         yield
 
 
+class Sharded:
+    """A stage with FSDP2's units in it, as its steps see it (pipeengine.step.stage.Sharding): gathered whole on
+    demand, its forward run without FSDP2's warning about the view it returns (``stage_output``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def gather(self) -> None:
+        gather(self.module)
+
+    def forward(self) -> contextlib.AbstractContextManager[None]:
+        return stage_output(self.module)
+
+
+def sharding(module: nn.Module) -> Sharded | None:
+    """The stage's Sharded, or None where FSDP2 sharded nothing of it."""
+    return Sharded(module) if units(module) else None
+
+
 def check_shardable(model: nn.Sequential) -> None:
     """Every layer's parameters are floating and of one dtype (FSDP2 gathers a unit's parameters as one flat
     buffer); checked on the whole model, so every rank refuses alike, before any stage is built."""

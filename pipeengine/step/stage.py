@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeengine.core.dtensors import is_dtensor
 from pipeengine.core.specs import Boundary, Tensors, map_tensors, pack, unpack
-from pipeengine.parallel.fsdp import gather, stage_output, units
 from pipeengine.step.backward import WeightPass, backward_input
 from pipeengine.step.precision import autocast
 
@@ -27,6 +27,15 @@ __all__: list[str] = []
 
 LossFn = Callable[..., torch.Tensor]
 Context = contextlib.AbstractContextManager[None]
+
+
+class Sharding(Protocol):
+    """What a sharded stage (FSDP2's units in it: pipeengine.parallel.fsdp.Sharded) asks of its steps: its
+    parameters gathered whole where its graph needs them again, and a forward run as FSDP wants it run."""
+
+    def gather(self) -> None: ...
+
+    def forward(self) -> Context: ...
 
 
 class StageWorker:
@@ -39,6 +48,7 @@ class StageWorker:
         loss_fn: LossFn,
         checkpointed: bool = False,
         precision: torch.dtype | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
         self.index = index
         self.module = module
@@ -48,7 +58,7 @@ class StageWorker:
         self.precision = precision  # autocast dtype; floating outputs cross the boundary in it
         self.saved: dict[int, tuple[Tensors, Tensors]] = {}  # micro-batch -> (inputs, outputs) for backward
         self.weight_passes: dict[int, WeightPass] = {}  # micro-batch -> its pending W (zero-bubble)
-        self.sharded = bool(units(module))  # FSDP2's units in it
+        self.sharding = sharding  # None: no FSDP in this stage, and nothing of it runs in its steps
 
     def forward(
         self,
@@ -70,7 +80,7 @@ class StageWorker:
         """
         argument = pack(inputs, packed)
         device = next((t.device for t in inputs), torch.device("cpu"))
-        with autocast(device, self.precision), stage_output(self.module) if self.sharded else nullcontext():
+        with autocast(device, self.precision), self.sharding.forward() if self.sharding else nullcontext():
             if self.checkpointed and train:
                 value = checkpoint(self.module, argument, use_reentrant=False, context_fn=self._recompute_context)
             else:
@@ -127,7 +137,9 @@ class StageWorker:
     def backward_input(self, mb: int, grad_outputs: Tensors | None) -> Tensors:
         """The input gradients alone (zero-bubble I); the weight pass is kept for backward_weight."""
         inputs, outputs, grads = self._pop(mb, grad_outputs)
-        params = list((gather(self.module) if self.sharded else self.module).parameters())  # FSDP: the whole ones
+        if self.sharding is not None:  # FSDP: the graph used the whole parameters
+            self.sharding.gather()
+        params = list(self.module.parameters())
         input_grads, self.weight_passes[mb] = backward_input(outputs, grads, inputs, params, self.checkpointed)
         return input_grads
 
@@ -135,8 +147,8 @@ class StageWorker:
         """The parameter gradients of a micro-batch whose input gradients were taken (zero-bubble W). FSDP with
         reshard_after_forward: a forward between its I and its W freed the whole parameters its graph saved (a
         V-Half stage forwards the next micro-batch first): gathered again."""
-        if self.sharded:
-            gather(self.module)
+        if self.sharding is not None:
+            self.sharding.gather()
         self.weight_passes.pop(mb).run()  # then its graph, and the activations it held, are freed
 
     def _pop(self, mb: int, grad_outputs: Tensors | None) -> tuple[Tensors, Tensors, Tensors]:
