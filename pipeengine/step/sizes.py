@@ -50,63 +50,19 @@ def stage_sizes(
     targets = target if isinstance(target, tuple) else (target,)
     user = [*(inputs if worker.index == 0 else ()), *(t for t in targets if isinstance(t, torch.Tensor))]
     ledger = Ledger(ignore=[*params, *user])  # the user's batch (inputs, targets) is theirs, not the engine's
-    grads = [p.grad for p in params]
-    buffers = [b.detach().clone() for b in worker.module.buffers()]
     devices = [t.device for t in inputs if t.device.type == "cuda"][:1]
     device = next((t.device for t in inputs), torch.device("cpu"))
-    transients = [0.0, 0.0, 0.0, 0.0]  # F, B, I, W
+    watch = _Watch(worker, inputs, params, device, allocator)
     first = 0.0  # the stage's first B (or W): it makes the parameters' gradients, which later ones add to
-
-    @contextlib.contextmanager
-    def watched(kind: int) -> Iterator[None]:
-        """The compute's peak above its start (its gradient for a parameter is whole before .grad takes it)."""
-        if not allocator:
-            yield
-            return
-        with AllocatorWatch(device) as watch:
-            yield
-            saved = worker.saved.get(-1)  # what it made, its collectives waited on inside the watch
-            settle([*(saved[1] if saved else ()), *(t.grad for t in inputs), *(p.grad for p in params)])
-        transients[kind] = float(watch.peak)
-
-    try:
-        for param in params:
-            param.grad = None
+    with _as_it_was(worker, params):
         if allocator:  # once without gradients, as the step's first micro-batch finds them, for ``first``
             with torch.random.fork_rng(devices=devices):
-                _run_stage(worker, inputs, packed, target, output, split, device, watched)
-            first = transients[3] if split else transients[1]
+                _run_stage(worker, inputs, packed, target, output, split, device, watch.watched)
+            first = watch.transients[3] if split else watch.transients[1]
         with torch.random.fork_rng(devices=devices), ledger.watching():
-            with torch.enable_grad(), watched(0):  # the worker keeps what it keeps; nothing else holds a reference
-                worker.forward(-1, inputs, packed, train=True, target=target, expected=output)
-            activation = ledger.bytes([*inputs, *worker.held()])
-            incoming = None
-            if output is not None:  # the gradient of the output, as a received buffer
-                incoming = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in output.grad_specs) or None
-            outputs = [storage(t)[0] for t in worker.saved[-1][1] if t.numel()]  # by storage: no reference kept
-            keeps_output = keeps_input = True
-            if split:
-                with watched(2):
-                    worker.backward_input(-1, incoming)
-                held = list(worker.held())
-                after_input = ledger.bytes(held)
-                keeps_output = all(ledger.holds(key, held) for key in outputs)
-                keeps_input = all(ledger.holds(storage(t)[0], held) for t in inputs if t.numel())
-                del held
-                with watched(3):
-                    worker.backward_weight(-1)
-            else:
-                with watched(1):
-                    worker.backward(-1, incoming)
-                after_input = activation
-    finally:
-        worker.saved.pop(-1, None)
-        worker.weight_passes.pop(-1, None)
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
-        with torch.no_grad():
-            for buffer, value in zip(worker.module.buffers(), buffers, strict=True):
-                buffer.copy_(value)
+            held = _held(worker, ledger, inputs, packed, target, output, split, device, watch.watched)
+    activation, after_input, keeps_output, keeps_input = held
+    transients = watch.transients
     return StageSizes(
         state=parameter_bytes * (2 + optimizer_copies),
         activation=float(activation),
@@ -118,6 +74,75 @@ def stage_sizes(
         transients=(transients[0], transients[1], transients[2], transients[3]),
         first_transient=first,
     )
+
+
+class _Watch:
+    """Each compute's peak above its start, by kind (F, B, I, W), where the allocator is watched."""
+
+    def __init__(self, worker: StageWorker, inputs: Tensors, params: list[nn.Parameter], device: torch.device,
+                 allocator: bool) -> None:  # fmt: skip
+        self.worker, self.inputs, self.params, self.device, self.allocator = worker, inputs, params, device, allocator
+        self.transients = [0.0, 0.0, 0.0, 0.0]
+
+    @contextlib.contextmanager
+    def watched(self, kind: int) -> Iterator[None]:
+        """The compute's peak above its start (its gradient for a parameter is whole before .grad takes it)."""
+        if not self.allocator:
+            yield
+            return
+        with AllocatorWatch(self.device) as watch:
+            yield
+            saved = self.worker.saved.get(-1)  # what it made, its collectives waited on inside the watch
+            settle([*(saved[1] if saved else ()), *(t.grad for t in self.inputs), *(p.grad for p in self.params)])
+        self.transients[kind] = float(watch.peak)
+
+
+@contextlib.contextmanager
+def _as_it_was(worker: StageWorker, params: list[nn.Parameter]) -> Iterator[None]:
+    """The stage's gradients set aside (None inside), its buffers copied: both as they were afterwards, and the
+    sample micro-batch's saved state and pending W dropped."""
+    grads = [p.grad for p in params]
+    buffers = [b.detach().clone() for b in worker.module.buffers()]
+    try:
+        for param in params:
+            param.grad = None
+        yield
+    finally:
+        worker.saved.pop(-1, None)
+        worker.weight_passes.pop(-1, None)
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        with torch.no_grad():
+            for buffer, value in zip(worker.module.buffers(), buffers, strict=True):
+                buffer.copy_(value)
+
+
+def _held(worker: StageWorker, ledger: Ledger, inputs: Tensors, packed: bool, target: object,
+          output: Boundary | None, split: bool, device: torch.device, watched: Callable[[int], Any]
+          ) -> tuple[int, int, bool, bool]:  # fmt: skip
+    """One forward and backward under the ledger: the bytes held after the forward (the activation), after a split
+    backward's I (what W needs), and whether I leaves the stage's output and input held."""
+    with torch.enable_grad(), watched(0):  # the worker keeps what it keeps; nothing else holds a reference
+        worker.forward(-1, inputs, packed, train=True, target=target, expected=output)
+    activation = ledger.bytes([*inputs, *worker.held()])
+    incoming = None
+    if output is not None:  # the gradient of the output, as a received buffer
+        incoming = tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in output.grad_specs) or None
+    outputs = [storage(t)[0] for t in worker.saved[-1][1] if t.numel()]  # by storage: no reference kept
+    if not split:
+        with watched(1):
+            worker.backward(-1, incoming)
+        return activation, activation, True, True
+    with watched(2):
+        worker.backward_input(-1, incoming)
+    held = list(worker.held())
+    after_input = ledger.bytes(held)
+    keeps_output = all(ledger.holds(key, held) for key in outputs)
+    keeps_input = all(ledger.holds(storage(t)[0], held) for t in inputs if t.numel())
+    del held
+    with watched(3):
+        worker.backward_weight(-1)
+    return activation, after_input, keeps_output, keeps_input
 
 
 def _run_stage(worker: StageWorker, inputs: Tensors, packed: bool, target: object, output: Boundary | None,
