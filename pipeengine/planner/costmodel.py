@@ -100,9 +100,45 @@ class LayerProfile:
         stage's first F to its AR and its whole gradients from its first B or W to the AR. ``checkpoint``: the
         engine's option ("never", "always", "except_last").
         """
-        def total(values: Sequence[float], a: int, b: int) -> float:
-            return float(sum(values[a:b]))
+        checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
+                        for s in range(len(bounds))]  # fmt: skip
+        memory, params, boundary = self._memory(bounds, placement, optimizer_copies, buffered_sends, data_parallel,
+                                                fsdp, checkpointed)  # fmt: skip
+        world = data_parallel * self.tensor_parallel * (max(placement) + 1 if placement else len(bounds))
+        tp_forward = [self._collectives("F", a, b, prices, world) for a, b in bounds]  # (work, wait) each
+        tp_backward = [self._collectives("B", a, b, prices, world) for a, b in bounds]
+        forward = [_total(self.forward, a, b) + sum(c) for (a, b), c in zip(bounds, tp_forward, strict=True)]
+        backward = [_total(self.backward, a, b) + sum(c) for (a, b), c in zip(bounds, tp_backward, strict=True)]
+        grad_input = [_total(self.backward_input, a, b) + sum(c) for (a, b), c in zip(bounds, tp_backward, strict=True)]
+        forward_wait, backward_wait = [c[1] for c in tp_forward], [c[1] for c in tp_backward]
+        weight = [_total(self.backward_weight, a, b) for a, b in bounds]
+        # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
+        again = [f if c else 0.0 for f, c in zip(forward, checkpointed, strict=True)]
+        if fsdp:  # each unit's hooks: in its forward, and in its backward (B or I)
+            hooks = [sum(1 for size in self.parameter_bytes[a:b] if size) for a, b in bounds]  # units per stage
+            forward_hooks, backward_hooks = prices.fsdp.get("hooks", (0.0, 0.0))
+            forward = [f + n * forward_hooks for f, n in zip(forward, hooks, strict=True)]
+            backward = [b + n * backward_hooks for b, n in zip(backward, hooks, strict=True)]
+            grad_input = [i + n * backward_hooks for i, n in zip(grad_input, hooks, strict=True)]
+        reduce, gather, sync_host = self._replicas(bounds, params, prices, data_parallel, fsdp, world)
+        return Costs(
+            forward=[f + prices.overhead for f in forward],
+            backward=[b + a + prices.overhead for b, a in zip(backward, again, strict=True)],
+            backward_input=[i + a + prices.overhead for i, a in zip(grad_input, again, strict=True)],
+            backward_weight=[w + prices.overhead for w in weight],
+            latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
+            all_reduce=reduce, gather=gather,
+            processors=shared_cores.per_pipeline(prices.processors, data_parallel, self.tensor_parallel),
+            forward_wait=forward_wait, backward_wait=backward_wait, post=prices.post, post_message=prices.post_message,
+            sync_host=sync_host, sync_blocking=fsdp, wake=prices.wake, unit="s",
+        )  # fmt: skip
 
+    def _memory(self, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None, optimizer_copies: int,
+                buffered_sends: bool, data_parallel: int, fsdp: bool, checkpointed: list[bool]
+                ) -> tuple[Memory, list[float], list[float]]:  # fmt: skip
+        """The stages' memory model (stage_costs' docstring says what it holds), each stage's parameter bytes (once
+        per rank) and the bytes it sends the next stage."""
+        total = _total
         activation, after_input, params, boundary, gradient, keeps_out, keeps_in = [], [], [], [], [], [], []
         for index, (a, b) in enumerate(bounds):
             held = (self.output[a - 1] if a > 0 else 0) + total(self.saved_other, a, b) + self.output[b - 1]
@@ -124,54 +160,32 @@ class LayerProfile:
         memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
                         gradient=gradient, buffered_sends=buffered_sends, output_after_input=keeps_out,
                         input_after_input=keeps_in)  # fmt: skip
-        checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
-                        for s in range(len(bounds))]  # fmt: skip
         if self.allocations:
             memory = self._allocated(memory, bounds, placement, params, data_parallel, checkpointed)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
             memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations),
                             self._largest_units(bounds), buffered_sends)  # fmt: skip
-        world = data_parallel * self.tensor_parallel * (max(placement) + 1 if placement else len(bounds))
-        tp_forward = [self._collectives("F", a, b, prices, world) for a, b in bounds]  # (work, wait) each
-        tp_backward = [self._collectives("B", a, b, prices, world) for a, b in bounds]
-        forward = [total(self.forward, a, b) + sum(c) for (a, b), c in zip(bounds, tp_forward, strict=True)]
-        backward = [total(self.backward, a, b) + sum(c) for (a, b), c in zip(bounds, tp_backward, strict=True)]
-        grad_input = [total(self.backward_input, a, b) + sum(c) for (a, b), c in zip(bounds, tp_backward, strict=True)]
-        forward_wait, backward_wait = [c[1] for c in tp_forward], [c[1] for c in tp_backward]
-        weight = [total(self.backward_weight, a, b) for a, b in bounds]
         if any(checkpointed):
             memory = _checkpointed(memory, checkpointed, bounds, self.output, self.checkpoint_stash)
-        # a checkpointed stage runs its forward again in its backward (in I, under a split backward)
-        again = [f if c else 0.0 for f, c in zip(forward, checkpointed, strict=True)]
-        synced = data_parallel > 1
+        return memory, params, boundary
+
+    def _replicas(self, bounds: Sequence[tuple[int, int]], params: list[float], prices: Prices, data_parallel: int,
+                  fsdp: bool, world: int) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+        """Seconds of each stage's sync over the replicas (its AR), of its gather before its first F, and of the
+        host's part of the sync (the copies)."""
         if fsdp:  # the gradients reduce-scattered over the replicas, the parameters all-gathered once a step: one
             # of each per FSDP unit (pipeengine.parallel.fsdp.shard_stage: each layer with parameters), each copying
             # the whole tensors in or out of its flat buffer on the host
             reduce = [self._per_unit("reduce_scatter", a, b, prices, data_parallel) for a, b in bounds]
             gather = [self._per_unit("all_gather", a, b, prices, data_parallel) + prices.copy * p
                       for (a, b), p in zip(bounds, params, strict=True)]  # fmt: skip
-            sync_host = [prices.copy * p * (1 + 1 / data_parallel) for p in params]
-            hooks = [sum(1 for size in self.parameter_bytes[a:b] if size) for a, b in bounds]  # units per stage
-            forward_hooks, backward_hooks = prices.fsdp.get("hooks", (0.0, 0.0))
-            forward = [f + n * forward_hooks for f, n in zip(forward, hooks, strict=True)]
-            backward = [b + n * backward_hooks for b, n in zip(backward, hooks, strict=True)]
-            grad_input = [i + n * backward_hooks for i, n in zip(grad_input, hooks, strict=True)]
-        else:  # flattened at the AR, copied back (and divided) once it is done, at the step's end
-            speed = shared_cores.replicas_speed(prices.processors, world)  # 1 where ranks have processors of their own
-            reduce = [(prices.collective("all_reduce", data_parallel, p, crowded=True) + 2 * prices.copy * p) * speed
-                      * synced for p in params]  # fmt: skip
-            gather, sync_host = [0.0] * len(bounds), [prices.copy * p * synced for p in params]
-        return Costs(
-            forward=[f + prices.overhead for f in forward],
-            backward=[b + a + prices.overhead for b, a in zip(backward, again, strict=True)],
-            backward_input=[i + a + prices.overhead for i, a in zip(grad_input, again, strict=True)],
-            backward_weight=[w + prices.overhead for w in weight],
-            latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
-            all_reduce=reduce, gather=gather,
-            processors=shared_cores.per_pipeline(prices.processors, data_parallel, self.tensor_parallel),
-            forward_wait=forward_wait, backward_wait=backward_wait, post=prices.post, post_message=prices.post_message,
-            sync_host=sync_host, sync_blocking=fsdp, wake=prices.wake, unit="s",
-        )  # fmt: skip
+            return reduce, gather, [prices.copy * p * (1 + 1 / data_parallel) for p in params]
+        # flattened at the AR, copied back (and divided) once it is done, at the step's end
+        synced = data_parallel > 1
+        speed = shared_cores.replicas_speed(prices.processors, world)  # 1 where ranks have processors of their own
+        reduce = [(prices.collective("all_reduce", data_parallel, p, crowded=True) + 2 * prices.copy * p) * speed
+                  * synced for p in params]  # fmt: skip
+        return reduce, [0.0] * len(bounds), [prices.copy * p * synced for p in params]
 
     def _per_unit(self, op: str, a: int, b: int, prices: Prices, data_parallel: int) -> float:
         """Seconds of one FSDP collective per layer of [a, b) that holds parameters, on that layer's bytes, with what
@@ -245,6 +259,10 @@ class LayerProfile:
                             mine.pop(key, None)
         return float(sum(mine.values()))
 
+
+
+def _total(values: Sequence[float], a: int, b: int) -> float:
+    return float(sum(values[a:b]))
 
 
 def _checkpointed(memory: Memory, checkpointed: Sequence[bool], bounds: Sequence[tuple[int, int]],
