@@ -170,91 +170,104 @@ def _changes(
     streams: tuple[tuple[Action, ...], ...] = schedule.instructions  # type: ignore[attr-defined]
     plans, computes = _plan(schedule)
     local = [s > 0 and placement[s - 1] == placement[s] for s in range(S)]  # input handed over on its rank
-    sent_at: dict[int, float] = {}  # message key -> when its send completed and its tensors went
-    for rank, plan in enumerate(plans):
-        spans = times[rank]
-        for index, step in enumerate(plan):
-            # buffered: done when posted, let go as the rank goes on to its next action; else when matched
-            if step[1]:
-                after = spans[index + 1][0] if index + 1 < len(spans) else spans[index][1]
-                for key in step[1]:
-                    sent_at[key] = after if memory.buffered_sends else spans[index][1]
-    boundary, gradient, activation = table["boundary"], table["gradient"], table["activation"]
-    after_input, gathered, gathered_grads = table["after_input"], table["gathered"], table["gathered_grads"]
+    sent_at = _sent_at(plans, times, memory.buffered_sends)
     tracks = []
     for rank, (stream, plan) in enumerate(zip(streams, plans, strict=True)):
-        # order -> bytes to add at that action's end
-        extra = _shared_boundaries(computes[rank], times[rank], table, local)
-        events: list[tuple[float, int, float, Action | None]] = []  # (time, order, delta, action)
         mine = [s for s in range(S) if placement[s] == rank]
-        events.append((0.0, -1, sum(table["state"][s] - table["grads_late"][s] for s in mine), None))
-        late = {s: table["grads_late"][s] for s in mine if table["grads_late"][s]}
-        unmade = set(mine)  # stages whose first B or W is still to come
-        ungathered = {s for s in mine if gathered[s]}  # FSDP: no F yet
-        sharded = {s for s in mine if gathered_grads[s]}
-        grads_made: set[int] = set()
-        held: dict[tuple[int, int], float] = {}  # (stage, mb) -> its activation held now on this rank
-        for order, ((start, end), (recvs, _, collective, compute)) in enumerate(zip(times[rank], plan, strict=True)):
-            action = stream[order]
-            for is_gradient, at in recvs:  # a buffer from its post
-                events.append((start, order, gradient[at] if is_gradient else boundary[at], action))
-            if collective is not None:  # its flat buffers, to the step's end
-                is_reduce, s, group = collective
-                flat = table["sync"][s] if is_reduce else (memory.tie_sync[group] if group < len(memory.tie_sync)
-                                                           else 0.0)  # fmt: skip
-                if flat:
-                    events.append((start, order, flat, action))
-                if is_reduce and s in sharded:  # FSDP: reduce-scattered, resharded; a unit's reduce-scatter input held
-                    rise = table["reduce_transient"][s]
-                    events += [(start, order, rise, action), (end, order, -rise, action)]
-                    held_after = table["reduce_held"][s] - gathered[s] - gathered_grads[s]
-                    events.append((end, order, late.pop(s, 0.0) + held_after, action))
-            if compute is None:
-                continue
-            s, mb, kind, needed, made = compute
-            if s in ungathered:  # FSDP: the first compute gathers the stage's parameters (into a buffer, copied out)
-                ungathered.discard(s)
-                rise = table["gather_transient"][s]
-                events += [(start, order, gathered[s] + rise, action), (end, order, -rise, action)]
-            transient = table[_TRANSIENT[kind]][s]
-            if kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT) and s in unmade:
-                unmade.discard(s)
-                if memory.first_transient is not None:
-                    transient = table["first_transient"][s]
-            if transient:
-                events += [(start, order, transient, action), (end, order, -transient, action)]
-            delta = 0.0
-            if needed is not None:  # the input buffer (received, or handed over) is taken
-                is_gradient, at, crosses = needed
-                if not is_gradient:
-                    delta -= boundary[at] if crosses else 0.0
-                else:
-                    delta -= gradient[at]
-            if kind is Kind.FORWARD:
-                now = activation[s] - (boundary[s - 1] if local[s] else 0.0)
-                held[(s, mb)] = now
-                delta += now
-            elif kind is Kind.BACKWARD_INPUT:
-                now = after_input[s] - (boundary[s - 1] if local[s] else 0.0)
-                delta += now - held.get((s, mb), 0.0)
-                held[(s, mb)] = now
-            else:  # B or W: the micro-batch is done on this stage
-                delta -= held.pop((s, mb), 0.0)
-                if s in sharded:  # FSDP: whole gradients, until the AR reduce-scatters them into the shards
-                    delta += gathered_grads[s] if s not in grads_made else 0.0
-                    grads_made.add(s)
-                else:
-                    delta += late.pop(s, 0.0)  # the stage's first gradient compute makes its parameters' gradients
-            if made is not None:  # a gradient, for the stage before: held until sent, or until taken here
-                at, crosses, key, send = made
-                size = gradient[at]
-                delta += size  # one change at the compute's end, as a step is seen between instructions
-                if crosses:
-                    events.append((max(end, sent_at.get(key, end)), len(stream), -size, send))
-            events.append((end, order, delta + extra.get(order, 0.0), action))
+        extra = _shared_boundaries(computes[rank], times[rank], table, local)  # order -> bytes added at its end
+        events = _rank_changes(stream, plan, times[rank], mine, table, memory, local, sent_at, extra)
         events.sort(key=_WHEN)
         tracks.append(events)
     return tracks
+
+
+def _sent_at(plans: list[list[_Step]], times: list[list[tuple[float, float]]], buffered: bool) -> dict[int, float]:
+    """Message key -> when its send completed and its tensors went: buffered, as its rank goes on to its next action
+    (done when posted); else when matched (its post's end)."""
+    sent_at: dict[int, float] = {}
+    for rank, plan in enumerate(plans):
+        spans = times[rank]
+        for index, step in enumerate(plan):
+            if step[1]:
+                after = spans[index + 1][0] if index + 1 < len(spans) else spans[index][1]
+                for key in step[1]:
+                    sent_at[key] = after if buffered else spans[index][1]
+    return sent_at
+
+
+def _rank_changes(stream: tuple[Action, ...], plan: list[_Step], times: list[tuple[float, float]], mine: list[int],
+                  table: dict[str, list[float]], memory: Memory, local: list[bool], sent_at: dict[int, float],
+                  extra: dict[int, float]) -> list[tuple[float, int, float, Action | None]]:  # fmt: skip
+    """One rank's changes of bytes, unsorted: its state at time zero, then each action's (the module's docstring)."""
+    boundary, gradient, activation = table["boundary"], table["gradient"], table["activation"]
+    after_input, gathered, gathered_grads = table["after_input"], table["gathered"], table["gathered_grads"]
+    events: list[tuple[float, int, float, Action | None]] = []  # (time, order, delta, action)
+    events.append((0.0, -1, sum(table["state"][s] - table["grads_late"][s] for s in mine), None))
+    late = {s: table["grads_late"][s] for s in mine if table["grads_late"][s]}
+    unmade = set(mine)  # stages whose first B or W is still to come
+    ungathered = {s for s in mine if gathered[s]}  # FSDP: no F yet
+    sharded = {s for s in mine if gathered_grads[s]}
+    grads_made: set[int] = set()
+    held: dict[tuple[int, int], float] = {}  # (stage, mb) -> its activation held now on this rank
+    for order, ((start, end), (recvs, _, collective, compute)) in enumerate(zip(times, plan, strict=True)):
+        action = stream[order]
+        for is_gradient, at in recvs:  # a buffer from its post
+            events.append((start, order, gradient[at] if is_gradient else boundary[at], action))
+        if collective is not None:  # its flat buffers, to the step's end
+            is_reduce, s, group = collective
+            flat = table["sync"][s] if is_reduce else (memory.tie_sync[group] if group < len(memory.tie_sync)
+                                                       else 0.0)  # fmt: skip
+            if flat:
+                events.append((start, order, flat, action))
+            if is_reduce and s in sharded:  # FSDP: reduce-scattered, resharded; a unit's reduce-scatter input held
+                rise = table["reduce_transient"][s]
+                events += [(start, order, rise, action), (end, order, -rise, action)]
+                held_after = table["reduce_held"][s] - gathered[s] - gathered_grads[s]
+                events.append((end, order, late.pop(s, 0.0) + held_after, action))
+        if compute is None:
+            continue
+        s, mb, kind, needed, made = compute
+        if s in ungathered:  # FSDP: the first compute gathers the stage's parameters (into a buffer, copied out)
+            ungathered.discard(s)
+            rise = table["gather_transient"][s]
+            events += [(start, order, gathered[s] + rise, action), (end, order, -rise, action)]
+        transient = table[_TRANSIENT[kind]][s]
+        if kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT) and s in unmade:
+            unmade.discard(s)
+            if memory.first_transient is not None:
+                transient = table["first_transient"][s]
+        if transient:
+            events += [(start, order, transient, action), (end, order, -transient, action)]
+        delta = 0.0
+        if needed is not None:  # the input buffer (received, or handed over) is taken
+            is_gradient, at, crosses = needed
+            if not is_gradient:
+                delta -= boundary[at] if crosses else 0.0
+            else:
+                delta -= gradient[at]
+        if kind is Kind.FORWARD:
+            now = activation[s] - (boundary[s - 1] if local[s] else 0.0)
+            held[(s, mb)] = now
+            delta += now
+        elif kind is Kind.BACKWARD_INPUT:
+            now = after_input[s] - (boundary[s - 1] if local[s] else 0.0)
+            delta += now - held.get((s, mb), 0.0)
+            held[(s, mb)] = now
+        else:  # B or W: the micro-batch is done on this stage
+            delta -= held.pop((s, mb), 0.0)
+            if s in sharded:  # FSDP: whole gradients, until the AR reduce-scatters them into the shards
+                delta += gathered_grads[s] if s not in grads_made else 0.0
+                grads_made.add(s)
+            else:
+                delta += late.pop(s, 0.0)  # the stage's first gradient compute makes its parameters' gradients
+        if made is not None:  # a gradient, for the stage before: held until sent, or until taken here
+            at, crosses, key, send = made
+            size = gradient[at]
+            delta += size  # one change at the compute's end, as a step is seen between instructions
+            if crosses:
+                events.append((max(end, sent_at.get(key, end)), len(stream), -size, send))
+        events.append((end, order, delta + extra.get(order, 0.0), action))
+    return events
 
 
 # per action, what track needs of it whatever the prices: ((gradient, boundary) of each recv it posts, the keys of
