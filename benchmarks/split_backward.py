@@ -25,14 +25,12 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from common import OUT, write_report
 from torch import nn
 
 from pipeengine.launcher.launch import keep_freed_memory
-from pipeengine.step import backward
 from pipeengine.step.backward import WeightPass, backward_input
 
 MODELS = ("mlp", "gpt", "llama")
@@ -137,21 +135,8 @@ def _roots(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, params: list[
     """The nodes with weights beneath them that the engine's W restarts at, and how many autograd calls it makes
     (the others are a formula of what the node saved: pipeengine.step.backward._direct_weights)."""
     _, weights = backward_input((module(x),), (grad,), (x,), params)
-    roots, calls = len(weights.roots), int(weights.fallback is not None)
-    direct = backward._direct_weights
-
-    def counted(*args: Any) -> bool:
-        nonlocal calls
-        done = direct(*args)
-        calls += not done
-        return done
-
-    backward._direct_weights = counted  # type: ignore[assignment]
-    try:
-        weights.run()
-    finally:
-        backward._direct_weights = direct  # type: ignore[assignment]
-    return roots, calls
+    roots = len(weights.roots)
+    return roots, weights.run()
 
 
 def main() -> None:

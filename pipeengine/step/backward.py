@@ -60,14 +60,17 @@ class WeightPass:
     roots: list[tuple[Node, list[torch.Tensor | None], list[nn.Parameter]]] = field(default_factory=list)
     fallback: tuple[Tensors, Tensors, list[nn.Parameter]] | None = None  # (outputs, grads, params)
 
-    def run(self) -> None:
-        """Accumulate every weight gradient into .grad, then drop the graph."""
+    def run(self) -> int:
+        """Accumulate every weight gradient into .grad, then drop the graph; the autograd calls it took (the others
+        were formulas of what their nodes saved: ``_direct_weights``)."""
+        calls = int(self.fallback is not None)
         if self.fallback is not None:
             outputs, grads, params = self.fallback
             self._accumulate(params, torch.autograd.grad(outputs, params, grads, allow_unused=True))
         for index, (node, kept, params) in enumerate(self.roots):
             if _direct_weights(node, kept, params):  # a formula of what the node saved: no autograd re-entry
                 continue
+            calls += 1
             edges = [GradientEdge(node, i) for i, g in enumerate(kept) if g is not None]
             values = [g for g in kept if g is not None]
             targets = [GradientEdge(_node(p), 0) for p in params]  # type: ignore[arg-type]
@@ -76,6 +79,7 @@ class WeightPass:
             self._accumulate(params, torch.autograd.grad(edges, targets, values, retain_graph=not last,
                                                          allow_unused=True))  # fmt: skip
         self.roots, self.fallback = [], None
+        return calls
 
     @staticmethod
     def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:

@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipeengine.planner.cluster import Hardware, Link, all_gather, all_reduce, load, reduce_scatter
+from pipeengine.planner.cluster import Hardware, all_gather, all_reduce, reduce_scatter
 from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.layout import Layout, Runtime, Transformer, estimate, price
-
-LINK = Link(bandwidth=100e9, latency=1e-9)  # latency: a nanosecond a step (it must be positive)
+from tests.pipeengine.hardware import LINK, injected
 
 
 def machine(memory: float = 80e9) -> Hardware:
-    described = load("a100-80gb").to_json()
-    described.update(intra=LINK.to_json(), inter=LINK.to_json(), memory_bytes=memory, memory_bandwidth=1e12,
-                     matmul_efficiency=0.5, peak_flops={"fp32": 10e12, "tf32": 100e12, "bf16": 200e12,
-                                                        "fp16": 200e12})  # fmt: skip
-    return Hardware.from_json(described, "test")
+    return injected(memory)
 
 
 def model(layers: int = 4, ends: list[Op] | None = None) -> Transformer:

@@ -15,24 +15,20 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeengine.planner.cluster import Hardware, Link, load, send_recv
+from pipeengine.planner.cluster import Hardware, load, send_recv
 from pipeengine.planner.cluster.cli import main
 from pipeengine.planner.cluster.layout import PIPEENGINE, Layout, check, estimate, price
 from pipeengine.planner.cluster.search import candidates, search
 from pipeengine.planner.cluster.sequential import Sequential
+from tests.pipeengine.hardware import LINK, injected
 from tests.pipeengine.parity import backward_from_ones
 
-LINK = Link(bandwidth=100e9, latency=1e-9)
 RATE = 100e12  # the matmul rate: 200 TFLOP/s bf16 at an efficiency of 0.5
 
 
 def machine(memory: float = 80e9) -> Hardware:
     """Injected figures; a memory bandwidth so high that every op here is priced by its FLOPs."""
-    described = load("a100-80gb").to_json()
-    described.update(intra=LINK.to_json(), inter=LINK.to_json(), memory_bytes=memory, memory_bandwidth=1e18,
-                     matmul_efficiency=0.5, peak_flops={"fp32": 10e12, "tf32": 100e12, "bf16": 200e12,
-                                                        "fp16": 200e12})  # fmt: skip
-    return Hardware.from_json(described, "test")
+    return injected(memory, memory_bandwidth=1e18)
 
 
 def three() -> nn.Sequential:
