@@ -210,3 +210,13 @@ def test_split_backward_times_f_b_and_i_plus_w_per_stage(tmp_path: Path) -> None
     assert row["w_calls"] == 0  # and computes each from what the Linear saved, re-entering autograd for none
     assert all(row[key] > 0 for key in ("F", "B", "I", "W", "W one call", "I bare"))
     assert row["split_over_whole"] == pytest.approx((row["I"] + row["W"]) / row["B"], rel=1e-2)
+
+
+def test_zero_bubble_times_the_schedules_alternating_against_1f1b(tmp_path: Path) -> None:
+    bench("zero_bubble.py", "--ranks", "2", "--rounds", "2", "--steps", "1", "--width", "32", "--layers", "4",
+          "--batch", "16", "--microbatches", "4", out=tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "zero_bubble.json").read_text())
+    assert [row["schedule"] for row in rows] == ["1f1b", "zb-h1", "zb-v"]
+    baseline = rows[0]["step_ms"]
+    assert rows[0]["speed_over_1f1b"] == 1.0 and all(row["step_ms"] > 0 for row in rows)
+    assert all(row["speed_over_1f1b"] == pytest.approx(baseline / row["step_ms"], rel=1e-2) for row in rows)
