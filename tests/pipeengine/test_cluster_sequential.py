@@ -6,6 +6,7 @@ No processes; the model is traced on the meta device."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -63,6 +64,7 @@ def test_stages_are_cut_by_time_and_priced_per_matmul_with_their_exchanges() -> 
     assert parts.weight == pytest.approx([4 * c, 5 * c])
     priced = price(described, layout, hw, "bf16")
     assert priced.parts["pipeline"] == pytest.approx(sum(parts.forward) + sum(parts.backward))  # 1F1B, m=1
+    assert priced.partition == parts.partition == (1, 2)  # the layers of each stage, as PipelineEngine takes them
     assert priced.tokens_per_s == pytest.approx(b / priced.step_s)
 
 
@@ -144,6 +146,7 @@ def test_the_command_line_plans_the_planners_own_problem(tmp_path: Path, monkeyp
     assert main(["--model", "problem_mlp:problem", *common]) == 0
     printed = capsys.readouterr()
     assert "8 devices (8 a node), 4 layers" in printed.out and " tp1 " in printed.out and "note" not in printed.err
+    assert re.search(r"partition \[\d+(, \d+)*\]", printed.out)  # the stages' layers, for PipelineEngine
     assert main(["--model", "problem_mlp:with_plan", *common]) == 0
     assert "the tp_plan is not priced on clusters" in capsys.readouterr().err
     assert main(["--model", "problem_mlp:problem", *common, "--fix", "tp=2,pp=2,dp=2,micro_batch=4"]) == 2

@@ -183,6 +183,7 @@ def _line(row: Price) -> str:
     gib = row.peak_bytes >= 2**30
     memory = f"{row.peak_bytes / 2**30:.1f} GiB" if gib else f"{row.peak_bytes / 2**20:.1f} MiB"
     memory += f" (refused: {row.refused})" if row.refused else ""
+    memory += f"  partition {list(row.partition)}" if row.partition else ""  # PipelineEngine's partition=
     step = f"{row.step_s:8.3f} s " if row.step_s >= 1 else f"{row.step_s * 1e3:8.3f} ms"
     return (f"  {row.layout.describe():<48} step {step}  {row.tokens_per_s:12,.0f} tokens/s  "
             f"MFU {row.mfu:5.1%}  peak {memory}")  # fmt: skip
@@ -194,7 +195,7 @@ def _record(row: Price) -> dict[str, object]:
             "chunks": layout.chunks, "micro_batch": layout.micro_batch, "num_microbatches": layout.num_microbatches,
             "recompute": "always" if layout.recompute else "never", "step_time_s": row.step_s,
             "tokens_per_s": row.tokens_per_s, "mfu": row.mfu, "peak_bytes": row.peak_bytes,
-            "refused": row.refused}  # fmt: skip
+            "refused": row.refused, "partition": list(row.partition) or None}  # fmt: skip
 
 
 def _plot(rows: list[Price], path: Path) -> None:

@@ -161,6 +161,7 @@ class Price:
     peak_bytes: float
     parts: dict[str, float]  # seconds of the step by cause (per device, on the critical rank)
     refused: str = ""  # why the layout cannot run (it is then priced nonetheless, for the table)
+    partition: tuple[int, ...] = ()  # layers a stage (PipelineEngine's partition=), where the model is cut by time
 
 
 def phase_seconds(ops: list[Op], hw: Hardware, dtype: str) -> dict[str, float]:
@@ -194,6 +195,7 @@ class Parts:
     replicas: float  # the replicas' gradient all-reduce (FSDP: the weights' all-gather and gradients' reduce-scatter)
     optimizer: float
     peak_bytes: float
+    partition: tuple[int, ...] = ()  # layers a stage, where the stages are cut unevenly (a Sequential's, by time)
 
 
 def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime: Runtime) -> Parts:
@@ -266,7 +268,7 @@ def _priced(model: Model, layout: Layout, hw: Hardware, dtype: str, parts: Parts
     shares = {"pipeline": pipeline, "data-parallel sync": parts.replicas, "optimizer": parts.optimizer,
               "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces}  # fmt: skip
     return Price(layout, step, global_batch * model.seq / step, flops / 1e12, flops / hw.peak_flops[dtype],
-                 parts.peak_bytes, shares, refused)  # fmt: skip
+                 parts.peak_bytes, shares, refused, parts.partition)  # fmt: skip
 
 
 def _size(nbytes: float) -> str:

@@ -213,7 +213,7 @@ class Sequential:
             peak = max(s + a for s, a in zip(state, self._activations(layout, inputs, saved), strict=True))
         else:
             peak = max(s + max(held[stage] for stage in mine) for s, mine in zip(state, ranks, strict=True))
-        return Parts(forward, backward, weight, 0.0, replicas, optimizer, peak)
+        return Parts(forward, backward, weight, 0.0, replicas, optimizer, peak, tuple(hi - lo for lo, hi in bounds))
 
     def _activations(self, layout: Layout, inputs: list[float], saved: list[float]) -> list[float]:
         """The most activation bytes each pipeline rank holds in the step: the schedules memory model replayed
