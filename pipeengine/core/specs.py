@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,11 @@ class TensorSpec:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSpec:
         return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of a tensor of this spec."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,6 @@ launching.md says the same for users.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -301,8 +300,7 @@ def _stage_inputs(engine: Any) -> dict[int, float]:
         return {}
     first, outputs = next(iter(found.items()))
     boundaries = [first, *outputs]
-    return {s: float(sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in boundaries[s].specs))
-            for s in range(len(boundaries) - 1)}  # fmt: skip
+    return {s: float(sum(spec.nbytes for spec in boundaries[s].specs)) for s in range(len(boundaries) - 1)}
 
 
 def _check_memory(reports: Sequence[RankReport], limit: float | None) -> None:

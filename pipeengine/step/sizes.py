@@ -67,8 +67,8 @@ def stage_sizes(
         state=parameter_bytes * (2 + optimizer_copies),
         activation=float(activation),
         after_input=float(after_input),
-        boundary=float(sum(_bytes(s) for s in output.specs)) if output is not None else 0.0,
-        gradient=float(sum(_bytes(s) for s in output.grad_specs)) if output is not None else 0.0,
+        boundary=float(sum(s.nbytes for s in output.specs)) if output is not None else 0.0,
+        gradient=float(sum(s.nbytes for s in output.grad_specs)) if output is not None else 0.0,
         output_after_input=keeps_output,
         input_after_input=keeps_input,
         transients=(transients[0], transients[1], transients[2], transients[3]),
@@ -179,11 +179,3 @@ def optimizer_transient(optimizer: torch.optim.Optimizer | None, params: list[nn
     with AllocatorWatch(copies[0].device) as watch:
         probe.step()
     return float(watch.peak)
-
-
-def _bytes(spec: object) -> int:
-    shape, dtype = spec.shape, spec.dtype  # type: ignore[attr-defined]
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
