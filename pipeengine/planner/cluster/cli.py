@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pipeengine.planner.cluster.hardware import PRESETS, load
-from pipeengine.planner.cluster.layout import Layout, Model, Price, Transformer, check, price
+from pipeengine.planner.cluster.layout import Layout, Model, Price, Transformer, check, price, readable_bytes
 from pipeengine.planner.cluster.search import search
 from pipeengine.planner.cluster.sequential import Sequential
 
@@ -180,8 +180,7 @@ def _count(parameters: float) -> str:
 
 
 def _line(row: Price) -> str:
-    gib = row.peak_bytes >= 2**30
-    memory = f"{row.peak_bytes / 2**30:.1f} GiB" if gib else f"{row.peak_bytes / 2**20:.1f} MiB"
+    memory = readable_bytes(row.peak_bytes)
     memory += f" (refused: {row.refused})" if row.refused else ""
     memory += f"  partition {list(row.partition)}" if row.partition else ""  # PipelineEngine's partition=
     step = f"{row.step_s:8.3f} s " if row.step_s >= 1 else f"{row.step_s * 1e3:8.3f} ms"

@@ -44,7 +44,8 @@ from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.hardware import Hardware
 
 __all__ = ["PIPEENGINE", "Layout", "Model", "Parts", "Price", "Runtime", "Transformer", "check", "estimate",
-           "phase_seconds", "price", "schedule_of", "sync_seconds"]
+           "phase_seconds", "price", "rank_stages", "readable_bytes", "schedule_of", "state_per_parameter",
+           "sync_seconds"]
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # Megatron-LM's two (Narayanan et al. 2021), zero-bubble's
 SPLIT = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"})  # a backward split into I, then W
@@ -233,6 +234,21 @@ def _parts(model: Transformer, layout: Layout, hw: Hardware, dtype: str, runtime
     return Parts(forward, backward, weight, tp_time, replicas, optimizer, _memory(model, layout, activation))
 
 
+def rank_stages(layout: Layout) -> list[list[int]]:
+    """Each pipeline rank's stages: in a V (V_SHAPED), rank r holds stages r and 2p - 1 - r; else r, r + p, ..."""
+    p = layout.pp
+    if layout.schedule in V_SHAPED:
+        return [[rank, 2 * p - 1 - rank] for rank in range(p)]
+    return [list(range(rank, p * layout.chunks, p)) for rank in range(p)]
+
+
+def state_per_parameter(layout: Layout) -> float:
+    """Bytes a device holds a step for each parameter of its stages, as mixed precision keeps them: fp16 weight and
+    gradient, fp32 master and two moments (16); under FSDP, the whole fp16 weights and gradients for the step and the
+    12 bytes of master and moments divided among the replicas."""
+    return 4 + 12 / layout.dp if layout.fsdp else 16.0
+
+
 def sync_seconds(params_device: float, dtype_bytes: int, layout: Layout, hw: Hardware, runtime: Runtime,
           backward: list[float]) -> tuple[float, float]:  # fmt: skip
     """Seconds of the replicas' gradient sync (FSDP: the weights' all-gather and the gradients' reduce-scatter) and
@@ -250,7 +266,7 @@ def sync_seconds(params_device: float, dtype_bytes: int, layout: Layout, hw: Har
     else:
         reduce = collectives.all_reduce(gradients, d, link)
     if reduce and runtime.overlap_grad_reduce:  # hidden behind the rank's last backward, but for its last bucket
-        mine = (0, 2 * p - 1) if layout.schedule in V_SHAPED else range(0, len(backward), p)  # rank 0's stages
+        mine = rank_stages(layout)[0]  # rank 0's stages
         last_backward = sum(backward[stage] for stage in mine)  # one micro-batch
         tail = collectives.all_reduce(min(gradients, runtime.bucket_bytes), d, link)
         reduce = max(tail, reduce - last_backward)
@@ -263,7 +279,7 @@ def _priced(model: Model, layout: Layout, hw: Hardware, dtype: str, parts: Parts
     step = pipeline + parts.replicas + parts.optimizer
     global_batch = layout.micro_batch * layout.num_microbatches * layout.dp
     flops = model.flops_per_step(global_batch) / step / layout.devices
-    refused = f"needs {_size(parts.peak_bytes)} a device, the device has {_size(hw.memory_bytes)}" \
+    refused = f"needs {readable_bytes(parts.peak_bytes)} a device, the device has {readable_bytes(hw.memory_bytes)}" \
         if parts.peak_bytes > hw.memory_bytes else ""  # fmt: skip
     shares = {"pipeline": pipeline, "data-parallel sync": parts.replicas, "optimizer": parts.optimizer,
               "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces}  # fmt: skip
@@ -271,7 +287,7 @@ def _priced(model: Model, layout: Layout, hw: Hardware, dtype: str, parts: Parts
                  parts.peak_bytes, shares, refused, parts.partition)  # fmt: skip
 
 
-def _size(nbytes: float) -> str:
+def readable_bytes(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
@@ -341,7 +357,7 @@ def _memory(model: Transformer, layout: Layout, activation: float) -> float:
     """Bytes a device of the first stage holds at its peak (the module's docstring)."""
     t, p = layout.tp, layout.pp
     # FSDP: the stage's whole fp16 weights and gradients for the step, the fp32 master and moments sharded
-    state = model.parameters / (t * p) * (4 + 12 / layout.dp if layout.fsdp else 16)
+    state = model.parameters / (t * p) * state_per_parameter(layout)
     in_flight = min(layout.num_microbatches, p)  # 1F1B's first stage
     per_stage = model.layers / p
     h, s, a, b = model.hidden, model.seq, model.heads, layout.micro_batch

@@ -83,7 +83,7 @@ def candidates(model: Model, devices: int, hw: Hardware, global_batch: int, reco
             replica = global_batch // dp
             for b in _divisors(replica, min(replica, _largest(model, replica, max_micro_batch))):
                 m = replica // b
-                for schedule, v in _schedules(model.layers // pp, pp, m, schedules):
+                for schedule, v in _schedules(pp, schedules):
                     for again in CHOICES[recompute]:
                         for sharded in CHOICES[fsdp] if dp > 1 else (False,):  # one replica: nothing to shard
                             out.append(Layout(tp, pp, dp, b, m, schedule, v, again, sharded))
@@ -107,8 +107,8 @@ def _allowed(model: Model, layout: Layout, hw: Hardware) -> bool:
     return True
 
 
-def _schedules(layers: int, pp: int, m: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
-    """(schedule, chunks) for ``layers`` a pipeline rank: one rank runs its micro-batches back to back ("1f1b");
+def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, chunks) for a pipeline of ``pp`` ranks: one rank runs its micro-batches back to back ("1f1b");
     interleaved with v chunks (2 to 8), ZB-H1, ZB-V's 2; ``check`` refuses what a pipeline cannot run."""
     if pp == 1:
         return [("1f1b", 1)]

@@ -42,17 +42,20 @@ from pipeengine.construction.partition import solve
 from pipeengine.core.specs import Tensors, map_tensors, meta_copy, unpack
 from pipeengine.planner.cluster import collectives
 from pipeengine.planner.cluster.costs import Op, fused_attention, trace
-from pipeengine.planner.cluster.layout import V_SHAPED, Parts, phase_seconds, schedule_of, sync_seconds
+from pipeengine.planner.cluster.layout import (
+    Parts,
+    phase_seconds,
+    rank_stages,
+    schedule_of,
+    state_per_parameter,
+    sync_seconds,
+)
 
 if TYPE_CHECKING:
     from pipeengine.planner.cluster.hardware import Hardware
     from pipeengine.planner.cluster.layout import Layout, Runtime
 
 __all__ = ["Sequential"]
-
-STATE_BYTES = 16.0  # a parameter under mixed precision: fp16 weight and gradient, fp32 master and two moments
-SHARDED_BYTES = 12.0  # of which FSDP divides among the replicas (the master and moments)
-
 
 class _Layer:
     """One layer at one micro-batch size: its ops, the bytes it takes in, sends on and saves for its backward."""
@@ -75,8 +78,6 @@ def _bytes(value: torch.Tensor | Tensors) -> float:
 class Sequential:
     """An ``nn.Sequential`` described for the cluster planner (the module's docstring): ``seq`` tokens a sample
     (what tokens/s counts; 1 counts samples), ``dtype`` the precision it trains in."""
-
-    heads = 1  # no tensor parallelism: ``check`` keeps tp at 1
 
     def __init__(self, model: nn.Sequential, sample: torch.Tensor | Tensors, seq: int,
                  dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
@@ -202,16 +203,15 @@ class Sequential:
                        for s, f in enumerate(forward)]  # fmt: skip
             backward = [b_ + collectives.send_recv(inputs[s] if s else outputs[s], link)
                         for s, b_ in enumerate(backward)]  # fmt: skip
-        ranks = [[rank, 2 * p - 1 - rank] for rank in range(p)] if layout.schedule in V_SHAPED else \
-            [list(range(rank, stages, p)) for rank in range(p)]  # fmt: skip
-        per = STATE_BYTES - SHARDED_BYTES + SHARDED_BYTES / layout.dp if layout.fsdp else STATE_BYTES
+        ranks = rank_stages(layout)
+        per = state_per_parameter(layout)
         state = [self._parameters(i for s in mine for i in range(*bounds[s])) * per for mine in ranks]
         replicas, optimizer = sync_seconds(max(state) / per, self.dtype_bytes, layout, hw, runtime, backward)
         saved = total(lambda i: rows[i].saved_bytes)
-        held = [inputs[s] + saved[s] if layout.recompute else saved[s] for s in range(stages)]  # one micro-batch
         if exact:
             peak = max(s + a for s, a in zip(state, self._activations(layout, inputs, saved), strict=True))
-        else:
+        else:  # one micro-batch of the rank's largest stage
+            held = [inputs[s] + saved[s] if layout.recompute else saved[s] for s in range(stages)]
             peak = max(s + max(held[stage] for stage in mine) for s, mine in zip(state, ranks, strict=True))
         return Parts(forward, backward, weight, 0.0, replicas, optimizer, peak, tuple(hi - lo for lo, hi in bounds))
 
