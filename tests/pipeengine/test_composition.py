@@ -86,7 +86,8 @@ _OUTCOMES: dict[str, dict[str, str]] = {}  # world -> configuration -> "" (passe
 
 def outcomes(name: str, session: pytest.Session, directory: Path) -> dict[str, str]:
     """Run the world's selected configurations (once per worker: the first of its tests asks) and say how each did:
-    those done on every rank passed; the one it stopped at failed with the error; any after it did not run."""
+    those done on every rank passed; the one it stopped at failed with the error; any after it did not run. A world
+    that fails after its last configuration (its ranks' exit) fails that configuration."""
     found = _OUTCOMES.get(name)
     if found is not None:
         return found
@@ -103,6 +104,9 @@ def outcomes(name: str, session: pytest.Session, directory: Path) -> dict[str, s
     done = set((directory / "done").read_text().split()) if (directory / "done").exists() else set()
     order = [ident(c) for c, _ in refusals] + [ident(c) for c in configs]
     stopped = next((cid for cid in order if cid not in done), None)
+    if stopped is None and error and order:  # every configuration done, the world failed after: not passed over
+        stopped, error = order[-1], f"the world failed after its last configuration: {error}"
+        done.discard(stopped)
     found = {cid: "" if cid in done else error if cid == stopped else f"not run: {stopped} of this world failed first"
              for cid in order}  # fmt: skip
     _OUTCOMES[name] = found
