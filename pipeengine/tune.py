@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from pipeengine.engine import PipelineEngine
 from pipeengine.planner import cli
 from pipeengine.planner.calibration import Prices
+from pipeengine.planner.candidates import layouts
 from pipeengine.planner.cli import progress_printer
 from pipeengine.planner.result import Candidate, TuneResult
-from pipeengine.planner.search import choose, layouts, tune
+from pipeengine.planner.search import choose, tune
 
 __all__ = ["Candidate", "Prices", "TuneResult", "choose", "layouts", "main", "progress_printer", "tune"]
 
