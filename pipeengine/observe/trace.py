@@ -75,16 +75,6 @@ class _Span:
             self.range.__exit__(kind, value, trace)
 
 
-class _Nothing:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, value: object, trace: TracebackType | None) -> None:
-        return None
-
-
 def profiling() -> bool:
     """Whether a torch.profiler is recording in this process (the user's: each instruction is a range in it)."""
     return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
@@ -129,7 +119,7 @@ class Spans(Protocol):
 
 
 class Tracer:
-    """Records when each instruction ran on this rank; ``NULL_TRACER`` records nothing, at no cost."""
+    """Records when each instruction ran on this rank (RANGES_ONLY: only the ranges in the user's profiler)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -192,7 +182,7 @@ class Tracer:
         event.record()
         return event
 
-    def span(self, action: Action, wait: bool = False) -> _Span | _Nothing:
+    def span(self, action: Action, wait: bool = False) -> _Span:
         return _Span(self, action, wait)
 
     def spans(self, rank: int) -> list[Span]:
@@ -238,21 +228,17 @@ class Tracer:
         return timeline
 
 
-class _NullTracer(Tracer):
-    """Records nothing, at no cost; ``profiled``: only the ranges in the user's profiler."""
+class _RangesOnly(Tracer):
+    """An untraced step under the user's profiler: each instruction a range in it, nothing recorded here (an
+    untraced step without one runs under pipeengine.step.executor.UNTRACED)."""
 
-    def __init__(self, profiled: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
-        self._nothing = _Nothing()
-        self.profiled = profiled
+        self.profiled = True
         self.records = None  # type: ignore[assignment]  # spans are not kept
 
-    def span(self, action: Action, wait: bool = False) -> _Span | _Nothing:
-        return _Span(self, action, wait) if self.profiled else self._nothing
 
-
-NULL_TRACER: Tracer = _NullTracer()
-RANGES_ONLY: Tracer = _NullTracer(profiled=True)  # untraced steps under the user's profiler
+RANGES_ONLY: Tracer = _RangesOnly()
 
 
 def _sizes(

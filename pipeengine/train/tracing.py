@@ -26,8 +26,8 @@ from pipeengine.core.dtensors import local_bytes
 from pipeengine.core.specs import unpack
 from pipeengine.observe.allocator import AllocatorWatch, training_bytes
 from pipeengine.observe.ledger import Ledger, StageSizes, optimizer_copies
-from pipeengine.observe.trace import NULL_TRACER, RANGES_ONLY, Tracer, profiler_open, profiling
-from pipeengine.step.executor import Executor, StepInputs
+from pipeengine.observe.trace import RANGES_ONLY, Spans, Tracer, profiler_open, profiling
+from pipeengine.step.executor import UNTRACED, Executor, StepInputs
 from pipeengine.step.sizes import optimizer_transient, stage_sizes
 from schedules import Kind, Schedule, Timeline
 
@@ -57,12 +57,12 @@ class Tracing:
 
     @contextlib.contextmanager
     def step(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter]
-             ) -> Iterator[Tracer]:  # fmt: skip
+             ) -> Iterator[Spans]:  # fmt: skip
         """The tracer a step runs under (every rank of the pipeline alike): none, the user's profiler's ranges, or
         ours, watching memory in a training step; the timeline gathered when the step ends."""
         profiled = profiling()  # the user's profiler records: each instruction is a range in it
         if not self.enabled:
-            yield RANGES_ONLY if profiled else NULL_TRACER
+            yield RANGES_ONLY if profiled else UNTRACED
             return
         self._tracer.profiled = profiled
         # on the CPU the allocator is watched by a profiler of ours: not while one of the user's is open
