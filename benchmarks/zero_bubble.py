@@ -31,16 +31,15 @@ def worker(args: argparse.Namespace, path: str) -> None:
                                     num_microbatches=args.microbatches, schedule=name, partition="uniform")
                for name in args.schedules}  # fmt: skip
 
-    def step(engine: PipelineEngine) -> None:
-        engine.train_step(x if engine.first else None, y if engine.last else None)
+    def step(engine: PipelineEngine) -> float:
+        loss = engine.train_step(x if engine.first else None, y if engine.last else None)
         engine.zero_grad()
+        return loss
 
-    losses = {name: engine.train_step(x if engine.first else None, y if engine.last else None)
-              for name, engine in engines.items()}  # fmt: skip
+    losses = {name: step(engine) for name, engine in engines.items()}  # the first step of each warms it up too
     if len({round(loss, 5) for loss in losses.values()}) != 1:
         raise RuntimeError(f"the schedules' losses differ on the same weights and batch: {losses}")
     for engine in engines.values():  # warm-up
-        engine.zero_grad()
         step(engine)
     times: dict[str, list[float]] = {name: [] for name in engines}
     names = list(engines)
