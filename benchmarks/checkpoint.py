@@ -26,8 +26,9 @@ WIDTH, LAYERS, BATCH, ROUNDS = 1024, 9, 64, 5
 
 def worker(args: argparse.Namespace, directory: str, path: str) -> None:
     options = {"data_parallel": 2, "fsdp": True} if args.fsdp else {}
-    engine = PipelineEngine(mlp(args.width, args.layers), torch.nn.functional.mse_loss, num_microbatches=2,
-                            partition="uniform", **options)  # type: ignore[arg-type]  # fmt: skip
+    engine = PipelineEngine(
+        mlp(args.width, args.layers), torch.nn.functional.mse_loss, num_microbatches=2, partition="uniform", **options
+    )  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
 
@@ -37,8 +38,11 @@ def worker(args: argparse.Namespace, directory: str, path: str) -> None:
         optimizer.zero_grad()
 
     step()  # AdamW's moments exist
-    state = sum(local(t).numel() * t.element_size() for p in engine.parameters() for t in
-                [p, *(v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor) and v.dim())])  # fmt: skip
+    state = sum(
+        local(t).numel() * t.element_size()
+        for p in engine.parameters()
+        for t in [p, *(v for v in optimizer.state[p].values() if isinstance(v, torch.Tensor) and v.dim())]
+    )
     total = torch.tensor([float(state)])
     torch.distributed.all_reduce(total)
     sync, stall, overlapped, complete, plain = [], [], [], [], []
@@ -54,14 +58,20 @@ def worker(args: argparse.Namespace, directory: str, path: str) -> None:
         complete.append(timed(lambda: pending.pop().result()))  # type: ignore[attr-defined]
         plain.append(timed(step))
     if torch.distributed.get_rank() == 0:
-        save_row(path, {
-            "format": "sharded (fsdp, dp=2)" if args.fsdp else "whole tensors (pp=2)",
-            "state_mib": total.item() / 2**20,
-            "sync_save_ms": 1e3 * median(sync), "background_stall_ms": 1e3 * median(stall),
-            "stall_fraction": median(stall) / median(sync), "step_ms": 1e3 * median(plain),
-            "step_with_write_ms": 1e3 * median(overlapped), "write_left_after_step_ms": 1e3 * median(complete),
-            "rounds": args.rounds,
-        })  # fmt: skip
+        save_row(
+            path,
+            {
+                "format": "sharded (fsdp, dp=2)" if args.fsdp else "whole tensors (pp=2)",
+                "state_mib": total.item() / 2**20,
+                "sync_save_ms": 1e3 * median(sync),
+                "background_stall_ms": 1e3 * median(stall),
+                "stall_fraction": median(stall) / median(sync),
+                "step_ms": 1e3 * median(plain),
+                "step_with_write_ms": 1e3 * median(overlapped),
+                "write_left_after_step_ms": 1e3 * median(complete),
+                "rounds": args.rounds,
+            },
+        )
 
 
 def main() -> None:
@@ -72,13 +82,15 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         row = run_point(worker, 2, (args, directory), threads=1)
-    lines = [f"{row['format']}: {row['state_mib']:.0f} MiB of state (weights and AdamW's moments), "  # type: ignore[index]
-             f"medians of {args.rounds} rounds",
-             f"  synchronous save      {row['sync_save_ms']:8.1f} ms stall",  # type: ignore[index]
-             f"  background=True       {row['background_stall_ms']:8.1f} ms stall "  # type: ignore[index]
-             f"({row['stall_fraction']:.1%} of the synchronous save)",  # type: ignore[index]
-             f"  a step                {row['step_ms']:8.1f} ms alone, {row['step_with_write_ms']:.1f} ms beside "  # type: ignore[index]
-             f"the write, which then needed {row['write_left_after_step_ms']:.1f} ms more"]  # type: ignore[index]  # fmt: skip
+    lines = [
+        f"{row['format']}: {row['state_mib']:.0f} MiB of state (weights and AdamW's moments), "  # type: ignore[index]
+        f"medians of {args.rounds} rounds",
+        f"  synchronous save      {row['sync_save_ms']:8.1f} ms stall",  # type: ignore[index]
+        f"  background=True       {row['background_stall_ms']:8.1f} ms stall "  # type: ignore[index]
+        f"({row['stall_fraction']:.1%} of the synchronous save)",  # type: ignore[index]
+        f"  a step                {row['step_ms']:8.1f} ms alone, {row['step_with_write_ms']:.1f} ms beside "  # type: ignore[index]
+        f"the write, which then needed {row['write_left_after_step_ms']:.1f} ms more",
+    ]  # type: ignore[index]
     print("\n".join(lines))
     write_report("checkpoint_fsdp" if args.fsdp else "checkpoint", [row], lines)
 

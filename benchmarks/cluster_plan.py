@@ -56,8 +56,13 @@ class Block(nn.Module):
         s, b, _ = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(s, b * self.heads, 3 * self.head_dim).split(self.head_dim, dim=-1)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [b * heads, s, d]
-        scores = torch.baddbmm(torch.empty(b * self.heads, s, s, dtype=x.dtype, device=x.device), q,
-                               k.transpose(1, 2), beta=0.0, alpha=1 / math.sqrt(self.head_dim))  # fmt: skip
+        scores = torch.baddbmm(
+            torch.empty(b * self.heads, s, s, dtype=x.dtype, device=x.device),
+            q,
+            k.transpose(1, 2),
+            beta=0.0,
+            alpha=1 / math.sqrt(self.head_dim),
+        )
         probs = F.dropout(torch.softmax(scores, dim=-1), 0.1)  # the fused scale-mask-softmax: one read, one write
         context = torch.bmm(probs, v).transpose(0, 1).reshape(s, b, self.heads * self.head_dim)
         x = x + F.dropout(self.proj(context), 0.1)
@@ -122,13 +127,27 @@ def searched(row: dict[str, float], hw: Hardware) -> str:
     plan = search(model, int(row["gpus"]), hw, int(row["global_batch"]), runtime=megatron_2021(int(row["p"])))
     seconds = time.perf_counter() - started
     best = plan.best
-    paper = price(model, Layout(int(row["t"]), int(row["p"]), int(row["d"]), int(row["micro_batch"]), int(row["m"]),
-                                "interleaved" if row["v"] > 1 else "1f1b", int(row["v"]), True), hw,
-                  runtime=megatron_2021(int(row["p"])))  # fmt: skip
-    return (f"search: {row['params_b']:.0f}B on {int(row['gpus'])} GPUs, {plan.considered} layouts in {seconds:.1f} s "
-            f"(tracing included), {len(plan.refused)} past the memory; best {best.layout.describe()} "
-            f"{best.tflops_per_device:.1f} TFLOP/s a GPU at {best.peak_bytes / 2**30:.1f} GiB, the paper's layout "
-            f"{paper.tflops_per_device:.1f} ({best.step_s / paper.step_s - 1:+.1%} step)")  # fmt: skip
+    paper = price(
+        model,
+        Layout(
+            int(row["t"]),
+            int(row["p"]),
+            int(row["d"]),
+            int(row["micro_batch"]),
+            int(row["m"]),
+            "interleaved" if row["v"] > 1 else "1f1b",
+            int(row["v"]),
+            True,
+        ),
+        hw,
+        runtime=megatron_2021(int(row["p"])),
+    )
+    return (
+        f"search: {row['params_b']:.0f}B on {int(row['gpus'])} GPUs, {plan.considered} layouts in {seconds:.1f} s "
+        f"(tracing included), {len(plan.refused)} past the memory; best {best.layout.describe()} "
+        f"{best.tflops_per_device:.1f} TFLOP/s a GPU at {best.peak_bytes / 2**30:.1f} GiB, the paper's layout "
+        f"{paper.tflops_per_device:.1f} ({best.step_s / paper.step_s - 1:+.1%} step)"
+    )
 
 
 def plot(table: list[dict[str, object]], path: Path, title: str) -> None:
@@ -167,22 +186,42 @@ def main() -> None:
         started = time.perf_counter()
         model = gpt(int(row["layers"]), int(row["hidden"]), int(row["heads"]), 2048, 51200)
         v = int(row["v"])
-        layout = Layout(int(row["t"]), int(row["p"]), int(row["d"]), int(row["micro_batch"]), int(row["m"]),
-                        "interleaved" if v > 1 else "1f1b", v, recompute=True)  # fmt: skip
+        layout = Layout(
+            int(row["t"]),
+            int(row["p"]),
+            int(row["d"]),
+            int(row["micro_batch"]),
+            int(row["m"]),
+            "interleaved" if v > 1 else "1f1b",
+            v,
+            recompute=True,
+        )
         priced = price(model, layout, hw, runtime=megatron_2021(layout.pp))
         error = priced.tflops_per_device / row["tflops_per_gpu"] - 1
         errors.append(abs(error))
-        table.append({"params_b": row["params_b"], "gpus": int(row["gpus"]), "layout": layout.describe(),
-                      "paper_tflops": row["tflops_per_gpu"], "predicted_tflops": round(priced.tflops_per_device, 1),
-                      "error": round(error, 4), "step_s": round(priced.step_s, 3), "peak_gib": round(
-                      priced.peak_bytes / 2**30, 1), "parts": {k: round(x, 3) for k, x in priced.parts.items()},
-                      "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
-        lines.append(f"{row['params_b']:>7}B on {int(row['gpus']):>4} GPUs, {layout.describe()}: predicted "
-                     f"{priced.tflops_per_device:6.1f} TFLOP/s a GPU, paper {row['tflops_per_gpu']:.0f} ({error:+.1%}),"
-                     f" step {priced.step_s:.2f} s, peak {priced.peak_bytes / 2**30:.1f} GiB")  # fmt: skip
+        table.append(
+            {
+                "params_b": row["params_b"],
+                "gpus": int(row["gpus"]),
+                "layout": layout.describe(),
+                "paper_tflops": row["tflops_per_gpu"],
+                "predicted_tflops": round(priced.tflops_per_device, 1),
+                "error": round(error, 4),
+                "step_s": round(priced.step_s, 3),
+                "peak_gib": round(priced.peak_bytes / 2**30, 1),
+                "parts": {k: round(x, 3) for k, x in priced.parts.items()},
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        )
+        lines.append(
+            f"{row['params_b']:>7}B on {int(row['gpus']):>4} GPUs, {layout.describe()}: predicted "
+            f"{priced.tflops_per_device:6.1f} TFLOP/s a GPU, paper {row['tflops_per_gpu']:.0f} ({error:+.1%}),"
+            f" step {priced.step_s:.2f} s, peak {priced.peak_bytes / 2**30:.1f} GiB"
+        )
         print(lines[-1], flush=True)
-    lines.append(f"{hw.name}: |error| median {statistics.median(errors):.1%}, largest {max(errors):.1%} "
-                 f"over {len(errors)} rows")  # fmt: skip
+    lines.append(
+        f"{hw.name}: |error| median {statistics.median(errors):.1%}, largest {max(errors):.1%} over {len(errors)} rows"
+    )
     print(lines[-1])
     if not args.rows:  # the search for the last row's cluster, against the paper's own layout of it
         lines.append(searched(rows()[-1], hw))

@@ -141,8 +141,9 @@ def measure(engine: object, x: torch.Tensor, y: torch.Tensor, steps: int, warmup
     }
 
 
-def side_by_side(engine: object, theirs: object, x: object, y: object, first: bool, last: bool
-                 ) -> tuple[Callable[[], float], Callable[[], float | None]]:  # fmt: skip
+def side_by_side(
+    engine: object, theirs: object, x: object, y: object, first: bool, last: bool
+) -> tuple[Callable[[], float], Callable[[], float | None]]:
     """One training step of this engine and one of torch.distributed.pipelining's schedule ``theirs`` on the same
     batch, each zeroing its gradients after: (ours, torch's). ``first`` / ``last``: whether this rank holds torch's
     first / last stage. Ours returns the mean loss; torch's its mean loss on the last stage's rank, else None."""
@@ -178,8 +179,14 @@ def allocator_peak(step: Callable[[], object], params: list[torch.Tensor]) -> fl
     return float(live + watch.peak)
 
 
-def time_and_watch(ours: Callable[[], object], torch_step: Callable[[], object], mine: list[torch.Tensor],
-                   theirs: list[torch.Tensor], rounds: int, steps: int) -> dict[str, object]:  # fmt: skip
+def time_and_watch(
+    ours: Callable[[], object],
+    torch_step: Callable[[], object],
+    mine: list[torch.Tensor],
+    theirs: list[torch.Tensor],
+    rounds: int,
+    steps: int,
+) -> dict[str, object]:
     """After 2 warm-up steps each: ``rounds`` rounds of ``steps`` steps of ours then torch's (medians), then one
     step of each under the allocator; every rank calls it, the figures (ms, MiB per rank) come back on all."""
     for _ in range(2):
@@ -192,14 +199,20 @@ def time_and_watch(ours: Callable[[], object], torch_step: Callable[[], object],
     peaks = [allocator_peak(ours, mine), allocator_peak(torch_step, theirs)]
     everyone: list[list[float]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, peaks)
-    return {"ours_ms": 1e3 * median(mine_ms), "torch_ms": 1e3 * median(theirs_ms),
-            "ratio": median(theirs_ms) / median(mine_ms), "ours_peak_mib": [p[0] / 2**20 for p in everyone],
-            "torch_peak_mib": [p[1] / 2**20 for p in everyone]}  # fmt: skip
+    return {
+        "ours_ms": 1e3 * median(mine_ms),
+        "torch_ms": 1e3 * median(theirs_ms),
+        "ratio": median(theirs_ms) / median(mine_ms),
+        "ours_peak_mib": [p[0] / 2**20 for p in everyone],
+        "torch_peak_mib": [p[1] / 2**20 for p in everyone],
+    }
 
 
 def side_by_side_line(label: str, row: dict[str, object]) -> str:
     """One printed line of a side-by-side row: both step times, the ratio, each rank's peaks."""
-    return (f"{label}  pipeengine {row['ours_ms']:7.1f} ms  torch.distributed.pipelining {row['torch_ms']:7.1f} ms  "
-            f"-> {row['ratio']:.2f}x   peak MiB per rank, pipeengine "
-            f"{' '.join(f'{p:.1f}' for p in row['ours_peak_mib'])}, torch "  # type: ignore[attr-defined]
-            f"{' '.join(f'{p:.1f}' for p in row['torch_peak_mib'])}")  # type: ignore[attr-defined]  # fmt: skip
+    return (
+        f"{label}  pipeengine {row['ours_ms']:7.1f} ms  torch.distributed.pipelining {row['torch_ms']:7.1f} ms  "
+        f"-> {row['ratio']:.2f}x   peak MiB per rank, pipeengine "
+        f"{' '.join(f'{p:.1f}' for p in row['ours_peak_mib'])}, torch "  # type: ignore[attr-defined]
+        f"{' '.join(f'{p:.1f}' for p in row['torch_peak_mib'])}"
+    )  # type: ignore[attr-defined]

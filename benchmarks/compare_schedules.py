@@ -26,9 +26,14 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 
 def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    engine = PipelineEngine(mlp(args.width, args.layers), torch.nn.functional.mse_loss,
-                            num_microbatches=args.microbatches, schedule=schedule, partition="uniform",
-                            sample=x)  # fmt: skip
+    engine = PipelineEngine(
+        mlp(args.width, args.layers),
+        torch.nn.functional.mse_loss,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        partition="uniform",
+        sample=x,
+    )
     row = measure(engine, x, y, args.steps)
     if row is not None:
         timeline = min(engine.last_timelines, key=lambda t: t.makespan)  # type: ignore[attr-defined]
@@ -36,8 +41,16 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
 
 
 def main() -> None:
-    parser = arguments(__doc__, SCHEDULES, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
-                       microbatches=MICROBATCHES, steps=STEPS)  # fmt: skip
+    parser = arguments(
+        __doc__,
+        SCHEDULES,
+        threads=THREADS,
+        width=WIDTH,
+        layers=LAYERS,
+        batch=BATCH,
+        microbatches=MICROBATCHES,
+        steps=STEPS,
+    )
     parser.add_argument("--ranks", type=int, nargs="+", default=RANKS)
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -49,11 +62,13 @@ def main() -> None:
             rows.append(row)
             timelines.append(timeline)
             titles.append(f"{schedule}, {ranks} ranks, measured (the fastest traced step)")
-            print(f"{ranks} ranks {schedule:12} step {row['step_ms']:7.1f} ms  {row['samples_per_s']:6.0f} samples/s  "
-                  f"bubble {row['measured_bubble']:.1%} (simulated {row['predicted_bubble']:.1%})  "
-                  f"peak memory {row['peak_mb']:.1f} MiB (predicted {row['predicted_peak_mb']:.1f}), "
-                  f"peak RSS {row['peak_rss_mb']:.0f} MiB",
-                  flush=True)  # fmt: skip
+            print(
+                f"{ranks} ranks {schedule:12} step {row['step_ms']:7.1f} ms  {row['samples_per_s']:6.0f} samples/s  "
+                f"bubble {row['measured_bubble']:.1%} (simulated {row['predicted_bubble']:.1%})  "
+                f"peak memory {row['peak_mb']:.1f} MiB (predicted {row['predicted_peak_mb']:.1f}), "
+                f"peak RSS {row['peak_rss_mb']:.0f} MiB",
+                flush=True,
+            )
         plot_timelines(timelines, str(OUT / f"schedules_p{ranks}.png"), titles=titles)
     print(f"wrote {write_json('schedules', rows)} and {OUT}/schedules_p*.png")
 

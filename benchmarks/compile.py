@@ -34,9 +34,15 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     def build(compile: bool) -> PipelineEngine:
         torch.manual_seed(0)  # the same weights on every rank, and for both engines
         model = train_gpt.gpt(args.blocks, args.width, HEADS, LENGTH)
-        return PipelineEngine(model, train_gpt.summed_loss, num_microbatches=args.microbatches, schedule=schedule,
-                              partition="uniform", loss_count=train_gpt.real_tokens,
-                              compile={"backend": args.backend} if compile else False)  # fmt: skip
+        return PipelineEngine(
+            model,
+            train_gpt.summed_loss,
+            num_microbatches=args.microbatches,
+            schedule=schedule,
+            partition="uniform",
+            loss_count=train_gpt.real_tokens,
+            compile={"backend": args.backend} if compile else False,
+        )
 
     generator = torch.Generator().manual_seed(1)
     x = torch.randint(0, len(train_gpt.VOCAB), (args.batch, LENGTH), generator=generator)
@@ -66,9 +72,18 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
         eager_s += [timed(eager_step) for _ in range(args.steps)]  # type: ignore[arg-type]
         compiled_s += [timed(compiled_step) for _ in range(args.steps)]  # type: ignore[arg-type]
     if dist.get_rank() == 0:
-        save_row(path, {"schedule": schedule, "ranks": dist.get_world_size(), "eager_ms": 1e3 * median(eager_s),
-                        "compiled_ms": 1e3 * median(compiled_s), "ratio": median(eager_s) / median(compiled_s),
-                        "compile_s": first - median(eager_s), "backend": args.backend})  # fmt: skip
+        save_row(
+            path,
+            {
+                "schedule": schedule,
+                "ranks": dist.get_world_size(),
+                "eager_ms": 1e3 * median(eager_s),
+                "compiled_ms": 1e3 * median(compiled_s),
+                "ratio": median(eager_s) / median(compiled_s),
+                "compile_s": first - median(eager_s),
+                "backend": args.backend,
+            },
+        )
 
 
 def _slowest(seconds: float) -> float:
@@ -78,8 +93,17 @@ def _slowest(seconds: float) -> float:
 
 
 def main() -> None:
-    parser = arguments(__doc__, SCHEDULES, width=WIDTH, blocks=BLOCKS, batch=BATCH, microbatches=MICROBATCHES,
-                       rounds=ROUNDS, steps=STEPS, threads=THREADS)  # fmt: skip
+    parser = arguments(
+        __doc__,
+        SCHEDULES,
+        width=WIDTH,
+        blocks=BLOCKS,
+        batch=BATCH,
+        microbatches=MICROBATCHES,
+        rounds=ROUNDS,
+        steps=STEPS,
+        threads=THREADS,
+    )
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (default: %(default)s)")
     args = parser.parse_args()
@@ -88,8 +112,10 @@ def main() -> None:
         for schedule in args.schedules:
             row = run_point(worker, ranks, (schedule, args), args.threads)
             rows.append(row)
-            line = (f"{ranks} ranks {schedule:6}  eager {row['eager_ms']:7.1f} ms  compiled {row['compiled_ms']:7.1f} "  # type: ignore[index]
-                    f"ms  -> {row['ratio']:.2f}x   compile {row['compile_s']:.1f} s (first step, less an eager one)")  # type: ignore[index]  # fmt: skip
+            line = (
+                f"{ranks} ranks {schedule:6}  eager {row['eager_ms']:7.1f} ms  compiled {row['compiled_ms']:7.1f} "  # type: ignore[index]
+                f"ms  -> {row['ratio']:.2f}x   compile {row['compile_s']:.1f} s (first step, less an eager one)"
+            )  # type: ignore[index]
             lines.append(line)
             print(line, flush=True)
     write_report("compile", rows, lines)

@@ -65,27 +65,56 @@ def worker(kind: str, schedule: str, checkpoint: str, sharding: str, args: argpa
 
     network, width, batch = model(kind, args.blocks, args.scale)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    engine = PipelineEngine(network, nn.functional.mse_loss, num_microbatches=args.microbatches, schedule=schedule,
-                            partition="uniform", checkpoint=checkpoint, data_parallel=args.data_parallel,
-                            **SHARDING[sharding])  # type: ignore[arg-type]  # fmt: skip
+    engine = PipelineEngine(
+        network,
+        nn.functional.mse_loss,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        partition="uniform",
+        checkpoint=checkpoint,
+        data_parallel=args.data_parallel,
+        **SHARDING[sharding],
+    )  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     engine.train_step(x if engine.first else None, y if engine.last else None)
     optimizer.step()
     optimizer.zero_grad()
     with engine.tracing(optimizer):
         engine.train_step(x if engine.first else None, y if engine.last else None)
-    stepped = engine.topology.pipeline.all_gather_object(optimizer_step_peak(optimizer, engine.parameters()),
-                                                         "the optimizer step's peak")  # this pipeline's ranks
+    stepped = engine.topology.pipeline.all_gather_object(
+        optimizer_step_peak(optimizer, engine.parameters()), "the optimizer step's peak"
+    )  # this pipeline's ranks
     timeline = engine.timeline()
-    if timeline is not None and timeline.sizes is not None and timeline.allocated_peak is not None and (
-            engine.dp_rank == 0):  # fmt: skip  (the first replica's pipeline reports)
+    if (
+        timeline is not None
+        and timeline.sizes is not None
+        and timeline.allocated_peak is not None
+        and (engine.dp_rank == 0)
+    ):  # (the first replica's pipeline reports)
         predicted = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]
         allocator = [max(a, b) for a, b in zip(timeline.allocated_peak, stepped, strict=True)]  # type: ignore[type-var]
-        save_row(path, {"model": kind, "schedule": schedule, "ranks": engine.schedule.num_ranks, "sharding": sharding,
-                        "checkpoint": checkpoint, "ledger": timeline.peak_memory, "allocator": allocator,
-                        "predicted": predicted.required_memory, "step_allocator": timeline.allocated_peak,
-                        "optimizer_allocator": stepped, "state": [sum(timeline.sizes.state[s]  # type: ignore[index]
-                        for s in engine.schedule.stages_of(r)) for r in range(engine.schedule.num_ranks)]})  # fmt: skip
+        save_row(
+            path,
+            {
+                "model": kind,
+                "schedule": schedule,
+                "ranks": engine.schedule.num_ranks,
+                "sharding": sharding,
+                "checkpoint": checkpoint,
+                "ledger": timeline.peak_memory,
+                "allocator": allocator,
+                "predicted": predicted.required_memory,
+                "step_allocator": timeline.allocated_peak,
+                "optimizer_allocator": stepped,
+                "state": [
+                    sum(
+                        timeline.sizes.state[s]  # type: ignore[index]
+                        for s in engine.schedule.stages_of(r)
+                    )
+                    for r in range(engine.schedule.num_ranks)
+                ],
+            },
+        )
 
 
 def plot(rows: list[dict[str, object]], path: str) -> None:
@@ -105,8 +134,9 @@ def plot(rows: list[dict[str, object]], path: str) -> None:
                 for name, values in bars.items():
                     values.append(row[name][rank] / 2**20)  # type: ignore[index]
         places = range(len(labels))
-        for offset, (name, colour) in zip((-0.27, 0.0, 0.27), (("ledger", "#8C8C8C"), ("allocator", "#4C72B0"),
-                                                                ("predicted", "#DD8452")), strict=True):  # fmt: skip
+        for offset, (name, colour) in zip(
+            (-0.27, 0.0, 0.27), (("ledger", "#8C8C8C"), ("allocator", "#4C72B0"), ("predicted", "#DD8452")), strict=True
+        ):
             axis.bar([i + offset for i in places], bars[name], width=0.27, label=name, color=colour)
         axis.set_xticks(list(places), labels, fontsize=7)
         axis.set_ylabel("peak MiB")
@@ -127,8 +157,14 @@ def tables(rows: list[dict[str, object]], ranks: int = 4) -> str:
             cells = []
             for checkpoint in CHECKPOINTING:
                 row = next((r for r in mine if r["schedule"] == schedule and r["checkpoint"] == checkpoint), None)
-                cells.append(" ".join(f"{a / 2**20:.1f}/{p / 2**20:.1f}" for a, p in  # type: ignore[call-overload]
-                                      zip(row["allocator"], row["predicted"], strict=True)) if row else "")  # type: ignore[index]  # fmt: skip
+                cells.append(
+                    " ".join(
+                        f"{a / 2**20:.1f}/{p / 2**20:.1f}"
+                        for a, p in zip(row["allocator"], row["predicted"], strict=True)  # type: ignore[call-overload]
+                    )
+                    if row
+                    else ""
+                )  # type: ignore[index]
             out.append(f"| {schedule} | {cells[0]} | {cells[1]} |")
         out.append("")
     return "\n".join(out)
@@ -145,21 +181,30 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=1, help="divide widths and batch by this (a quick run)")
     parser.add_argument("--threads", type=int, default=THREADS)
     parser.add_argument("--data-parallel", type=int, default=1, help="replicas: --ranks counts them all")
-    parser.add_argument("--sharding", nargs="+", default=["none"], choices=list(SHARDING),
-                        help="with --data-parallel 2 or more: fsdp=True, and with reshard_after_forward")
-    parser.add_argument("--tables", metavar="JSON",
-                        help="print docs/benchmarks.md's tables from a run's memory.json; no run")
+    parser.add_argument(
+        "--sharding",
+        nargs="+",
+        default=["none"],
+        choices=list(SHARDING),
+        help="with --data-parallel 2 or more: fsdp=True, and with reshard_after_forward",
+    )
+    parser.add_argument(
+        "--tables", metavar="JSON", help="print docs/benchmarks.md's tables from a run's memory.json; no run"
+    )
     args = parser.parse_args()
     if args.tables:
         print(tables(json.loads(Path(args.tables).read_text())))
         return
     rows, lines = [], []
-    header = (f"{'model':11} {'schedule':12} {'ranks':>5} {'ckpt':>6}  per rank MiB: ledger / allocator / predicted "
-              "(predicted / allocator)")  # fmt: skip
+    header = (
+        f"{'model':11} {'schedule':12} {'ranks':>5} {'ckpt':>6}  per rank MiB: ledger / allocator / predicted "
+        "(predicted / allocator)"
+    )
     print(header, flush=True)
     name = "memory" if args.data_parallel == 1 else "memory_dp"
-    for kind, ranks, checkpoint, sharding, schedule in itertools.product(args.models, args.ranks, args.checkpoint,
-                                                                           args.sharding, args.schedules):
+    for kind, ranks, checkpoint, sharding, schedule in itertools.product(
+        args.models, args.ranks, args.checkpoint, args.sharding, args.schedules
+    ):
         row = run_point(worker, ranks, (kind, schedule, checkpoint, sharding, args), args.threads)
         rows.append(row)
         cells = "  ".join(

@@ -26,8 +26,13 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min"]
 
 
 def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
-    engine = PipelineEngine(mlp(args.width, args.layers), torch.nn.functional.mse_loss,
-                            num_microbatches=args.microbatches, schedule=schedule, partition="uniform")  # fmt: skip
+    engine = PipelineEngine(
+        mlp(args.width, args.layers),
+        torch.nn.functional.mse_loss,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        partition="uniform",
+    )
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     measured = measure(engine, x, y, args.steps, warmup=WARMUP)
     if measured is None:  # not rank 0
@@ -41,25 +46,40 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
             active = max(s.end for s in mine) - min(s.start for s in mine)
             dispatch.append((active - busy) / sum(1 for s in mine if not s.wait))
     row = {
-        "schedule": schedule, "ranks": traced[-1].num_ranks, "step_ms": measured["step_ms"],
-        "simulated_ms": measured["predicted_ms"], "ratio": measured["step_ms"] / measured["predicted_ms"],
+        "schedule": schedule,
+        "ranks": traced[-1].num_ranks,
+        "step_ms": measured["step_ms"],
+        "simulated_ms": measured["predicted_ms"],
+        "ratio": measured["step_ms"] / measured["predicted_ms"],
         "replay_ratio": measured["replay_ratio"],
         "measured_bubble": measured["measured_bubble"],
         "dispatch_us_per_instruction": 1e6 * median(dispatch),
-    }  # fmt: skip
+    }
     save_row(path, row)
 
 
 def main() -> None:
-    args = arguments(__doc__, SCHEDULES, ranks=RANKS, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
-                     microbatches=MICROBATCHES, steps=STEPS).parse_args()  # fmt: skip
+    args = arguments(
+        __doc__,
+        SCHEDULES,
+        ranks=RANKS,
+        threads=THREADS,
+        width=WIDTH,
+        layers=LAYERS,
+        batch=BATCH,
+        microbatches=MICROBATCHES,
+        steps=STEPS,
+    ).parse_args()
     rows = []
     for schedule in args.schedules:
         r = run_point(worker, args.ranks, (schedule, args), args.threads)
         rows.append(r)
-        print(f"{schedule:12} step {r['step_ms']:7.1f} ms  simulated {r['simulated_ms']:7.1f} ms  "
-              f"ratio {r['ratio']:.3f}  replay ratio {r['replay_ratio']:.3f}  bubble {r['measured_bubble']:.1%}  "
-              f"dispatch {r['dispatch_us_per_instruction']:.0f} us/instruction", flush=True)  # fmt: skip
+        print(
+            f"{schedule:12} step {r['step_ms']:7.1f} ms  simulated {r['simulated_ms']:7.1f} ms  "
+            f"ratio {r['ratio']:.3f}  replay ratio {r['replay_ratio']:.3f}  bubble {r['measured_bubble']:.1%}  "
+            f"dispatch {r['dispatch_us_per_instruction']:.0f} us/instruction",
+            flush=True,
+        )
     print(f"wrote {write_json('overhead', rows)}")
 
 

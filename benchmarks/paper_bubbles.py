@@ -26,8 +26,9 @@ def table() -> str:
     ]
     for model, (p, counts, f, b, w, c) in SETUPS.items():
         for m in counts:
-            rates = [bubble(name, p, m, f, b, w, c) for name in ("zb-h1", "1f1b") for bubble in (paper_bubble,
-                     ours_bubble)]  # fmt: skip
+            rates = [
+                bubble(name, p, m, f, b, w, c) for name in ("zb-h1", "1f1b") for bubble in (paper_bubble, ours_bubble)
+            ]
             lines.append(f"| {model} | {p} | {m} | {c} | " + " | ".join(f"{100 * r:.2f}%" for r in rates) + " |")
     return "\n".join(lines) + "\n"
 

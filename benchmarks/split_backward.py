@@ -52,8 +52,14 @@ def stage(name: str) -> tuple[nn.Module, torch.Tensor]:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=4,
-                         num_hidden_layers=2, vocab_size=256)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        vocab_size=256,
+    )
     rotary = LlamaRotaryEmbedding(config)
 
     class Layers(nn.Module):
@@ -148,8 +154,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as a launched CPU rank does (else a weight's fresh gradient pays page faults each time)
     rows, lines = [], []
-    lines.append("| stage | F ms | B ms | I ms | W ms | I + W over B | W roots | W's autograd calls "
-                 "| W as one call ms | bare I ms |")  # fmt: skip
+    lines.append(
+        "| stage | F ms | B ms | I ms | W ms | I + W over B | W roots | W's autograd calls "
+        "| W as one call ms | bare I ms |"
+    )
     lines.append("|-|-|-|-|-|-|-|-|-|-|")
     for name in args.models:
         try:
@@ -159,12 +167,22 @@ def main() -> None:
             continue
         ms = {key: 1e3 * value for key, value in t.items() if key not in ("roots", "calls")}
         ratio = (t["I"] + t["W"]) / t["B"]
-        rows.append({"stage": name, **{k: round(v, 3) for k, v in ms.items()}, "split_over_whole": round(ratio, 3),
-                     "w_roots": int(t["roots"]), "w_calls": int(t["calls"]), "rounds": args.rounds,
-                     "threads": args.threads})  # fmt: skip
-        lines.append(f"| {name} | {ms['F']:.2f} | {ms['B']:.2f} | {ms['I']:.2f} | {ms['W']:.2f} | {ratio:.2f}x | "
-                     f"{int(t['roots'])} | {int(t['calls'])} | {ms['W one call']:.2f} | "
-                     f"{ms['I bare']:.2f} |")  # fmt: skip
+        rows.append(
+            {
+                "stage": name,
+                **{k: round(v, 3) for k, v in ms.items()},
+                "split_over_whole": round(ratio, 3),
+                "w_roots": int(t["roots"]),
+                "w_calls": int(t["calls"]),
+                "rounds": args.rounds,
+                "threads": args.threads,
+            }
+        )
+        lines.append(
+            f"| {name} | {ms['F']:.2f} | {ms['B']:.2f} | {ms['I']:.2f} | {ms['W']:.2f} | {ratio:.2f}x | "
+            f"{int(t['roots'])} | {int(t['calls'])} | {ms['W one call']:.2f} | "
+            f"{ms['I bare']:.2f} |"
+        )
         print(lines[-1], flush=True)
     write_report("split_backward", rows, lines)
     print(f"wrote {OUT}/split_backward.*")

@@ -35,7 +35,7 @@ def worker(schedule: str, m: int, args: argparse.Namespace, path: str) -> None:
         schedule=schedule,
         partition="uniform",
         sample=x,
-    )  # fmt: skip  (sample: activation bytes)
+    )  # (sample: activation bytes)
     row = measure(engine, x, y, args.steps)
     if row is not None:
         save_row(path, {"schedule": schedule, "microbatches": m, **row})
@@ -54,12 +54,18 @@ def plot(rows: list[dict[str, float | str]], path: str) -> None:
         ms = [r["microbatches"] for r in mine]
         colour = f"C{index}"
         speed.plot(ms, [r["samples_per_s"] for r in mine], "o-", color=colour, label=f"{schedule} measured")
-        speed.plot(ms, [float(r["samples_per_s"]) * float(r["step_ms"]) / float(r["predicted_ms"]) for r in mine],
-                   "--", color=colour, label=f"{schedule} predicted")  # fmt: skip
+        speed.plot(
+            ms,
+            [float(r["samples_per_s"]) * float(r["step_ms"]) / float(r["predicted_ms"]) for r in mine],
+            "--",
+            color=colour,
+            label=f"{schedule} predicted",
+        )
         memory.plot(ms, [r["rss_growth_mb"] for r in mine], "o-", color=colour, label=f"{schedule} RSS growth")
         held.plot(ms, [r["peak_mb"] for r in mine], "s:", color=colour, label=f"{schedule} peak held (measured)")
-        held.plot(ms, [r["predicted_peak_mb"] for r in mine], "--", color=colour,
-                  label=f"{schedule} peak held (predicted)")  # fmt: skip
+        held.plot(
+            ms, [r["predicted_peak_mb"] for r in mine], "--", color=colour, label=f"{schedule} peak held (predicted)"
+        )
     for axis, label in ((speed, "throughput (samples/s)"), (memory, "process RSS growth, busiest rank (MiB), solid")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("micro-batches per step (split size)")
@@ -72,8 +78,9 @@ def plot(rows: list[dict[str, float | str]], path: str) -> None:
 
 
 def main() -> None:
-    parser = arguments(__doc__, SCHEDULES, ranks=RANKS, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
-                       steps=STEPS)  # fmt: skip
+    parser = arguments(
+        __doc__, SCHEDULES, ranks=RANKS, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH, steps=STEPS
+    )
     parser.add_argument("--microbatches", type=int, nargs="+", default=MICROBATCHES)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the saved JSON, no runs")
     args = parser.parse_args()
@@ -89,10 +96,13 @@ def main() -> None:
                 continue
             r = run_point(worker, args.ranks, (schedule, m, args), args.threads)
             rows.append(r)
-            print(f"{schedule:12} m={m:3d}  step {r['step_ms']:7.1f} ms (predicted {r['predicted_ms']:7.1f})  "
-                  f"{r['samples_per_s']:6.0f} samples/s  bubble {r['measured_bubble']:.1%} "
-                  f"(predicted {r['predicted_bubble']:.1%})  RSS +{r['rss_growth_mb']:.0f} MiB, activations "
-                  f"{r['peak_mb']:.1f} MiB held ({r['predicted_peak_mb']:.1f} predicted)", flush=True)  # fmt: skip
+            print(
+                f"{schedule:12} m={m:3d}  step {r['step_ms']:7.1f} ms (predicted {r['predicted_ms']:7.1f})  "
+                f"{r['samples_per_s']:6.0f} samples/s  bubble {r['measured_bubble']:.1%} "
+                f"(predicted {r['predicted_bubble']:.1%})  RSS +{r['rss_growth_mb']:.0f} MiB, activations "
+                f"{r['peak_mb']:.1f} MiB held ({r['predicted_peak_mb']:.1f} predicted)",
+                flush=True,
+            )
     for schedule in args.schedules:
         mine = [r for r in rows if r["schedule"] == schedule]
         best = min(mine, key=lambda r: r["step_ms"])["microbatches"]

@@ -95,8 +95,13 @@ def worker(name: str, width: int, candidates: list[Candidate], rounds: int, path
             peaks.append(None)
         optimizer.zero_grad()
     if dist.get_rank() == 0:
-        save_row(path, [{"measured_ms": 1e3 * statistics.median(t), "measured_peak": p} for t, p in
-                        zip(times, peaks, strict=True)])  # fmt: skip
+        save_row(
+            path,
+            [
+                {"measured_ms": 1e3 * statistics.median(t), "measured_peak": p}
+                for t, p in zip(times, peaks, strict=True)
+            ],
+        )
 
 
 def plot(result: TuneResult, measured: list[dict[str, object]], name: str, path: str) -> None:
@@ -107,23 +112,43 @@ def plot(result: TuneResult, measured: list[dict[str, object]], name: str, path:
     FigureCanvasAgg(figure)
     axis = figure.subplots()
     every = result.rows + result.dropped
-    axis.scatter([max(c.peak_memory) / 2**20 for c in every], [c.step_time * 1e3 for c in every], s=12,
-                 color="#BBBBBB", label="every candidate (predicted)")  # fmt: skip
+    axis.scatter(
+        [max(c.peak_memory) / 2**20 for c in every],
+        [c.step_time * 1e3 for c in every],
+        s=12,
+        color="#BBBBBB",
+        label="every candidate (predicted)",
+    )
     frontier, best = [], float("inf")
     for c in sorted(every, key=lambda c: max(c.peak_memory)):
         if c.step_time < best:
             best = c.step_time
             frontier.append(c)
-    axis.plot([max(c.peak_memory) / 2**20 for c in frontier], [c.step_time * 1e3 for c in frontier], "-",
-              color="#4C72B0", label="the frontier (predicted)")  # fmt: skip
+    axis.plot(
+        [max(c.peak_memory) / 2**20 for c in frontier],
+        [c.step_time * 1e3 for c in frontier],
+        "-",
+        color="#4C72B0",
+        label="the frontier (predicted)",
+    )
     for row in measured:
-        axis.plot([row["predicted_peak_mb"], row["measured_peak_mb"]], [row["predicted_ms"], row["measured_ms"]],
-                  ":", color="#DD8452", linewidth=0.8)  # fmt: skip
-    axis.scatter([r["measured_peak_mb"] for r in measured], [r["measured_ms"] for r in measured], s=24,
-                 color="#DD8452", marker="s", label="measured (joined to its prediction)")  # fmt: skip
+        axis.plot(
+            [row["predicted_peak_mb"], row["measured_peak_mb"]],
+            [row["predicted_ms"], row["measured_ms"]],
+            ":",
+            color="#DD8452",
+            linewidth=0.8,
+        )
+    axis.scatter(
+        [r["measured_peak_mb"] for r in measured],
+        [r["measured_ms"] for r in measured],
+        s=24,
+        color="#DD8452",
+        marker="s",
+        label="measured (joined to its prediction)",
+    )
     if result.memory_limit is not None:
-        axis.axvline(result.memory_limit / 2**20, color="#C44E52", linestyle="--", linewidth=1,
-                     label="memory limit")  # fmt: skip
+        axis.axvline(result.memory_limit / 2**20, color="#C44E52", linestyle="--", linewidth=1, label="memory limit")
     axis.set_xlabel("peak memory of the fullest rank (MiB)")
     axis.set_ylabel("step time (ms)")
     axis.set_title(f"{name}, 2 ranks: predicted step time against peak memory", fontsize=10, loc="left")
@@ -141,41 +166,72 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.models:
         model, loss, x, y, _ = problem(name, args.width)
-        probe = tune(model, loss, x, RANKS, target=y, threads=THREADS, microbatches=args.microbatches,
-                     data_parallel=1, checkpoint=["never"])  # type: ignore[arg-type]
+        probe = tune(
+            model,
+            loss,
+            x,
+            RANKS,
+            target=y,
+            threads=THREADS,
+            microbatches=args.microbatches,
+            data_parallel=1,
+            checkpoint=["never"],
+        )  # type: ignore[arg-type]
         limit = statistics.median(max(c.peak_memory) for c in probe.rows)
-        result = tune(model, loss, x, RANKS, target=y, threads=THREADS, memory_limit=limit, data_parallel=1,  # type: ignore[arg-type]
-                      microbatches=args.microbatches, checkpoint=["never"])  # fmt: skip
+        result = tune(
+            model,
+            loss,
+            x,
+            RANKS,
+            target=y,
+            threads=THREADS,
+            memory_limit=limit,
+            data_parallel=1,  # type: ignore[arg-type]
+            microbatches=args.microbatches,
+            checkpoint=["never"],
+        )
         print(result, flush=True)
         candidates = chosen(result, args.measured)
         rows = run_point(worker, RANKS, (name, args.width, candidates, args.rounds), THREADS)
         table = []
         for candidate, row in zip(candidates, rows, strict=True):  # type: ignore[call-overload]
-            table.append({
-                **candidate.engine_kwargs(), "predicted_rank": result.rows.index(candidate),
-                "predicted_ms": candidate.step_time * 1e3, "measured_ms": row["measured_ms"],
-                "predicted_peak_mb": max(candidate.peak_memory) / 2**20,
-                "measured_peak_mb": max(row["measured_peak"]) / 2**20,
-                "under_limit": max(row["measured_peak"]) <= limit,
-            })  # fmt: skip
+            table.append(
+                {
+                    **candidate.engine_kwargs(),
+                    "predicted_rank": result.rows.index(candidate),
+                    "predicted_ms": candidate.step_time * 1e3,
+                    "measured_ms": row["measured_ms"],
+                    "predicted_peak_mb": max(candidate.peak_memory) / 2**20,
+                    "measured_peak_mb": max(row["measured_peak"]) / 2**20,
+                    "under_limit": max(row["measured_peak"]) <= limit,
+                }
+            )
         fastest = min(table, key=lambda r: r["measured_ms"])
         slower = table[0]["measured_ms"] / fastest["measured_ms"] - 1
-        lines = [f"{name}: {len(result.rows) + len(result.dropped)} candidates priced in {result.search_seconds:.2f} s "
-                 f"({result.measure_seconds:.1f} s measuring layers); memory limit {limit / 2**20:.1f} MiB per rank "
-                 f"kept {len(result.rows)}",
-                 f"{'pred#':>5}  {'schedule':11} {'m':>3} {'v':>2}  {'predicted ms':>12}  {'measured ms':>11}  "
-                 f"{'peak MiB pred / meas':>20}  partition"]  # fmt: skip
+        lines = [
+            f"{name}: {len(result.rows) + len(result.dropped)} candidates priced in {result.search_seconds:.2f} s "
+            f"({result.measure_seconds:.1f} s measuring layers); memory limit {limit / 2**20:.1f} MiB per rank "
+            f"kept {len(result.rows)}",
+            f"{'pred#':>5}  {'schedule':11} {'m':>3} {'v':>2}  {'predicted ms':>12}  {'measured ms':>11}  "
+            f"{'peak MiB pred / meas':>20}  partition",
+        ]
         for r in table:
-            lines.append(f"{r['predicted_rank']:5d}  {r['schedule']:11} {r['num_microbatches']:3d} {r['chunks']:2d}  "
-                         f"{r['predicted_ms']:12.1f}  {r['measured_ms']:11.1f}  "
-                         f"{r['predicted_peak_mb']:9.1f} / {r['measured_peak_mb']:8.1f}  {r['partition']}")  # fmt: skip
+            lines.append(
+                f"{r['predicted_rank']:5d}  {r['schedule']:11} {r['num_microbatches']:3d} {r['chunks']:2d}  "
+                f"{r['predicted_ms']:12.1f}  {r['measured_ms']:11.1f}  "
+                f"{r['predicted_peak_mb']:9.1f} / {r['measured_peak_mb']:8.1f}  {r['partition']}"
+            )
         measured_order = sorted(table, key=lambda r: r["measured_ms"])
-        lines.append(f"the measured best is #{fastest['predicted_rank']} of the prediction; the predicted best "
-                     f"measured {slower:+.1%} against it; measured ranks of the predicted top 3: "
-                     f"{[measured_order.index(r) for r in table[:3]]}")  # fmt: skip
-        lines.append("every measured candidate the memory limit kept stayed under it: "
-                     f"{all(r['under_limit'] for r in table)} (worst: measured / predicted peak "
-                     f"{max(r['measured_peak_mb'] / r['predicted_peak_mb'] for r in table):.3f})")  # fmt: skip
+        lines.append(
+            f"the measured best is #{fastest['predicted_rank']} of the prediction; the predicted best "
+            f"measured {slower:+.1%} against it; measured ranks of the predicted top 3: "
+            f"{[measured_order.index(r) for r in table[:3]]}"
+        )
+        lines.append(
+            "every measured candidate the memory limit kept stayed under it: "
+            f"{all(r['under_limit'] for r in table)} (worst: measured / predicted peak "
+            f"{max(r['measured_peak_mb'] / r['predicted_peak_mb'] for r in table):.3f})"
+        )
         text = "\n".join(lines)
         print(text, flush=True)
         write_json(f"tune_{name}", {"rows": table, "limit_mb": limit / 2**20, "slower": slower})

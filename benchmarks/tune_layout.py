@@ -47,9 +47,19 @@ from pipeengine.planner.result import Candidate, TuneResult
 from pipeengine.planner.search import tune
 
 RANKS, THREADS, WIDTH, BLOCKS, BATCH, LAYOUTS, ROUNDS, STEPS, WARMUP, REPEATS = 4, 1, 256, 6, 64, 18, 3, 15, 2, 3
-QUICK = {"width": 32, "blocks": 4, "batch": 8, "layouts": 2, "rounds": 1, "steps": 1, "warmup": 1, "repeats": 1,
-         "microbatches": 1, "final": 0,
-         "wider": []}  # fmt: skip
+QUICK = {
+    "width": 32,
+    "blocks": 4,
+    "batch": 8,
+    "layouts": 2,
+    "rounds": 1,
+    "steps": 1,
+    "warmup": 1,
+    "repeats": 1,
+    "microbatches": 1,
+    "final": 0,
+    "wider": [],
+}
 FINAL, CONTEND = 6, 0.10  # more rounds for the rows measured within 10% of the fastest (and the predicted best)
 LIMIT_QUANTILE = 0.75
 SLOWEST = 10.0  # the tail of the ranking (m=64, checkpointed: seconds a step) is not worth minutes of launches
@@ -58,8 +68,9 @@ SLOWEST = 10.0  # the tail of the ranking (m=64, checkpointed: seconds a step) i
 def problem(width: int, blocks: int, batch: int) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     """The model (same weights every call) and the whole step's batch and targets."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                            for _ in range(blocks)])  # fmt: skip
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(blocks)]
+    )
     generator = torch.Generator().manual_seed(1)
     return model, torch.randn(batch, width, generator=generator), torch.randn(batch, width, generator=generator)
 
@@ -135,36 +146,71 @@ def plot(table: list[dict[str, object]], path: str) -> None:
     axis.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="#DDDDDD", alpha=0.5, label="within 10%")
     for layout, colour in zip(dict.fromkeys(str(r["layout"]) for r in table), _colours(), strict=False):
         mine = [r for r in table if r["layout"] == layout]
-        axis.scatter([r["predicted_ms"] for r in mine], [r["measured_ms"] for r in mine], s=30, color=colour,
-                     label=layout, zorder=3)  # fmt: skip
+        axis.scatter(
+            [r["predicted_ms"] for r in mine],
+            [r["measured_ms"] for r in mine],
+            s=30,
+            color=colour,
+            label=layout,
+            zorder=3,
+        )
     for r in table:
-        axis.annotate(f"#{r['predicted_rank']}", (r["predicted_ms"], r["measured_ms"]), fontsize=7,  # type: ignore[arg-type]
-                      xytext=(3, 3), textcoords="offset points")  # fmt: skip
+        axis.annotate(
+            f"#{r['predicted_rank']}",
+            (r["predicted_ms"], r["measured_ms"]),
+            fontsize=7,  # type: ignore[arg-type]
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     axis.set_xlim(0, top)
     axis.set_ylim(0, top)
     axis.set_xlabel("predicted step time (ms)")
     axis.set_ylabel("measured step time (ms, median)")
-    axis.set_title("tune's layouts on 4 gloo ranks: predicted against measured (#: predicted rank)", fontsize=9,
-                   loc="left")  # fmt: skip
+    axis.set_title(
+        "tune's layouts on 4 gloo ranks: predicted against measured (#: predicted rank)", fontsize=9, loc="left"
+    )
     axis.legend(fontsize=7)
     figure.savefig(path, dpi=110)
 
 
 def _colours() -> list[str]:
-    return ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974",
-            "#64B5CD"]  # fmt: skip
+    return [
+        "#4C72B0",
+        "#DD8452",
+        "#55A868",
+        "#C44E52",
+        "#8172B3",
+        "#937860",
+        "#DA8BC3",
+        "#8C8C8C",
+        "#CCB974",
+        "#64B5CD",
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for flag, default in (("width", WIDTH), ("blocks", BLOCKS), ("batch", BATCH), ("layouts", LAYOUTS),
-                          ("rounds", ROUNDS), ("steps", STEPS), ("warmup", WARMUP), ("repeats", REPEATS),
-                          ("microbatches", 64), ("final", FINAL)):  # fmt: skip
+    for flag, default in (
+        ("width", WIDTH),
+        ("blocks", BLOCKS),
+        ("batch", BATCH),
+        ("layouts", LAYOUTS),
+        ("rounds", ROUNDS),
+        ("steps", STEPS),
+        ("warmup", WARMUP),
+        ("repeats", REPEATS),
+        ("microbatches", 64),
+        ("final", FINAL),
+    ):
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--wider", type=int, nargs="*", default=[2 * RANKS], help="world sizes to time the search at")
     parser.add_argument("--slowest", type=float, default=SLOWEST, help="measure rows predicted at most this x the best")
-    parser.add_argument("--contend", type=float, default=CONTEND,
-                        help="rows measured within this fraction of the fastest run the --final rounds")  # fmt: skip
+    parser.add_argument(
+        "--contend",
+        type=float,
+        default=CONTEND,
+        help="rows measured within this fraction of the fastest run the --final rounds",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run: " + str(QUICK))
     parser.add_argument("--prices", help="a calibration file to price at, in place of calibrating 4 ranks first")
     args = parser.parse_args()
@@ -180,18 +226,45 @@ def main() -> None:
     calibrating = time.perf_counter() - started
     print(f"prices of {path} ({calibrating:.1f} s)", flush=True)
     plan = tp_plan()
-    found = tune(model, nn.functional.mse_loss, x, RANKS, target=y, tp_plan=plan, prices=path, threads=THREADS,
-                 repeats=args.repeats, max_microbatches=args.microbatches)  # fmt: skip
+    found = tune(
+        model,
+        nn.functional.mse_loss,
+        x,
+        RANKS,
+        target=y,
+        tp_plan=plan,
+        prices=path,
+        threads=THREADS,
+        repeats=args.repeats,
+        max_microbatches=args.microbatches,
+    )
     peaks = sorted(max(c.peak_memory) for c in found.rows)
     limit = peaks[min(len(peaks) - 1, int(LIMIT_QUANTILE * len(peaks)))]
     # tune's own filter (it drops what passes memory_limit after ranking), with the limit read off its ranking
-    result = TuneResult([c for c in found.rows if c.fits(limit)], [c for c in found.rows if not c.fits(limit)], limit,
-                        found.search_seconds, found.measure_seconds, found.prices, found.refused)  # fmt: skip
+    result = TuneResult(
+        [c for c in found.rows if c.fits(limit)],
+        [c for c in found.rows if not c.fits(limit)],
+        limit,
+        found.search_seconds,
+        found.measure_seconds,
+        found.prices,
+        found.refused,
+    )
     print(result, flush=True)
     search = {RANKS: (len(found.rows), found.search_seconds, found.measure_seconds)}
     for world in args.wider:  # priced only: the search's time at more ranks
-        wide = tune(model, nn.functional.mse_loss, x, world, target=y, tp_plan=plan, prices=path, threads=THREADS,
-                    repeats=args.repeats, max_microbatches=args.microbatches)  # fmt: skip
+        wide = tune(
+            model,
+            nn.functional.mse_loss,
+            x,
+            world,
+            target=y,
+            tp_plan=plan,
+            prices=path,
+            threads=THREADS,
+            repeats=args.repeats,
+            max_microbatches=args.microbatches,
+        )
         search[world] = (len(wide.rows), wide.search_seconds, wide.measure_seconds)
     candidates = chosen(result, args.layouts, args.slowest)
     times: list[list[float]] = [[] for _ in candidates]
@@ -216,63 +289,97 @@ def main() -> None:
     table = []
     for k, (candidate, mine, peaks_of) in enumerate(zip(candidates, times, measured_peaks, strict=True)):
         measured = 1e3 * statistics.median(mine)
-        table.append({
-            "layout": candidate.layout, "data_parallel": candidate.data_parallel,
-            "pipeline": len(candidate.partition) // candidate.chunks, "tensor_parallel": candidate.tensor_parallel,
-            "fsdp": candidate.fsdp, "schedule": candidate.schedule, "num_microbatches": candidate.num_microbatches,
-            "chunks": candidate.chunks, "checkpoint": candidate.checkpoint, "partition": list(candidate.partition),
-            "predicted_rank": result.rows.index(candidate), "predicted_ms": candidate.step_time * 1e3,
-            "measured_ms": measured, "measured_steps_ms": [1e3 * t for t in mine], "contender": k in contenders,
-            "error": measured / (candidate.step_time * 1e3) - 1,
-            "predicted_peak_mib": max(candidate.peak_memory) / 2**20,
-            "predicted_peaks_mib": [p / 2**20 for p in candidate.peak_memory],
-            "measured_peak_mib": max(peaks_of) / 2**20, "measured_peaks_mib": [p / 2**20 for p in peaks_of],
-            "under_limit": max(peaks_of) <= limit,
-        })  # fmt: skip
+        table.append(
+            {
+                "layout": candidate.layout,
+                "data_parallel": candidate.data_parallel,
+                "pipeline": len(candidate.partition) // candidate.chunks,
+                "tensor_parallel": candidate.tensor_parallel,
+                "fsdp": candidate.fsdp,
+                "schedule": candidate.schedule,
+                "num_microbatches": candidate.num_microbatches,
+                "chunks": candidate.chunks,
+                "checkpoint": candidate.checkpoint,
+                "partition": list(candidate.partition),
+                "predicted_rank": result.rows.index(candidate),
+                "predicted_ms": candidate.step_time * 1e3,
+                "measured_ms": measured,
+                "measured_steps_ms": [1e3 * t for t in mine],
+                "contender": k in contenders,
+                "error": measured / (candidate.step_time * 1e3) - 1,
+                "predicted_peak_mib": max(candidate.peak_memory) / 2**20,
+                "predicted_peaks_mib": [p / 2**20 for p in candidate.peak_memory],
+                "measured_peak_mib": max(peaks_of) / 2**20,
+                "measured_peaks_mib": [p / 2**20 for p in peaks_of],
+                "under_limit": max(peaks_of) <= limit,
+            }
+        )
     fastest = min(table, key=lambda r: r["measured_ms"])
     best = table[0]  # the predicted best: rank 0 is always measured
     slower = best["measured_ms"] / fastest["measured_ms"] - 1
     errors = [abs(r["error"]) for r in table]
     lines = [f"{RANKS} ranks of {THREADS} thread on {os.cpu_count()} cores; prices: {found.prices}"]
-    lines += [f"{world} ranks: {n} candidates priced in {took:.2f} s after {measuring:.1f} s measuring the layers"
-              for world, (n, took, measuring) in search.items()]  # fmt: skip
-    lines += [f"memory limit {limit / 2**20:.1f} MiB per rank (the {LIMIT_QUANTILE:.0%} quantile of the predicted "
-             f"peaks) kept {len(result.rows)}, dropped {len(result.dropped)}",
-             f"{'pred#':>5}  {'layout':20} {'schedule':11} {'m':>3} {'v':>2} {'ckpt':11} {'pred ms':>8} {'meas ms':>8} "
-             f"{'error':>7}  {'peak MiB pred / meas':>20}  partition"]  # fmt: skip
+    lines += [
+        f"{world} ranks: {n} candidates priced in {took:.2f} s after {measuring:.1f} s measuring the layers"
+        for world, (n, took, measuring) in search.items()
+    ]
+    lines += [
+        f"memory limit {limit / 2**20:.1f} MiB per rank (the {LIMIT_QUANTILE:.0%} quantile of the predicted "
+        f"peaks) kept {len(result.rows)}, dropped {len(result.dropped)}",
+        f"{'pred#':>5}  {'layout':20} {'schedule':11} {'m':>3} {'v':>2} {'ckpt':11} {'pred ms':>8} {'meas ms':>8} "
+        f"{'error':>7}  {'peak MiB pred / meas':>20}  partition",
+    ]
     for r in table:
-        lines.append(f"{r['predicted_rank']:5d}  {r['layout']:20} {r['schedule']:11} {r['num_microbatches']:3d} "
-                     f"{r['chunks']:2d} {r['checkpoint']:11} {r['predicted_ms']:8.2f} {r['measured_ms']:8.2f} "
-                     f"{r['error']:+7.1%}  {r['predicted_peak_mib']:9.2f} / {r['measured_peak_mib']:8.2f}  "
-                     f"{r['partition']}")  # fmt: skip
+        lines.append(
+            f"{r['predicted_rank']:5d}  {r['layout']:20} {r['schedule']:11} {r['num_microbatches']:3d} "
+            f"{r['chunks']:2d} {r['checkpoint']:11} {r['predicted_ms']:8.2f} {r['measured_ms']:8.2f} "
+            f"{r['error']:+7.1%}  {r['predicted_peak_mib']:9.2f} / {r['measured_peak_mib']:8.2f}  "
+            f"{r['partition']}"
+        )
     order = sorted(table, key=lambda r: r["measured_ms"])
-    lines += [f"the predicted best ({best['layout']}, {best['schedule']}) measured {slower:+.1%} against the measured "
-              f"best (#{fastest['predicted_rank']}, {fastest['layout']}, {fastest['schedule']}): within 5%: "
-              f"{slower <= 0.05}; measured places of the predicted top 3: {[order.index(r) for r in table[:3]]} "
-              f"({len(contenders)} rows within {args.contend:.0%} of the fastest after {args.rounds} rounds, with the "
-              f"predicted best, ran {args.final if len(contenders) > 1 else 0} more: "
-              f"#{', #'.join(str(table[k]['predicted_rank']) for k in contenders)})",
-              f"step-time error |measured / predicted - 1|: median {statistics.median(errors):.1%} (target < 10%), "
-              f"max {max(errors):.1%}",
-              f"every measured peak under the limit: {all(r['under_limit'] for r in table)} (measured / predicted "
-              f"peak: {min(r['measured_peak_mib'] / r['predicted_peak_mib'] for r in table):.3f} to "
-              f"{max(r['measured_peak_mib'] / r['predicted_peak_mib'] for r in table):.3f})",
-              "search (after measuring; target < 2 s): "
-              + ", ".join(f"{took:.2f} s for {world} ranks" for world, (_, took, _) in search.items())]  # fmt: skip
+    lines += [
+        f"the predicted best ({best['layout']}, {best['schedule']}) measured {slower:+.1%} against the measured "
+        f"best (#{fastest['predicted_rank']}, {fastest['layout']}, {fastest['schedule']}): within 5%: "
+        f"{slower <= 0.05}; measured places of the predicted top 3: {[order.index(r) for r in table[:3]]} "
+        f"({len(contenders)} rows within {args.contend:.0%} of the fastest after {args.rounds} rounds, with the "
+        f"predicted best, ran {args.final if len(contenders) > 1 else 0} more: "
+        f"#{', #'.join(str(table[k]['predicted_rank']) for k in contenders)})",
+        f"step-time error |measured / predicted - 1|: median {statistics.median(errors):.1%} (target < 10%), "
+        f"max {max(errors):.1%}",
+        f"every measured peak under the limit: {all(r['under_limit'] for r in table)} (measured / predicted "
+        f"peak: {min(r['measured_peak_mib'] / r['predicted_peak_mib'] for r in table):.3f} to "
+        f"{max(r['measured_peak_mib'] / r['predicted_peak_mib'] for r in table):.3f})",
+        "search (after measuring; target < 2 s): "
+        + ", ".join(f"{took:.2f} s for {world} ranks" for world, (_, took, _) in search.items()),
+    ]
     text = "\n".join(lines)
     print(text, flush=True)
-    write_json("tune_layout", {
-        "model": {"width": args.width, "blocks": args.blocks, "batch": args.batch}, "ranks": RANKS,
-        "cores": os.cpu_count(), "rounds": args.rounds, "final_rounds": args.final, "steps": args.steps,
-        "calibration": str(path),
-        "calibration_seconds": calibrating, "prices": found.prices, "prices_calibrated": prices.calibrated,
-        "memory_limit_mib": limit / 2**20,
-        "limit_rule": f"the {LIMIT_QUANTILE:.0%} quantile of the predicted peaks", "candidates": len(found.rows),
-        "kept": len(result.rows), "search_seconds": {str(k): v[1] for k, v in search.items()},
-        "measure_seconds": found.measure_seconds, "rows": table, "predicted_best_slower": slower,
-        "predicted_best_within_5pct": slower <= 0.05, "median_abs_error": statistics.median(errors),
-        "all_under_limit": all(r["under_limit"] for r in table),
-    })  # fmt: skip
+    write_json(
+        "tune_layout",
+        {
+            "model": {"width": args.width, "blocks": args.blocks, "batch": args.batch},
+            "ranks": RANKS,
+            "cores": os.cpu_count(),
+            "rounds": args.rounds,
+            "final_rounds": args.final,
+            "steps": args.steps,
+            "calibration": str(path),
+            "calibration_seconds": calibrating,
+            "prices": found.prices,
+            "prices_calibrated": prices.calibrated,
+            "memory_limit_mib": limit / 2**20,
+            "limit_rule": f"the {LIMIT_QUANTILE:.0%} quantile of the predicted peaks",
+            "candidates": len(found.rows),
+            "kept": len(result.rows),
+            "search_seconds": {str(k): v[1] for k, v in search.items()},
+            "measure_seconds": found.measure_seconds,
+            "rows": table,
+            "predicted_best_slower": slower,
+            "predicted_best_within_5pct": slower <= 0.05,
+            "median_abs_error": statistics.median(errors),
+            "all_under_limit": all(r["under_limit"] for r in table),
+        },
+    )
     (OUT / "tune_layout.txt").write_text(str(result) + "\n\n" + text + "\n")
     (OUT / "tune_layout.md").write_text(markdown(table))
     plot(table, str(OUT / "tune_layout.png"))
@@ -280,12 +387,17 @@ def main() -> None:
 
 def markdown(table: list[dict[str, object]]) -> str:
     """The measured rows as the README's and docs/benchmarks.md's table."""
-    lines = ["| predicted rank | layout | schedule | m | v | checkpoint | predicted ms | measured ms | error | "
-             "peak MiB predicted / measured |", "|-|-|-|-|-|-|-|-|-|-|"]  # fmt: skip
+    lines = [
+        "| predicted rank | layout | schedule | m | v | checkpoint | predicted ms | measured ms | error | "
+        "peak MiB predicted / measured |",
+        "|-|-|-|-|-|-|-|-|-|-|",
+    ]
     for r in table:
-        lines.append(f"| {r['predicted_rank']} | {r['layout']} | {r['schedule']} | {r['num_microbatches']} | "
-                     f"{r['chunks']} | {r['checkpoint']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
-                     f"{r['error']:+.0%} | {r['predicted_peak_mib']:.2f} / {r['measured_peak_mib']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['predicted_rank']} | {r['layout']} | {r['schedule']} | {r['num_microbatches']} | "
+            f"{r['chunks']} | {r['checkpoint']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+            f"{r['error']:+.0%} | {r['predicted_peak_mib']:.2f} / {r['measured_peak_mib']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

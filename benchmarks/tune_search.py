@@ -38,16 +38,28 @@ def main() -> None:
     tokens = torch.randint(0, len(train_gpt.VOCAB), (train_gpt.BATCH, train_gpt.CONTEXT))
     rows, lines = [], []
     for world in args.world_sizes:
-        results = [tune(model, train_gpt.summed_loss, tokens, world, data_parallel=1, checkpoint=["never"])
-                   for _ in range(args.repeats)]
+        results = [
+            tune(model, train_gpt.summed_loss, tokens, world, data_parallel=1, checkpoint=["never"])
+            for _ in range(args.repeats)
+        ]
         search = statistics.median(r.search_seconds for r in results)
         measure = statistics.median(r.measure_seconds for r in results)
         count = len(results[0].rows)
-        rows.append({"world_size": world, "layers": len(model), "candidates": count, "search_s": search,
-                     "measure_s": measure, "best": results[0].best.engine_kwargs()})  # fmt: skip
-        lines.append(f"{world} ranks: {count} candidates priced in {search:.2f} s (median of {args.repeats}), "
-                     f"after {measure:.2f} s measuring {len(model)} layers; best {results[0].best.schedule} "
-                     f"m={results[0].best.num_microbatches} v={results[0].best.chunks}")  # fmt: skip
+        rows.append(
+            {
+                "world_size": world,
+                "layers": len(model),
+                "candidates": count,
+                "search_s": search,
+                "measure_s": measure,
+                "best": results[0].best.engine_kwargs(),
+            }
+        )
+        lines.append(
+            f"{world} ranks: {count} candidates priced in {search:.2f} s (median of {args.repeats}), "
+            f"after {measure:.2f} s measuring {len(model)} layers; best {results[0].best.schedule} "
+            f"m={results[0].best.num_microbatches} v={results[0].best.chunks}"
+        )
         print(lines[-1], flush=True)
     write_report("tune_search", rows, lines)
 

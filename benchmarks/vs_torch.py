@@ -62,8 +62,13 @@ def torch_pipeline(
 def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    engine = PipelineEngine(mlp(args.width, args.layers), nn.functional.mse_loss, num_microbatches=args.microbatches,
-                            schedule=schedule, partition="uniform")  # fmt: skip
+    engine = PipelineEngine(
+        mlp(args.width, args.layers),
+        nn.functional.mse_loss,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        partition="uniform",
+    )
     theirs = torch_pipeline(schedule, args, engine.bounds, engine.schedule.placement)
     first, last = rank == 0, rank == engine.schedule.placement[-1]
 
@@ -92,9 +97,14 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
         torch_times += [timed(torch_step) for _ in range(args.steps)]
         single_times += [timed(single) for _ in range(args.steps)]
     if rank == 0:
-        row = {"schedule": schedule, "ranks": world, "ours_ms": 1e3 * median(mine),
-               "torch_ms": 1e3 * median(torch_times), "single_process_ms": 1e3 * median(single_times),
-               "no_overhead_ms": 1e3 * median(replayed)}  # fmt: skip
+        row = {
+            "schedule": schedule,
+            "ranks": world,
+            "ours_ms": 1e3 * median(mine),
+            "torch_ms": 1e3 * median(torch_times),
+            "single_process_ms": 1e3 * median(single_times),
+            "no_overhead_ms": 1e3 * median(replayed),
+        }
         row["speedup_vs_torch"] = row["torch_ms"] / row["ours_ms"]
         row["bound_vs_torch"] = row["torch_ms"] / row["no_overhead_ms"]
         row["speedup_vs_single"] = row["single_process_ms"] / row["ours_ms"]
@@ -102,8 +112,18 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
 
 
 def main() -> None:
-    args = arguments(__doc__, SCHEDULES, ranks=RANKS, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
-                     microbatches=MICROBATCHES, rounds=ROUNDS, steps=STEPS).parse_args()  # fmt: skip
+    args = arguments(
+        __doc__,
+        SCHEDULES,
+        ranks=RANKS,
+        threads=THREADS,
+        width=WIDTH,
+        layers=LAYERS,
+        batch=BATCH,
+        microbatches=MICROBATCHES,
+        rounds=ROUNDS,
+        steps=STEPS,
+    ).parse_args()
     rows = []
     started = time.perf_counter()
     failed = []
@@ -115,9 +135,12 @@ def main() -> None:
             print(f"{schedule:12} failed: {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
             continue
         rows.append(r)
-        print(f"{schedule:12} pipeengine {r['ours_ms']:7.1f} ms  torch.distributed.pipelining {r['torch_ms']:7.1f} ms  "
-              f"-> {r['speedup_vs_torch']:.2f}x (no overhead: {r['bound_vs_torch']:.2f}x)   single process "
-              f"{r['single_process_ms']:7.1f} ms -> {r['speedup_vs_single']:.2f}x", flush=True)  # fmt: skip
+        print(
+            f"{schedule:12} pipeengine {r['ours_ms']:7.1f} ms  torch.distributed.pipelining {r['torch_ms']:7.1f} ms  "
+            f"-> {r['speedup_vs_torch']:.2f}x (no overhead: {r['bound_vs_torch']:.2f}x)   single process "
+            f"{r['single_process_ms']:7.1f} ms -> {r['speedup_vs_single']:.2f}x",
+            flush=True,
+        )
     print(f"wrote {write_json('vs_torch', rows)} ({time.perf_counter() - started:.0f} s)")
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)} (the other schedules' rows are written)")

@@ -40,8 +40,9 @@ SCHEDULES = ["gpipe", "1f1b"]
 DP = 2
 
 
-def torch_pipeline(schedule: str, engine: PipelineEngine, model: nn.Sequential, fsdp: bool,
-                   args: argparse.Namespace) -> object:  # fmt: skip
+def torch_pipeline(
+    schedule: str, engine: PipelineEngine, model: nn.Sequential, fsdp: bool, args: argparse.Namespace
+) -> object:
     """torchtitan's recipe over the same stage: fully_shard each layer and the stage (or DDP), then PipelineStage."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -57,21 +58,34 @@ def torch_pipeline(schedule: str, engine: PipelineEngine, model: nn.Sequential, 
             fully_shard(layer, mesh=dp, reshard_after_forward=False)
         fully_shard(module, mesh=dp, reshard_after_forward=False)
     else:  # the engine's replica group
-        module = DistributedDataParallel(module, process_group=engine.topology.data.group,  # type: ignore[union-attr]
-                                         static_graph=True)  # its bucket rebuild fails under several micro-batches
+        module = DistributedDataParallel(
+            module,
+            process_group=engine.topology.data.group,  # type: ignore[union-attr]
+            static_graph=True,
+        )  # its bucket rebuild fails under several micro-batches
     pipe = PipelineStage(module, stage, len(engine.bounds), torch.device("cpu"), group=engine.group)
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](pipe, args.microbatches,
-                                                                     loss_fn=nn.functional.mse_loss)
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
+        pipe, args.microbatches, loss_fn=nn.functional.mse_loss
+    )
 
 
 def worker(schedule: str, fsdp: bool, args: argparse.Namespace, path: str) -> None:
     model = mlp(args.width, args.layers)
     theirs_model = copy.deepcopy(model)
-    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=args.microbatches, schedule=schedule,
-                            partition="uniform", data_parallel=DP, fsdp=fsdp)  # fmt: skip
+    engine = PipelineEngine(
+        model,
+        nn.functional.mse_loss,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        partition="uniform",
+        data_parallel=DP,
+        fsdp=fsdp,
+    )
     generator = torch.Generator().manual_seed(1 + engine.dp_rank)  # each replica its own batch
-    x, y = torch.randn(args.batch, args.width, generator=generator), torch.randn(args.batch, args.width,
-                                                                                 generator=generator)  # fmt: skip
+    x, y = (
+        torch.randn(args.batch, args.width, generator=generator),
+        torch.randn(args.batch, args.width, generator=generator),
+    )
     theirs = torch_pipeline(schedule, engine, theirs_model, fsdp, args)
     mine = list(engine.parameters())
     their_params = list(theirs._stage.submod.parameters())  # type: ignore[attr-defined]
@@ -90,10 +104,25 @@ def worker(schedule: str, fsdp: bool, args: argparse.Namespace, path: str) -> No
 
 
 def main() -> None:
-    parser = arguments(__doc__, SCHEDULES, choices=True, width=WIDTH, layers=LAYERS, batch=BATCH,
-                       microbatches=MICROBATCHES, rounds=ROUNDS, steps=STEPS, threads=THREADS)
-    parser.add_argument("--modes", nargs="+", default=["fsdp", "ddp"], choices=["fsdp", "ddp"],
-                        help="fsdp: both sides shard (FSDP2); ddp: both replicate (no fsdp; torch's DDP)")
+    parser = arguments(
+        __doc__,
+        SCHEDULES,
+        choices=True,
+        width=WIDTH,
+        layers=LAYERS,
+        batch=BATCH,
+        microbatches=MICROBATCHES,
+        rounds=ROUNDS,
+        steps=STEPS,
+        threads=THREADS,
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["fsdp", "ddp"],
+        choices=["fsdp", "ddp"],
+        help="fsdp: both sides shard (FSDP2); ddp: both replicate (no fsdp; torch's DDP)",
+    )
     args = parser.parse_args()
     rows, lines = [], []
     for fsdp in [mode == "fsdp" for mode in args.modes]:

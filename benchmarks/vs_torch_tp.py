@@ -38,8 +38,9 @@ SCHEDULES = ["gpipe", "1f1b"]
 
 def gpt(args: argparse.Namespace) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(Embed(args.width, LENGTH), *[Block(args.width, HEADS) for _ in range(args.blocks)],
-                         Head(args.width))  # fmt: skip
+    return nn.Sequential(
+        Embed(args.width, LENGTH), *[Block(args.width, HEADS) for _ in range(args.blocks)], Head(args.width)
+    )
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -69,8 +70,15 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
     generator = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (args.batch, LENGTH), generator=generator)
     y = torch.randint(0, VOCAB, (args.batch, LENGTH), generator=generator)
-    engine = PipelineEngine(model, loss_fn, num_microbatches=args.microbatches, schedule=schedule,
-                            partition="uniform", tensor_parallel=2, tp_plan=tensor_parallel_plan())  # fmt: skip
+    engine = PipelineEngine(
+        model,
+        loss_fn,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        partition="uniform",
+        tensor_parallel=2,
+        tp_plan=tensor_parallel_plan(),
+    )
     theirs = torch_pipeline(schedule, engine, theirs_model, args)
     mine = list(engine.parameters())
     their_params = [p for p in theirs._stage.submod.parameters()]  # type: ignore[attr-defined]
@@ -86,8 +94,18 @@ def worker(schedule: str, args: argparse.Namespace, path: str) -> None:
 
 
 def main() -> None:
-    args = arguments(__doc__, SCHEDULES, choices=True, width=WIDTH, blocks=BLOCKS, batch=BATCH,
-                     microbatches=MICROBATCHES, rounds=ROUNDS, steps=STEPS, threads=THREADS).parse_args()
+    args = arguments(
+        __doc__,
+        SCHEDULES,
+        choices=True,
+        width=WIDTH,
+        blocks=BLOCKS,
+        batch=BATCH,
+        microbatches=MICROBATCHES,
+        rounds=ROUNDS,
+        steps=STEPS,
+        threads=THREADS,
+    ).parse_args()
     rows, lines = [], []
     for schedule in args.schedules:
         row = run_point(worker, RANKS, (schedule, args), args.threads)

@@ -27,9 +27,16 @@ SCHEDULES = ["1f1b", "zb-h1", "zb-v"]
 def worker(args: argparse.Namespace, path: str) -> None:
     torch.manual_seed(1)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    engines = {name: PipelineEngine(mlp(args.width, args.layers), torch.nn.functional.mse_loss,
-                                    num_microbatches=args.microbatches, schedule=name, partition="uniform")
-               for name in args.schedules}  # fmt: skip
+    engines = {
+        name: PipelineEngine(
+            mlp(args.width, args.layers),
+            torch.nn.functional.mse_loss,
+            num_microbatches=args.microbatches,
+            schedule=name,
+            partition="uniform",
+        )
+        for name in args.schedules
+    }
 
     def step(engine: PipelineEngine) -> float:
         loss = engine.train_step(x if engine.first else None, y if engine.last else None)
@@ -44,15 +51,24 @@ def worker(args: argparse.Namespace, path: str) -> None:
     times: dict[str, list[float]] = {name: [] for name in engines}
     names = list(engines)
     for round_ in range(args.rounds):
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             times[name] += [timed(lambda e=engines[name]: step(e)) for _ in range(args.steps)]
     if dist.get_rank() == 0:
         save_row(path, {name: median(values) for name, values in times.items()})
 
 
 def main() -> None:
-    parser = arguments(__doc__, SCHEDULES, threads=THREADS, width=WIDTH, layers=LAYERS, batch=BATCH,
-                       microbatches=MICROBATCHES, rounds=ROUNDS, steps=STEPS)  # fmt: skip
+    parser = arguments(
+        __doc__,
+        SCHEDULES,
+        threads=THREADS,
+        width=WIDTH,
+        layers=LAYERS,
+        batch=BATCH,
+        microbatches=MICROBATCHES,
+        rounds=ROUNDS,
+        steps=STEPS,
+    )
     parser.add_argument("--ranks", type=int, nargs="+", default=RANKS)
     args = parser.parse_args()
     if "1f1b" not in args.schedules:
@@ -63,9 +79,17 @@ def main() -> None:
         medians = run_point(worker, ranks, (args,), args.threads)
         for name, seconds in medians.items():  # type: ignore[attr-defined]
             ratio = medians["1f1b"] / seconds  # type: ignore[index]
-            rows.append({"ranks": ranks, "schedule": name, "step_ms": round(seconds * 1e3, 2),
-                         "speed_over_1f1b": round(ratio, 3), "width": args.width, "rounds": args.rounds,
-                         "steps": args.steps})  # fmt: skip
+            rows.append(
+                {
+                    "ranks": ranks,
+                    "schedule": name,
+                    "step_ms": round(seconds * 1e3, 2),
+                    "speed_over_1f1b": round(ratio, 3),
+                    "width": args.width,
+                    "rounds": args.rounds,
+                    "steps": args.steps,
+                }
+            )
             lines.append(f"{ranks} ranks {name:6} step {seconds * 1e3:7.1f} ms  {ratio:.3f}x 1F1B's speed")
             print(lines[-1], flush=True)
     write_report("zero_bubble", rows, lines)

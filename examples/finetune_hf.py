@@ -50,10 +50,18 @@ def load(path: str | None) -> tuple[torch.nn.Module, object]:
             return model, AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError):  # no tokenizer beside it (e.g. this example's own tiny model): characters
             return model, None
-    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-                         tie_word_embeddings=True, bos_token_id=None,
-                         eos_token_id=None)  # fmt: skip  # characters: no begin or end token (pad: the tokenizer's)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )  # characters: no begin or end token (pad: the tokenizer's)
     return LlamaForCausalLM(config), None
 
 
@@ -70,8 +78,9 @@ def characters() -> object:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=" ", pad_token="\n")
 
 
-def packed_rows(rows: int, context: int, docs: list[tuple[int, int]], encode: object, pad: int,
-                generator: torch.Generator) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def packed_rows(
+    rows: int, context: int, docs: list[tuple[int, int]], encode: object, pad: int, generator: torch.Generator
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Rows filled with whole paragraphs (the last one cut at the row's end), positions restarting at each, its first
     label -100 (no paragraph predicts the next); ((ids, position_ids), labels)."""
     ids = torch.full((rows, context), pad, dtype=torch.int64)
@@ -115,12 +124,18 @@ def main(args: argparse.Namespace) -> None:
             labels[row, : len(tokens)] = tokens
         return ids, labels
 
-    engine = PipelineEngine(hf.sequential(model, packed=args.packed), hf.causal_lm_loss,
-                            num_microbatches=args.microbatches, schedule=args.schedule,
-                            loss_count=hf.count_labels)  # fmt: skip
-    say(f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+    engine = PipelineEngine(
+        hf.sequential(model, packed=args.packed),
+        hf.causal_lm_loss,
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        loss_count=hf.count_labels,
+    )
+    say(
+        f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{engine.schedule.num_ranks} ranks, {args.schedule}{', packed rows' if args.packed else ''}",
-        flush=True)  # fmt: skip
+        flush=True,
+    )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.learning_rate)
     started = time.perf_counter()
     for step in range(args.steps):
@@ -141,8 +156,9 @@ def main(args: argparse.Namespace) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line; --help shows each default."""
-    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    made = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add = made.add_argument
     add("--model", help="a local HF causal LM (a folder with its config and weights); default: a tiny Llama made here")
     add("--ranks", type=int, default=RANKS, help="processes on this machine")

@@ -18,8 +18,16 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def generate(directory: str, prompt: str, tokens: int, *, sample: bool = False, temperature: float = 0.8,
-             seed: int = 0, device: str = "cpu") -> str:  # fmt: skip
+def generate(
+    directory: str,
+    prompt: str,
+    tokens: int,
+    *,
+    sample: bool = False,
+    temperature: float = 0.8,
+    seed: int = 0,
+    device: str = "cpu",
+) -> str:
     """The prompt and what the model in ``directory`` generates after it, with the tokenizer beside it (greedy,
     unless ``sample``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,14 +47,25 @@ def generate(directory: str, prompt: str, tokens: int, *, sample: bool = False, 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    print(generate(args.model, args.prompt, args.max_new_tokens, sample=args.sample, temperature=args.temperature,
-                   seed=args.seed, device=args.device), flush=True)  # fmt: skip
+    print(
+        generate(
+            args.model,
+            args.prompt,
+            args.max_new_tokens,
+            sample=args.sample,
+            temperature=args.temperature,
+            seed=args.seed,
+            device=args.device,
+        ),
+        flush=True,
+    )
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line; --help shows each default."""
-    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    made = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add = made.add_argument
     add("--model", default="out/finetuned", help="the folder finetune_hf.py wrote (its --out): model and tokenizer")
     add("--prompt", default="def ", help="the text to go on from")

@@ -20,8 +20,15 @@ def llama_7b() -> Any:
     """Llama-2-7B's shapes (its config.json's sizes): a config, no weights."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+    )
 
 
 def gpt_1b() -> tuple[Any, Any, Any]:
@@ -40,5 +47,20 @@ def gpt_1b() -> tuple[Any, Any, Any]:
 if __name__ == "__main__":
     from pipeengine.tune import main
 
-    sys.exit(main(["--model", "examples.plan_cluster:llama_7b", "--devices", "64", "--hardware", "a100-80gb",
-                   "--global-batch", "512", "--seq", "2048", *sys.argv[1:]]))  # fmt: skip
+    sys.exit(
+        main(
+            [
+                "--model",
+                "examples.plan_cluster:llama_7b",
+                "--devices",
+                "64",
+                "--hardware",
+                "a100-80gb",
+                "--global-batch",
+                "512",
+                "--seq",
+                "2048",
+                *sys.argv[1:],
+            ]
+        )
+    )

@@ -52,8 +52,9 @@ def main(schedule: str, microbatches: int, steps: int, timeline: str | None) -> 
 
 def parser() -> argparse.ArgumentParser:
     """The command line; --help shows each default."""
-    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    made = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     made.add_argument("--ranks", type=int, default=RANKS, help="processes, one stage each")
     made.add_argument("--schedule", default=SCHEDULE, choices=list(SCHEDULES), help="the pipeline schedule")
     made.add_argument("--microbatches", type=int, default=MICROBATCHES, help="micro-batches a step")
@@ -65,8 +66,9 @@ def parser() -> argparse.ArgumentParser:
 
 def cli(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    launch(main, args.ranks, args=(args.schedule, args.microbatches, args.steps, args.timeline),
-           in_process=args.in_process)
+    launch(
+        main, args.ranks, args=(args.schedule, args.microbatches, args.steps, args.timeline), in_process=args.in_process
+    )
 
 
 if __name__ == "__main__":

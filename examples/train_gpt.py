@@ -77,8 +77,9 @@ class Block(nn.Module):
         qkv = self.qkv(self.norm1(x))
         heads = qkv.shape[-1] // (3 * self.head_width)  # this rank's heads (all of them without tensor parallelism)
         q, k, v = qkv.view(batch, length, heads, 3, self.head_width).unbind(3)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)  # (B, heads, T, head width)  # fmt: skip
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (B, heads, T, head width)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, heads * self.head_width))
         return x + self.mlp(self.norm2(x))
 
@@ -88,8 +89,12 @@ def tensor_parallel_plan() -> dict[str, object]:
     each stage's output is whole (replicated) on every rank of its tensor-parallel group."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"*.qkv": ColwiseParallel(), "*.proj": RowwiseParallel(), "*.mlp.0": ColwiseParallel(),
-            "*.mlp.2": RowwiseParallel()}  # fmt: skip
+    return {
+        "*.qkv": ColwiseParallel(),
+        "*.proj": RowwiseParallel(),
+        "*.mlp.0": ColwiseParallel(),
+        "*.mlp.2": RowwiseParallel(),
+    }
 
 
 class Head(nn.Module):
@@ -183,25 +188,43 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the same model on every rank; each keeps its stages
     model = gpt(args.layers, args.width, args.heads, args.context)
     sample = torch.stack([rows[i][0] for i in range(args.batch)])
-    say("building the pipeline: every rank checks it has the same model, rank 0 times each layer on a sample batch "
-        "to cut the stages...", flush=True)
-    parallel = {"tensor_parallel": args.tensor_parallel, "tp_plan": tensor_parallel_plan()} if (
-        args.tensor_parallel > 1) else {}  # fmt: skip
-    engine = PipelineEngine(model, summed_loss, num_microbatches=args.microbatches, schedule=args.schedule,
-                            sample=sample, data_parallel=args.data_parallel, loss_count=real_tokens,
-                            **parallel)  # type: ignore[arg-type]  # fmt: skip
+    say(
+        "building the pipeline: every rank checks it has the same model, rank 0 times each layer on a sample batch "
+        "to cut the stages...",
+        flush=True,
+    )
+    parallel = (
+        {"tensor_parallel": args.tensor_parallel, "tp_plan": tensor_parallel_plan()}
+        if (args.tensor_parallel > 1)
+        else {}
+    )
+    engine = PipelineEngine(
+        model,
+        summed_loss,
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        sample=sample,
+        data_parallel=args.data_parallel,
+        loss_count=real_tokens,
+        **parallel,
+    )  # type: ignore[arg-type]
     # --batch rows a step in all, each replica its share (the same rows along a pipeline)
     loader = ReplicaLoader(rows, args.batch, replicas=engine.data_parallel, rank=engine.dp_rank)
     if talk:
-        print(f"{sum(p.numel() for p in model.parameters()):,} parameters (embedding and head tied), "
-              f"{len(rows):,} documents in {data.numel():,} characters of stdlib, "
-              f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline, "
-              f"{args.tensor_parallel} tensor-parallel rank(s) a stage")  # fmt: skip
+        print(
+            f"{sum(p.numel() for p in model.parameters()):,} parameters (embedding and head tied), "
+            f"{len(rows):,} documents in {data.numel():,} characters of stdlib, "
+            f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline, "
+            f"{args.tensor_parallel} tensor-parallel rank(s) a stage"
+        )
         print(engine.partition, flush=True)
         simulated = simulate(engine.schedule).bubble_fraction
-        print(f"{args.schedule}: bubble {simulated:.1%} simulated (equal costs, free messages); the measured one, of "
-              f"a step traced every {TRACE_EVERY} steps and the last, also counts the waits on messages and the host's "
-              "work between instructions, and stages that are not equal", flush=True)  # fmt: skip
+        print(
+            f"{args.schedule}: bubble {simulated:.1%} simulated (equal costs, free messages); the measured one, of "
+            f"a step traced every {TRACE_EVERY} steps and the last, also counts the waits on messages and the host's "
+            "work between instructions, and stages that are not equal",
+            flush=True,
+        )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=LEARNING_RATE)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps, eta_min=LEARNING_RATE / 10)
     resumable = {"scheduler": schedule, "data": loader}  # what a checkpoint holds beside the model and optimizer
@@ -234,8 +257,11 @@ def main(args: argparse.Namespace) -> None:
         done = step + 1
         if args.checkpoint_every and (done % args.checkpoint_every == 0 or done == args.steps):
             writing = engine.save(args.out, optimizer, background=done < args.steps, step=done, **resumable)
-    say(f"sampling {args.sample_chars} characters after 'def ' ({args.sample_chars} eval_steps through the "
-        "pipeline)...", flush=True)
+    say(
+        f"sampling {args.sample_chars} characters after 'def ' ({args.sample_chars} eval_steps through the "
+        "pipeline)...",
+        flush=True,
+    )
     generate(engine, args, device)
     if talk and timeline is not None:
         os.makedirs(args.out, exist_ok=True)
@@ -267,11 +293,16 @@ def generate(engine: PipelineEngine, args: argparse.Namespace, device: torch.dev
 
 def parser() -> argparse.ArgumentParser:
     """The command line; --help shows each default. Under torchrun, --ranks defaults to its processes per node."""
-    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    made = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add = made.add_argument
-    add("--ranks", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", RANKS)),
-        help="processes on this machine (under torchrun: its --nproc-per-node)")  # fmt: skip
+    add(
+        "--ranks",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", RANKS)),
+        help="processes on this machine (under torchrun: its --nproc-per-node)",
+    )
     add("--data-parallel", type=int, default=1, help="replicas of the pipeline")
     add("--tensor-parallel", type=int, default=1, help="ranks a stage's blocks are split over")
     add("--schedule", default=SCHEDULE, choices=list(SCHEDULES), help="the pipeline schedule")
@@ -286,8 +317,12 @@ def parser() -> argparse.ArgumentParser:
     add("--device", choices=["cpu", "cuda"], help="default: CUDA when there is a GPU per rank")
     add("--out", default=OUT, help="folder of the timeline and the checkpoints")
     add("--log-every", type=int, default=LOG_EVERY, help="steps between printed lines")
-    add("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none); a run with the same "
-        "--out resumes from the latest")  # fmt: skip
+    add(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="steps between checkpoints (0: none); a run with the same --out resumes from the latest",
+    )
     add("--max-restarts", type=int, default=0, help="times every rank starts again after a failure")
     return made
 

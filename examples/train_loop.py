@@ -61,8 +61,13 @@ def train(args: argparse.Namespace) -> None:
     """What every rank runs."""
     data = Sequences(args.samples, args.length, args.vocab)
     torch.manual_seed(0)  # the same model on every rank: each keeps only its stages
-    engine = PipelineEngine(model(args.vocab, args.width, args.layers), loss_fn, schedule=args.schedule,
-                            num_microbatches=args.microbatches, data_parallel=args.data_parallel)  # fmt: skip
+    engine = PipelineEngine(
+        model(args.vocab, args.width, args.layers),
+        loss_fn,
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        data_parallel=args.data_parallel,
+    )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.lr)  # CHANGE: your optimizer and LR schedule
     # a warmup, then constant: a schedule that does not depend on --steps, so that a run resumed with more steps is
     # the longer run (a cosine over --steps would make the first run's steps another run's)
@@ -73,8 +78,13 @@ def train(args: argparse.Namespace) -> None:
     start = engine.load(args.out, optimizer, **state)["step"] if latest_checkpoint(args.out) else 0
     talk = engine.dp_rank == 0 and engine.pp_rank == 0  # rank 0: it prints, and it gets the traced timeline
     if talk:
-        print(f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline, {args.schedule}, "
-              + (f"resumed at step {start}" if start else "from step 0"), engine.partition, sep="\n", flush=True)
+        print(
+            f"{engine.data_parallel} replica(s) of a {engine.schedule.num_ranks}-rank pipeline, {args.schedule}, "
+            + (f"resumed at step {start}" if start else "from step 0"),
+            engine.partition,
+            sep="\n",
+            flush=True,
+        )
     batches = loader.forever()  # from where the run is, epoch after epoch
     since, losses, loss = time.perf_counter(), [], float("nan")
     for step in range(start, args.steps):
@@ -91,9 +101,12 @@ def train(args: argparse.Namespace) -> None:
             samples = len(losses) * args.batch  # every replica's: the global batch (the traced step's time included)
             progress(0, 1, "")  # the bar's line, cleared
             peak = max(timeline.peak_memory) / 2**20  # the most a rank held (weights, gradients, AdamW's, activations)
-            print(f"step {step + 1:5d}  loss {sum(losses) / len(losses):.4f}  {samples / seconds:8.1f} samples/s  "
-                  f"{samples * args.length / seconds:9.0f} tokens/s  peak {peak:7.2f} MiB  "
-                  f"bubble {timeline.bubble_fraction:.1%}", flush=True)  # fmt: skip
+            print(
+                f"step {step + 1:5d}  loss {sum(losses) / len(losses):.4f}  {samples / seconds:8.1f} samples/s  "
+                f"{samples * args.length / seconds:9.0f} tokens/s  peak {peak:7.2f} MiB  "
+                f"bubble {timeline.bubble_fraction:.1%}",
+                flush=True,
+            )
         elif talk:
             progress(len(losses), args.log_every, f"step {step + 1} of {args.steps}")
         if traced:
@@ -101,8 +114,12 @@ def train(args: argparse.Namespace) -> None:
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:  # written while the next steps run
             engine.save(args.out, optimizer, background=True, step=step + 1, **state)
     if talk:
-        print(f"final loss {loss:.6f} at step {args.steps}" if start < args.steps else
-              f"at step {start} already: nothing to train (--steps {args.steps})", flush=True)  # fmt: skip
+        print(
+            f"final loss {loss:.6f} at step {args.steps}"
+            if start < args.steps
+            else f"at step {start} already: nothing to train (--steps {args.steps})",
+            flush=True,
+        )
 
 
 def progress(done: int, total: int, label: str) -> None:
@@ -116,8 +133,9 @@ def progress(done: int, total: int, label: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line; --help shows each default."""
-    made = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    made = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add = made.add_argument
     add("--ranks", type=int, default=2, help="ranks: data-parallel replicas x pipeline stages")
     add("--data-parallel", type=int, default=1, help="replicas of the pipeline")

@@ -70,17 +70,31 @@ class PipelineEngine:
         parallelize: Callable[[nn.Module, object], nn.Module] | None = None,
         tensor_parallel: int = 1,
         tp_plan: Mapping[str, object] | None = None,
-        fsdp: bool = False, reshard_after_forward: bool = False,
+        fsdp: bool = False,
+        reshard_after_forward: bool = False,
         compile: bool | Mapping[str, object] = False,
     ) -> None:
         check_arguments(model, loss_fn, group, data_parallel)
         self.config = EngineConfig(
-            num_microbatches=num_microbatches, schedule=schedule, chunks=chunks, partition=partition,  # type: ignore[arg-type]
-            device=torch.device(device) if device is not None else None, timeout=timeout, trace=trace,
-            data_parallel=data_parallel, checkpoint=checkpoint, precision=precision, loss_count=loss_count,
-            memory_limit=memory_limit, parallelize=parallelize, tensor_parallel=tensor_parallel, tp_plan=tp_plan,
-            fsdp=fsdp, reshard_after_forward=reshard_after_forward, compile=compile,
-        )  # fmt: skip
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            chunks=chunks,
+            partition=partition,  # type: ignore[arg-type]
+            device=torch.device(device) if device is not None else None,
+            timeout=timeout,
+            trace=trace,
+            data_parallel=data_parallel,
+            checkpoint=checkpoint,
+            precision=precision,
+            loss_count=loss_count,
+            memory_limit=memory_limit,
+            parallelize=parallelize,
+            tensor_parallel=tensor_parallel,
+            tp_plan=tp_plan,
+            fsdp=fsdp,
+            reshard_after_forward=reshard_after_forward,
+            compile=compile,
+        )
         world = connect(group, self.config.device, self.config.timeout)
         # first: in-process ranks build their models one at a time until here; the options every rank must share
         agree_on_model(model, world, self.config.shared())
@@ -92,8 +106,17 @@ class PipelineEngine:
         self._calls = Calls(self.pipeline, self.topology.world, self.topology.grid.groups("pp"))
         self._tracing = Tracing(trace, self.device, self.pipeline, self.schedule.num_stages)
         layers = StageLayers(parts.stages, parts.meta_layers, self.bounds, self.schedule.placement)
-        self._stepper = Stepper(parts.executor, parts.programs, self.topology, layers, self.config, loss_fn,
-                                self._calls, self._tracing, lambda: list(self.parameters()))
+        self._stepper = Stepper(
+            parts.executor,
+            parts.programs,
+            self.topology,
+            layers,
+            self.config,
+            loss_fn,
+            self._calls,
+            self._tracing,
+            lambda: list(self.parameters()),
+        )
         self.num_microbatches = self._stepper.num_microbatches
         self.first, self.last = self._stepper.first, self._stepper.last  # it runs the first (last) stage
         agree_max = functools.partial(self.topology.world.all_reduce, what="the loss scaler's overflow check", op="max")
@@ -154,20 +177,29 @@ class PipelineEngine:
         """Reset this rank's gradients, as nn.Module.zero_grad does (an optimizer's zero_grad does the same)."""
         self._params.zero_grad(set_to_none)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-                        ) -> torch.Tensor:  # fmt: skip
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip every gradient by the model's total norm, as torch.nn.utils.clip_grad_norm_ (after train_step)."""
         self._calls.agree(Call.CLIP)
         return self._params.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
-    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, *,
-             background: bool = False, keep: int | None = 1, **extra: Any) -> Path | Future[Path]:
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        background: bool = False,
+        keep: int | None = 1,
+        **extra: Any,
+    ) -> Path | Future[Path]:
         """Checkpoint this rank's part, optimizer, generators, ``extra``; ``keep``: how many stay (train.checkpoint)."""
         self._calls.agree(Call.SAVE_BACKGROUND if background else Call.SAVE)
         return self._checkpoints.save(directory, optimizer, extra, background, keep)
 
-    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, **extra: Any
-             ) -> Loaded:  # fmt: skip
+    def load(
+        self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None, **extra: Any
+    ) -> Loaded:
         """Load the latest checkpoint, saved in any layout, and each ``extra``: the plain values saved (a dict)."""
         self._calls.agree(Call.LOAD)
         return self._checkpoints.load(directory, optimizer, extra)

@@ -49,8 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     ]:
         sim.add_argument(flag, type=float, default=default, help=f"{text} (default {default})")
     sim.add_argument("--diagram", action="store_true", help="print the text Gantt chart (needs integral costs)")
-    sim.add_argument("--memory", action="store_true",
-                     help="print each rank's peak memory (a micro-batch's activation on a stage counts 1)")  # fmt: skip
+    sim.add_argument(
+        "--memory",
+        action="store_true",
+        help="print each rank's peak memory (a micro-batch's activation on a stage counts 1)",
+    )
     plot = verbs.add_parser("plot", parents=[common], help="draw the simulated timeline (unit costs) as a PNG")
     plot.add_argument("-o", "--output", help="PNG file to write, its folders made (default: out/<schedule>.png)")
     return parser
@@ -61,10 +64,16 @@ def _schedule(args: argparse.Namespace, lowered_form: bool = True) -> Schedule:
     compute only, as the engine does)."""
     if args.name not in SCHEDULES and Path(args.name).is_file():
         schedule = Schedule.from_text(Path(args.name).read_text())
-        given = {"--ranks": (args.ranks, schedule.num_ranks), "--microbatches": (args.microbatches,
-                 schedule.num_microbatches), "--chunks": (args.chunks, schedule.chunks)}  # fmt: skip
-        clash = [f"{flag} {mine} (the file: {theirs})" for flag, (mine, theirs) in given.items()
-                 if mine is not None and mine != theirs]  # fmt: skip
+        given = {
+            "--ranks": (args.ranks, schedule.num_ranks),
+            "--microbatches": (args.microbatches, schedule.num_microbatches),
+            "--chunks": (args.chunks, schedule.chunks),
+        }
+        clash = [
+            f"{flag} {mine} (the file: {theirs})"
+            for flag, (mine, theirs) in given.items()
+            if mine is not None and mine != theirs
+        ]
         if clash:
             raise ValueError(
                 f"{args.name} is a schedule file, which fixes its own sizes, but {', '.join(clash)}: drop the flags "
@@ -114,8 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {output}")
         else:
             schedule = _schedule(args)
-            costs = Costs(args.forward, args.backward, args.backward_input, args.backward_weight, args.latency,
-                          memory=Memory() if args.memory else None)  # fmt: skip
+            costs = Costs(
+                args.forward,
+                args.backward,
+                args.backward_input,
+                args.backward_weight,
+                args.latency,
+                memory=Memory() if args.memory else None,
+            )
             timeline = simulate(schedule, costs)
             print(schedule.describe())
             print(timeline.summary())

@@ -42,8 +42,9 @@ LONGEST = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: next((rank for rank, name in enumerate(LONGEST) if item.nodeid.startswith(name)),
-                                     len(LONGEST)))  # stable: every other test keeps its place  # fmt: skip
+    items.sort(
+        key=lambda item: next((rank for rank, name in enumerate(LONGEST) if item.nodeid.startswith(name)), len(LONGEST))
+    )  # stable: every other test keeps its place
     launching = sys.modules.get("pipeengine.launcher.launch")  # imported by the test modules just collected
     if launching is None:
         return

@@ -56,7 +56,7 @@ def blocks(path: Path) -> list[Block]:
         index += 1
         body = []
         while not lines[index].strip().startswith("```"):
-            body.append(lines[index][len(indent):])
+            body.append(lines[index][len(indent) :])
             index += 1
         index += 1
         before = lines[start - 1].strip() if start else ""
@@ -81,8 +81,16 @@ def ranks() -> dict[str, object]:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
     data = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 16, generator=data), torch.randn(8, 1, generator=data)
-    return {"torch": torch, "nn": nn, "F": F, "PipelineEngine": PipelineEngine, "model": model,
-            "loss_fn": F.mse_loss, "x": x, "y": y}  # fmt: skip
+    return {
+        "torch": torch,
+        "nn": nn,
+        "F": F,
+        "PipelineEngine": PipelineEngine,
+        "model": model,
+        "loss_fn": F.mse_loss,
+        "x": x,
+        "y": y,
+    }
 
 
 def engine() -> dict[str, object]:
@@ -122,8 +130,15 @@ def hf() -> dict[str, object]:
 
     names = ranks()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
@@ -143,4 +158,3 @@ def finetuned(folder: Path) -> dict[str, object]:
 
 
 CONTEXTS = {"ranks": ranks, "engine": engine, "gpt": gpt, "gloo": gloo, "hf": hf}
-

@@ -40,8 +40,19 @@ def bench(script: str, *args: str, out: Path) -> str:
 def test_vs_torch_reports_a_ratio_per_schedule(tmp_path: Path) -> None:
     # torch's several-stage API (interleaved: torch 2.11's zb-v fails on gloo, see vs_torch.py)
     schedules = ["interleaved"]
-    out = bench("vs_torch.py", *TINY, "--microbatches", "4", "--rounds", "1", "--steps", "1", "--schedules", *schedules,
-                out=tmp_path)  # fmt: skip
+    out = bench(
+        "vs_torch.py",
+        *TINY,
+        "--microbatches",
+        "4",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--schedules",
+        *schedules,
+        out=tmp_path,
+    )
     rows = json.loads((tmp_path / "vs_torch.json").read_text())
     assert [r["schedule"] for r in rows] == schedules and "-> " in out
     # well-formed figures: which is faster is the benchmark's to measure, never a test's to assert
@@ -61,8 +72,19 @@ def test_split_size_sweeps_and_draws(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_schedules_and_overhead(tmp_path: Path) -> None:
-    bench("compare_schedules.py", *TINY, "--ranks", "2", "--microbatches", "4", "--steps", "1",
-          "--schedules", "zb-h1", out=tmp_path)  # fmt: skip
+    bench(
+        "compare_schedules.py",
+        *TINY,
+        "--ranks",
+        "2",
+        "--microbatches",
+        "4",
+        "--steps",
+        "1",
+        "--schedules",
+        "zb-h1",
+        out=tmp_path,
+    )
     assert len(json.loads((tmp_path / "schedules.json").read_text())) == 1 and (tmp_path / "schedules_p2.png").exists()
     out = bench("overhead.py", *TINY, "--microbatches", "4", "--steps", "2", "--schedules", "1f1b", out=tmp_path)
     row = json.loads((tmp_path / "overhead.json").read_text())[0]
@@ -71,15 +93,34 @@ def test_schedules_and_overhead(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_schedule_scale_runs_small() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "schedule_scale.py"), "1f1b", "4", "8", "1"],
-                            capture_output=True, text=True, timeout=50, cwd=ROOT)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "schedule_scale.py"), "1f1b", "4", "8", "1"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=ROOT,
+    )
     assert result.returncode == 0 and "total median" in result.stdout, result.stderr
 
 
 @pytest.mark.timeout(300)
 def test_memory_reports_the_ledger_the_allocator_and_the_prediction_of_every_rank(tmp_path: Path) -> None:
-    bench("memory.py", "--models", "activations", "--scale", "8", "--microbatches", "4", "--ranks", "2",
-          "--checkpoint", "never", "--schedules", "1f1b", out=tmp_path)  # fmt: skip
+    bench(
+        "memory.py",
+        "--models",
+        "activations",
+        "--scale",
+        "8",
+        "--microbatches",
+        "4",
+        "--ranks",
+        "2",
+        "--checkpoint",
+        "never",
+        "--schedules",
+        "1f1b",
+        out=tmp_path,
+    )
     (row,) = json.loads((tmp_path / "memory.json").read_text())
     assert row["schedule"] == "1f1b" and row["ranks"] == 2 and row["model"] == "activations"
     assert len(row["ledger"]) == len(row["allocator"]) == len(row["predicted"]) == len(row["state"]) == 2
@@ -91,8 +132,21 @@ def test_memory_reports_the_ledger_the_allocator_and_the_prediction_of_every_ran
 
 @pytest.mark.timeout(300)
 def test_tune_measures_the_planners_choices_and_draws_the_frontier(tmp_path: Path) -> None:
-    out = bench("tune.py", "--models", "mlp", "--width", "64", "--measured", "4", "--rounds", "1",
-                "--microbatches", "2", "4", out=tmp_path)  # fmt: skip
+    out = bench(
+        "tune.py",
+        "--models",
+        "mlp",
+        "--width",
+        "64",
+        "--measured",
+        "4",
+        "--rounds",
+        "1",
+        "--microbatches",
+        "2",
+        "4",
+        out=tmp_path,
+    )
     report = json.loads((tmp_path / "tune_mlp.json").read_text())
     rows = report["rows"]
     assert len(rows) == 4 and [r["predicted_rank"] for r in rows][:3] == [0, 1, 2]  # the top 3, then one more
@@ -110,20 +164,40 @@ def test_tune_search_times_the_search_per_world_size(tmp_path: Path) -> None:
     assert all(r["candidates"] > 0 and r["search_s"] > 0 and r["measure_s"] > 0 for r in rows)
 
 
-@pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "megatron_sc21_table1.csv").exists(),
-                    reason="the published figures (shared/data) are not beside this checkout")
+@pytest.mark.skipif(
+    not (ROOT.parent / "shared" / "data" / "megatron_sc21_table1.csv").exists(),
+    reason="the published figures (shared/data) are not beside this checkout",
+)
 def test_cluster_plan_prices_rows_of_megatrons_table_beside_the_paper(tmp_path: Path) -> None:
     bench("cluster_plan.py", "--rows", "1", "5", out=tmp_path)
     rows = json.loads((tmp_path / "cluster_plan.json").read_text())
     assert [(r["gpus"], r["layout"].split(" b=")[0]) for r in rows] == [(32, "tp1 pp1 dp32"), (512, "tp8 pp2 dp32")]
-    assert all(r["predicted_tflops"] > 0 and abs(r["error"] - (r["predicted_tflops"] / r["paper_tflops"] - 1)) < 1e-3
-               for r in rows)  # fmt: skip
+    assert all(
+        r["predicted_tflops"] > 0 and abs(r["error"] - (r["predicted_tflops"] / r["paper_tflops"] - 1)) < 1e-3
+        for r in rows
+    )
 
 
 @pytest.mark.timeout(300)
 def test_vs_torch_tp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path: Path) -> None:
-    out = bench("vs_torch_tp.py", "--schedules", "1f1b", "--width", "64", "--blocks", "2", "--batch", "8",
-                "--microbatches", "2", "--rounds", "1", "--steps", "1", out=tmp_path)  # fmt: skip
+    out = bench(
+        "vs_torch_tp.py",
+        "--schedules",
+        "1f1b",
+        "--width",
+        "64",
+        "--blocks",
+        "2",
+        "--batch",
+        "8",
+        "--microbatches",
+        "2",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        out=tmp_path,
+    )
     (row,) = json.loads((tmp_path / "vs_torch_tp.json").read_text())
     assert row["schedule"] == "1f1b" and row["ratio"] > 0 and "x   peak MiB per rank" in out
     assert len(row["ours_peak_mib"]) == len(row["torch_peak_mib"]) == 4
@@ -131,8 +205,22 @@ def test_vs_torch_tp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path:
 
 @pytest.mark.timeout(300)
 def test_vs_torch_fsdp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_path: Path) -> None:
-    out = bench("vs_torch_fsdp.py", "--schedules", "1f1b", "--modes", "fsdp", "--width", "64", "--batch", "16",
-                "--rounds", "1", "--steps", "1", out=tmp_path)  # fmt: skip
+    out = bench(
+        "vs_torch_fsdp.py",
+        "--schedules",
+        "1f1b",
+        "--modes",
+        "fsdp",
+        "--width",
+        "64",
+        "--batch",
+        "16",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        out=tmp_path,
+    )
     (row,) = json.loads((tmp_path / "vs_torch_fsdp.json").read_text())
     assert row["schedule"] == "1f1b" and row["fsdp"] and row["ratio"] > 0 and "x   peak MiB per rank" in out
     assert len(row["ours_peak_mib"]) == len(row["torch_peak_mib"]) == 4
@@ -141,13 +229,35 @@ def test_vs_torch_fsdp_checks_equal_losses_and_reports_a_ratio_and_peaks(tmp_pat
 @pytest.mark.timeout(300)
 def test_compile_reports_eager_against_compiled_stages_and_the_compile_time(tmp_path: Path) -> None:
     # aot_eager: the report's logic is tested, not inductor's C++ compiler (test_compile runs inductor)
-    out = bench("compile.py", "--ranks", "2", "--schedules", "zb-h1", "--width", "32", "--blocks", "1", "--batch", "4",
-                "--microbatches", "2", "--rounds", "1", "--steps", "1", "--backend", "aot_eager",
-                out=tmp_path)  # fmt: skip
+    out = bench(
+        "compile.py",
+        "--ranks",
+        "2",
+        "--schedules",
+        "zb-h1",
+        "--width",
+        "32",
+        "--blocks",
+        "1",
+        "--batch",
+        "4",
+        "--microbatches",
+        "2",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--backend",
+        "aot_eager",
+        out=tmp_path,
+    )
     (row,) = json.loads((tmp_path / "compile.json").read_text())
     assert row["schedule"] == "zb-h1" and row["ranks"] == 2 and row["backend"] == "aot_eager" and "-> " in out
-    assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["ratio"] == pytest.approx(
-        row["eager_ms"] / row["compiled_ms"])  # fmt: skip
+    assert (
+        row["eager_ms"] > 0
+        and row["compiled_ms"] > 0
+        and row["ratio"] == pytest.approx(row["eager_ms"] / row["compiled_ms"])
+    )
 
 
 @pytest.mark.timeout(120)
@@ -191,11 +301,25 @@ def test_tune_layout_times_the_best_of_every_layout_and_of_every_schedule_in_the
     if str(ROOT / "benchmarks") not in sys.path:
         sys.path.insert(0, str(ROOT / "benchmarks"))
     tune_layout = importlib.import_module("tune_layout")
-    named = [("pp4", "zb-h1"), ("pp4", "zb-h1"), ("pp4", "1f1b"), ("pp4", "zb-h1"), ("dp2", "gpipe"), ("pp4", "gpipe"),
-             ("pp4", "1f1b"), ("dp2", "1f1b"), ("tp4", "gpipe"), ("pp4", "gpipe"), ("dp2", "gpipe"), ("tp4", "1f1b"),
-             ("tp4", "gpipe")]  # fmt: skip
-    rows = [SimpleNamespace(layout=layout, schedule=schedule, step_time=1.0 + i) for i, (layout, schedule) in
-            enumerate(named)]  # fmt: skip
+    named = [
+        ("pp4", "zb-h1"),
+        ("pp4", "zb-h1"),
+        ("pp4", "1f1b"),
+        ("pp4", "zb-h1"),
+        ("dp2", "gpipe"),
+        ("pp4", "gpipe"),
+        ("pp4", "1f1b"),
+        ("dp2", "1f1b"),
+        ("tp4", "gpipe"),
+        ("pp4", "gpipe"),
+        ("dp2", "gpipe"),
+        ("tp4", "1f1b"),
+        ("tp4", "gpipe"),
+    ]
+    rows = [
+        SimpleNamespace(layout=layout, schedule=schedule, step_time=1.0 + i)
+        for i, (layout, schedule) in enumerate(named)
+    ]
     picked = tune_layout.chosen(SimpleNamespace(rows=rows), 8, 12.0)  # type: ignore[arg-type]
     # best 0; other layouts 4 (dp2), 8 (tp4); other schedules of pp4 2 (1f1b), 5 (gpipe); next 1; spread 3, 11 (12 is
     # slower than 12 x the best)
@@ -213,8 +337,24 @@ def test_split_backward_times_f_b_and_i_plus_w_per_stage(tmp_path: Path) -> None
 
 
 def test_zero_bubble_times_the_schedules_alternating_against_1f1b(tmp_path: Path) -> None:
-    bench("zero_bubble.py", "--ranks", "2", "--rounds", "2", "--steps", "1", "--width", "32", "--layers", "4",
-          "--batch", "16", "--microbatches", "4", out=tmp_path)  # fmt: skip
+    bench(
+        "zero_bubble.py",
+        "--ranks",
+        "2",
+        "--rounds",
+        "2",
+        "--steps",
+        "1",
+        "--width",
+        "32",
+        "--layers",
+        "4",
+        "--batch",
+        "16",
+        "--microbatches",
+        "4",
+        out=tmp_path,
+    )
     rows = json.loads((tmp_path / "zero_bubble.json").read_text())
     assert [row["schedule"] for row in rows] == ["1f1b", "zb-h1", "zb-v"]
     baseline = rows[0]["step_ms"]

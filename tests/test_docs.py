@@ -240,11 +240,26 @@ def planner_figures() -> dict[str, tuple[list[str], tuple[str, ...]]]:
 
 QUOTING = {  # the pages that quote the planner's benchmark, and the figures each must quote
     "README.md": {"rows timed", "predicted best", "best slower", "median error", "largest error", "search"},
-    "docs/benchmarks.md": {"rows timed", "best slower", "median error", "search", "calibrating", "measuring", "limit",
-                           "contenders"},
-    "docs/guides/layout.md": {"rows timed", "best slower", "median error", "largest error", "search", "measuring",
-                              "peaks"},
-}  # fmt: skip
+    "docs/benchmarks.md": {
+        "rows timed",
+        "best slower",
+        "median error",
+        "search",
+        "calibrating",
+        "measuring",
+        "limit",
+        "contenders",
+    },
+    "docs/guides/layout.md": {
+        "rows timed",
+        "best slower",
+        "median error",
+        "largest error",
+        "search",
+        "measuring",
+        "peaks",
+    },
+}
 
 
 @pytest.mark.parametrize("page", sorted(QUOTING))
@@ -267,9 +282,14 @@ def test_a_planner_figure_a_page_quotes_is_the_committed_runs(page: str) -> None
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
     pytest.importorskip("mkdocstrings")
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=110, env={"NO_MKDOCS_2_WARNING": "1",
-                           "PATH": "/usr/bin:/bin"})  # fmt: skip
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert built.returncode == 0, built.stderr
     assert (tmp_path / "guides" / "schedules.html").is_file()
     # browsable from disk: every link of every page (its navigation included) names a file, not a folder
@@ -302,8 +322,9 @@ def test_the_readme_says_the_bubble_its_api_screen_leaves_to_the_schedule() -> N
 
     readme = (ROOT / "README.md").read_text()
     block = next(block for block in BLOCKS if block.path.name == "README.md" and kind(block) == "in-process")
-    said = re.search(r"The schedule alone leaves ([\d.]+)% \(`python -m schedules simulate (\S+) -p (\d+) -m (\d+)`",
-                     readme)  # fmt: skip
+    said = re.search(
+        r"The schedule alone leaves ([\d.]+)% \(`python -m schedules simulate (\S+) -p (\d+) -m (\d+)`", readme
+    )
     assert said is not None, "the README's API screen says no bubble to expect"
     figure, schedule, ranks, microbatches = said.groups()
     assert f'schedule="{schedule}"' in block.code and f"nprocs={ranks}" in block.code, (schedule, ranks)

@@ -56,8 +56,23 @@ def test_plot_schedules_draws_every_schedule(tmp_path: Path, capsys: pytest.Capt
     assert committed[16:24] == drawn_png[16:24], "docs/schedules.png: run python examples/plot_schedules.py"  # size
 
 
-GPT = [str(ROOT / "examples" / "train_gpt.py"), "--ranks", "2", "--tensor-parallel", "2", "--steps", "10", "--layers",
-       "2", "--batch", "8", "--microbatches", "2", "--checkpoint-every", "5"]  # fmt: skip
+GPT = [
+    str(ROOT / "examples" / "train_gpt.py"),
+    "--ranks",
+    "2",
+    "--tensor-parallel",
+    "2",
+    "--steps",
+    "10",
+    "--layers",
+    "2",
+    "--batch",
+    "8",
+    "--microbatches",
+    "2",
+    "--checkpoint-every",
+    "5",
+]
 
 
 def uninterrupted(argv: list[str], printed: str) -> None:
@@ -94,8 +109,18 @@ def test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupte
     # again, a rank SIGKILLed once the step drawn at random is printed: the launcher starts both ranks again, they
     # resume from the latest checkpoint and end on the same weights
     kill_after = random.Random().randrange(0, 9)
-    command = [sys.executable, *GPT, "--sample-chars", "0", "--log-every", "1", "--max-restarts", "2", "--out",
-               str(tmp_path / "killed")]  # fmt: skip
+    command = [
+        sys.executable,
+        *GPT,
+        "--sample-chars",
+        "0",
+        "--log-every",
+        "1",
+        "--max-restarts",
+        "2",
+        "--out",
+        str(tmp_path / "killed"),
+    ]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     printed, seen, killed = [], set(), None
     try:
@@ -109,8 +134,9 @@ def test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupte
     finally:
         job.kill()
     why = f"killed after step {kill_after}:\n" + "\n".join(printed)
-    assert killed is not None and any("died from signal SIGKILL; every rank stopped, starting all 2 again" in line
-                                      for line in printed), why  # fmt: skip
+    assert killed is not None and any(
+        "died from signal SIGKILL; every rank stopped, starting all 2 again" in line for line in printed
+    ), why
     done = [int(line.split()[1]) for line in printed if line.startswith("step")]
     repeated = len(done) - len(set(done))
     assert sorted(set(done)) == list(range(10)) and repeated <= 5, why  # at most the steps since the checkpoint
@@ -128,8 +154,18 @@ def test_finetune_hf_trains_and_writes_what_from_pretrained_loads_and_generate_h
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("transformers")
-    out = run(str(ROOT / "examples" / "finetune_hf.py"), "--packed", "--steps", "11", "--batch", "8", "--out",
-              str(tmp_path / "ft"), "--generate", "12")  # fmt: skip
+    out = run(
+        str(ROOT / "examples" / "finetune_hf.py"),
+        "--packed",
+        "--steps",
+        "11",
+        "--batch",
+        "8",
+        "--out",
+        str(tmp_path / "ft"),
+        "--generate",
+        "12",
+    )
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 2 and losses[-1] < losses[0] - 0.5, losses  # steps 0 and 10 of packed rows: 4.5 -> 3.1
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,15 +186,50 @@ def test_finetune_hf_trains_and_writes_what_from_pretrained_loads_and_generate_h
     generate_hf = example("generate_hf")
     generate_hf.main(["--model", str(tmp_path / "ft"), "--max-new-tokens", "12"])  # type: ignore[attr-defined]
     assert capsys.readouterr().out == text + "\n"
-    generate_hf.main(["--model", str(tmp_path / "ft"), "--prompt", "class", "--max-new-tokens", "9", "--sample",
-                      "--temperature", "2"])  # type: ignore[attr-defined]  # fmt: skip
+    generate_hf.main(
+        [
+            "--model",
+            str(tmp_path / "ft"),
+            "--prompt",
+            "class",
+            "--max-new-tokens",
+            "9",
+            "--sample",
+            "--temperature",
+            "2",
+        ]
+    )  # type: ignore[attr-defined]
     sampled = capsys.readouterr().out
     assert sampled.startswith("class") and len(sampled) == len("class") + 9 + 1, sampled
 
 
-LOOP = ["--in-process", "--ranks", "2", "--log-every", "2", "--checkpoint-every", "2", "--samples", "64",
-        "--batch", "8", "--length", "8", "--vocab", "16", "--width", "16", "--layers", "2", "--microbatches", "2",
-        "--warmup", "1", "--lr", "3e-2"]  # fmt: skip
+LOOP = [
+    "--in-process",
+    "--ranks",
+    "2",
+    "--log-every",
+    "2",
+    "--checkpoint-every",
+    "2",
+    "--samples",
+    "64",
+    "--batch",
+    "8",
+    "--length",
+    "8",
+    "--vocab",
+    "16",
+    "--width",
+    "16",
+    "--layers",
+    "2",
+    "--microbatches",
+    "2",
+    "--warmup",
+    "1",
+    "--lr",
+    "3e-2",
+]
 
 
 @pytest.mark.timeout(60)

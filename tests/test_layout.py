@@ -24,8 +24,18 @@ ROOT = Path(__file__).parent.parent
 # lowest first: a module imports from its own folder or from folders strictly below it; "" is the package's top
 LAYERS = {
     "schedules": [["ir"], ["proof"], ["sim"], ["passes"], ["compilers"], [""]],
-    "pipeengine": [["errors"], ["core"], ["comm"], ["launcher", "observe"], ["parallel"], ["step"],
-                   ["construction"], ["train", "hf"], ["planner"], [""]],  # fmt: skip
+    "pipeengine": [
+        ["errors"],
+        ["core"],
+        ["comm"],
+        ["launcher", "observe"],
+        ["parallel"],
+        ["step"],
+        ["construction"],
+        ["train", "hf"],
+        ["planner"],
+        [""],
+    ],
 }
 
 
@@ -105,21 +115,34 @@ def test_nothing_outside_the_planner_imports_it_and_importing_pipeengine_loads_n
     """The planner (search, pricing, calibration, the CPU host model) sits above everything the engine runs: outside
     planner/ only the top's tune (its command) and auto (schedule="auto", asked inside a function) import it, and
     ``import pipeengine`` loads no planner module."""
-    importers = sorted(module for module, targets in graph("pipeengine").items()
-                       if folder("pipeengine", module) != "planner"
-                       and any(folder("pipeengine", target) == "planner" for target in targets))  # fmt: skip
+    importers = sorted(
+        module
+        for module, targets in graph("pipeengine").items()
+        if folder("pipeengine", module) != "planner"
+        and any(folder("pipeengine", target) == "planner" for target in targets)
+    )
     assert importers == ["pipeengine.auto", "pipeengine.tune"], importers
     auto = ast.parse((ROOT / "pipeengine" / "auto.py").read_text())
     at_top = [node for node in auto.body if isinstance(node, ast.Import | ast.ImportFrom)]
     assert not [ast.unparse(node) for node in at_top if "pipeengine.planner" in ast.unparse(node)]
     code = "import pipeengine, sys; print(sorted(m for m in sys.modules if m.startswith('pipeengine.planner')))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
     assert run.stdout.strip() == "[]", run.stdout + run.stderr
 
 
 def test_the_facade_reads_as_a_table_of_contents() -> None:
-    assert len((ROOT / "pipeengine" / "engine.py").read_text().splitlines()) < 200
+    """engine.py delegates each job to the module that owns it: at most 130 statements (117 now), counted from its
+    syntax tree, so that the format's line breaks do not count."""
+    tree = ast.parse((ROOT / "pipeengine" / "engine.py").read_text())
+    assert sum(isinstance(node, ast.stmt) for node in ast.walk(tree)) <= 130
 
 
 def _modules(package: str = "pipeengine") -> dict[str, ast.Module]:
@@ -143,8 +166,11 @@ def test_gradient_syncs_are_asked_nothing_of_their_kind_outside_their_module() -
     for module, tree in trees.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
-                named = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.args[1])
-                         if isinstance(n, ast.Name | ast.Attribute)}  # fmt: skip
+                named = {
+                    n.id if isinstance(n, ast.Name) else n.attr
+                    for n in ast.walk(node.args[1])
+                    if isinstance(n, ast.Name | ast.Attribute)
+                }
                 for name in named & subclasses:
                     if homes.get(name) != module:
                         wrong.append(f"{module}: {ast.unparse(node)}")
@@ -200,8 +226,9 @@ def test_an_untraced_step_stays_in_the_step_folder() -> None:
     from pipeengine import PipelineEngine
 
     torch.manual_seed(0)
-    engine = PipelineEngine(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.functional.mse_loss,
-                            num_microbatches=2)  # fmt: skip
+    engine = PipelineEngine(
+        nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.functional.mse_loss, num_microbatches=2
+    )
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     engine.train_step(x, y)  # the first step infers the boundaries and builds the program
     untraced = entered(lambda: engine.train_step(x, y))
@@ -304,20 +331,30 @@ def test_every_launched_function_is_defined_in_the_test_file_that_launches_it() 
                 wrong.append(f"{path.relative_to(ROOT)}:{line} launches {ast.unparse(fn)}, not defined in this file")
         for line, script in scripts(tree):
             own = {node.name for node in ast.walk(script) if isinstance(node, ast.FunctionDef)}
-            own |= {alias.asname or alias.name for node in ast.walk(script) if isinstance(node, ast.ImportFrom)
-                    and node.module == here for alias in node.names}  # fmt: skip
+            own |= {
+                alias.asname or alias.name
+                for node in ast.walk(script)
+                if isinstance(node, ast.ImportFrom) and node.module == here
+                for alias in node.names
+            }
             for _, fn in launched(script):
                 if not (isinstance(fn, ast.Name) and fn.id in own):
-                    wrong.append(f"{path.relative_to(ROOT)}:{line}: its script launches {ast.unparse(fn)}, not "
-                                 f"imported from {here}")  # fmt: skip
+                    wrong.append(
+                        f"{path.relative_to(ROOT)}:{line}: its script launches {ast.unparse(fn)}, not "
+                        f"imported from {here}"
+                    )
     assert not wrong, "\n".join(wrong)
 
 
 def test_no_module_of_the_tests_imports_a_test_module() -> None:
     """Shared helpers (models, ranks, the parity module) are helper modules; a test module imports them, never
     another test module (nor does a helper)."""
-    wrong = [f"{path.relative_to(ROOT)} imports {module}" for path in sorted((ROOT / "tests").rglob("*.py"))
-             for module in sorted(imports(path)) if module.split(".")[-1].startswith("test_")]  # fmt: skip
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for module in sorted(imports(path))
+        if module.split(".")[-1].startswith("test_")
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -335,9 +372,12 @@ def autograd_calls(tree: ast.AST) -> list[int]:
 def test_one_parity_helper_runs_the_one_process_reference() -> None:
     """At most one parity helper: a reference for an engine's gradients runs autograd's backward on one process, and
     only tests/pipeengine/parity.py calls it (OneProcess); every other test compares against that."""
-    wrong = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "tests").rglob("*.py"))
-             if path.relative_to(ROOT).as_posix() != PARITY
-             for line in autograd_calls(ast.parse(path.read_text()))]  # fmt: skip
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() != PARITY
+        for line in autograd_calls(ast.parse(path.read_text()))
+    ]
     assert not wrong, "autograd's backward outside " + PARITY + " (a parity helper of its own):\n" + "\n".join(wrong)
     assert autograd_calls(ast.parse((ROOT / PARITY).read_text())), f"{PARITY} runs no reference"
 

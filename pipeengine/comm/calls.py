@@ -34,9 +34,19 @@ _ROW = _HEAD + MAX_TENSORS * _FIELDS + 1
 ROW = _ROW  # int64s in the header row each rank gathers before a call (the planner times the gather)
 STATUS, N_INPUTS, BATCH = 2, 4, _HEAD + 2  # a row's status, its count of inputs, its first input's batch (d0)
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 class Call(enum.IntEnum):
@@ -51,8 +61,15 @@ class Call(enum.IntEnum):
     SAVE_BACKGROUND = 7  # its writes' own group joins at the commit: ranks saving either way would never meet
 
     def __str__(self) -> str:
-        names = {1: "train_step", 2: "eval_step", 3: "save", 4: "load", 5: "clip_grad_norm_", 6: "full_state_dict",
-                 7: "save(background=True)"}  # fmt: skip
+        names = {
+            1: "train_step",
+            2: "eval_step",
+            3: "save",
+            4: "load",
+            5: "clip_grad_norm_",
+            6: "full_state_dict",
+            7: "save(background=True)",
+        }
         return names[self.value]
 
 
@@ -96,8 +113,9 @@ class Calls:
     on every rank of the world, instead of the other replicas going on to a gradient all-reduce that the refusing
     one never joins. ``pipelines``: the world ranks of each pipeline, in stage order (the grid's pp groups)."""
 
-    def __init__(self, transport: Transport, world: Transport | None = None,
-                 pipelines: list[list[int]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, transport: Transport, world: Transport | None = None, pipelines: list[list[int]] | None = None
+    ) -> None:
         self.transport, self.made = transport, 0
         self.world = world if world is not None and world.size > transport.size else None
         if self.world is not None and pipelines is None:
@@ -113,13 +131,22 @@ class Calls:
             return
         agree(call, self.made, self.transport)
 
-    def exchange(self, call: Call, inputs: object, targets: object, *, first: bool, last: bool,
-                 num_microbatches: int) -> Header:  # fmt: skip
+    def exchange(
+        self, call: Call, inputs: object, targets: object, *, first: bool, last: bool, num_microbatches: int
+    ) -> Header:
         """train_step, eval_step: every rank learns the batch (or refuses it, together)."""
         self.made += 1
         if self.world is None:
-            return exchange(call, self.made, inputs, targets, first=first, last=last,
-                            num_microbatches=num_microbatches, transport=self.transport)  # fmt: skip
+            return exchange(
+                call,
+                self.made,
+                inputs,
+                targets,
+                first=first,
+                last=last,
+                num_microbatches=num_microbatches,
+                transport=self.transport,
+            )
         mine, detail = _encode(inputs, targets, first, last, call is Call.TRAIN)
         return self._world(call, mine, detail, lambda table: _decode(call, table, num_microbatches))
 
@@ -132,16 +159,23 @@ class Calls:
         if world is None:  # only called where the world is wider than the pipeline
             raise RuntimeError("Calls._world without a world wider than the pipeline")
         row[0], row[1] = int(call), self.made
-        rows = world.gather_header(torch.tensor(row, dtype=torch.int64, device=world.control_device),
-                                f"waiting for the other ranks to start {call} (call {self.made})")  # fmt: skip
+        rows = world.gather_header(
+            torch.tensor(row, dtype=torch.int64, device=world.control_device),
+            f"waiting for the other ranks to start {call} (call {self.made})",
+        )
         table = [r.tolist() for r in rows]
         if any(r[:2] != table[0][:2] for r in table):
             calls = ", ".join(f"rank {rank} called {Call(r[0])} (call {r[1]})" for rank, r in enumerate(table))
-            raise CallMismatch(f"the ranks of the world are not making the same call: {calls}; every rank of every "
-                               "replica must call train_step, eval_step, save, load and clip_grad_norm_ together, "
-                               "in the same order")  # fmt: skip
-        details = world.all_gather_object(detail, "the reason the step was refused") \
-            if any(r[2] != Status.OK for r in table) else None  # fmt: skip
+            raise CallMismatch(
+                f"the ranks of the world are not making the same call: {calls}; every rank of every "
+                "replica must call train_step, eval_step, save, load and clip_grad_norm_ together, "
+                "in the same order"
+            )
+        details = (
+            world.all_gather_object(detail, "the reason the step was refused")
+            if any(r[2] != Status.OK for r in table)
+            else None
+        )
         verdicts: list[tuple[int, BaseException | None, object]] = []  # (first world rank, error, decoded) each
         for ranks in self.pipelines:
             own = [table[r] for r in ranks]
@@ -213,8 +247,10 @@ def _decode(call: Call, table: list[list[int]], num_microbatches: int) -> Header
 
 def _gather(call: Call, number: int, row: list[int], detail: str, transport: Transport) -> list[list[int]]:
     row[0], row[1] = int(call), number
-    rows = transport.gather_header(torch.tensor(row, dtype=torch.int64, device=transport.control_device),
-                                f"waiting for the other ranks to start {call} (call {number})")  # fmt: skip
+    rows = transport.gather_header(
+        torch.tensor(row, dtype=torch.int64, device=transport.control_device),
+        f"waiting for the other ranks to start {call} (call {number})",
+    )
     table = [r.tolist() for r in rows]
     if any((r[0], r[1]) != (row[0], row[1]) for r in table):
         calls = ", ".join(f"rank {rank} called {Call(r[0])} (call {r[1]})" for rank, r in enumerate(table))

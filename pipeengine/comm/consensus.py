@@ -58,8 +58,10 @@ def describe(model: nn.Sequential) -> list[Layer]:
     layers = []
     for name, layer in model.named_children():
         specs, total, squares, seen = [], 0.0, 0.0, set()
-        for kind, items in (("param", layer.named_parameters(remove_duplicate=False)),
-                            ("buffer", layer.named_buffers(remove_duplicate=False))):  # fmt: skip
+        for kind, items in (
+            ("param", layer.named_parameters(remove_duplicate=False)),
+            ("buffer", layer.named_buffers(remove_duplicate=False)),
+        ):
             for key, tensor in items:
                 grad = " grad" if kind == "param" and tensor.requires_grad else ""
                 specs.append(f"{key} {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}{grad}")
@@ -100,8 +102,10 @@ def options_difference(views: Sequence[Options], ranks: Sequence[int]) -> str:
             seen.setdefault(key, []).append(rank)
             shown.setdefault(key, text)
         if len(seen) > 1:
-            values = ", ".join(f"rank {holders[0]}: {shown[key]}" if len(holders) == 1
-                               else f"ranks {holders}: {shown[key]}" for key, holders in seen.items())  # fmt: skip
+            values = ", ".join(
+                f"rank {holders[0]}: {shown[key]}" if len(holders) == 1 else f"ranks {holders}: {shown[key]}"
+                for key, holders in seen.items()
+            )
             differing.append(f"{name} differs across ranks: {values}")
     if not differing:
         return ""

@@ -47,9 +47,11 @@ class Ghosts:
         if mine[N_INPUTS] > 0:  # this rank holds the inputs: the record the others will read
             self.first[number] = list(mine)
         elif number not in self.first:
-            raise ValueError(f"the dry run has no record of the first stage's inputs for call {number} (rank {rank} "
-                             "is not the first stage's): pipeengine.dry_run builds a first stage's rank before the "
-                             "others, so that their steps learn the batch's shapes from it")  # fmt: skip
+            raise ValueError(
+                f"the dry run has no record of the first stage's inputs for call {number} (rank {rank} "
+                "is not the first stage's): pipeengine.dry_run builds a first stage's rank before the "
+                "others, so that their steps learn the batch's shapes from it"
+            )
         ghost = list(self.first[number])
         ghost[:2], ghost[STATUS] = mine[:2], 0
         ghost[-1] = mine[-1] if mine[-1] >= 0 else ghost[BATCH]

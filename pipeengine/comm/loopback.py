@@ -147,8 +147,12 @@ class LoopbackTransport(Transport):
         index, channel = transfer.handles[0], (self.gid, transfer.peer, self.rank)
         me = self.ranks[self.rank]
         with self.hub.cond:
-            self.hub.await_(lambda: index < len(self.hub.sent[channel]), me, self.timeout,
-                            lambda: f"no message {index} from rank {transfer.peer}")  # fmt: skip
+            self.hub.await_(
+                lambda: index < len(self.hub.sent[channel]),
+                me,
+                self.timeout,
+                lambda: f"no message {index} from rank {transfer.peer}",
+            )
             message, self.hub.sent[channel][index] = self.hub.sent[channel][index], None
         if message is None:
             raise RuntimeError(f"{transfer.what}: message {index} from rank {transfer.peer} was taken twice")
@@ -179,9 +183,14 @@ class LoopbackTransport(Transport):
         me = self.ranks[self.rank]
         with self.hub.cond:
             try:
-                self.hub.await_(lambda: len(slot.values) == self.size, me, self.timeout,
-                                lambda: f"ranks {[r for r in range(self.size) if r not in slot.values]} "
-                                        "of the group did not arrive")  # fmt: skip
+                self.hub.await_(
+                    lambda: len(slot.values) == self.size,
+                    me,
+                    self.timeout,
+                    lambda: (
+                        f"ranks {[r for r in range(self.size) if r not in slot.values]} of the group did not arrive"
+                    ),
+                )
             except Exception as error:
                 raise self.failed(what, began, error) from error
             if not slot.done:

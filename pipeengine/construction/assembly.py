@@ -64,9 +64,11 @@ class Assembly:
 def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample: object, world: Transport) -> Assembly:
     """Build what this rank runs; every rank of ``world`` calls it (it agrees on the partition)."""
     if world.alone and config.fsdp:
-        raise ValueError("fsdp=True cannot be dry-run: FSDP2 will not train parameters on the meta device (it wants "
-                         "them materialized). Dry-run the layout with fsdp=False (the same grid, partition, groups and "
-                         "program; each replica's state then counted whole, not 1/data_parallel of it)")  # fmt: skip
+        raise ValueError(
+            "fsdp=True cannot be dry-run: FSDP2 will not train parameters on the meta device (it wants "
+            "them materialized). Dry-run the layout with fsdp=False (the same grid, partition, groups and "
+            "program; each replica's state then counted whole, not 1/data_parallel of it)"
+        )
     grid = Grid.of(world.size, config.data_parallel, config.tensor_parallel)
     # every pattern matches (or none runs), at a degree every style can run at
     plan = tensor.plan_matches(model, config.tp_plan, config.tensor_parallel) if config.tp_plan else {}
@@ -77,8 +79,9 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
     agreeing = topology.world if world.size > topology.pipeline.size else topology.pipeline
     # no stage of the engine's own partition ends on a tensor-parallel shard (the planner's is measured so)
     joined = tensor.shards_output(model, plan)[:-1] if grid.tp > 1 else []
-    partition = agree_partition(model, lowered, config.partition, sample, agreeing, world.device, config.compile,
-                                joined)  # fmt: skip
+    partition = agree_partition(
+        model, lowered, config.partition, sample, agreeing, world.device, config.compile, joined
+    )
     ties = checked_ties(model, partition.bounds, lowered.placement, config.fsdp)
     lowered = dataclasses.replace(lowered, tied=ties.groups)
     schedule = with_tie_sync(with_gradient_sync(lowered) if config.data_parallel > 1 else lowered)
@@ -95,19 +98,24 @@ def assemble(model: nn.Sequential, loss_fn: LossFn, config: EngineConfig, sample
         shards = tensor.shard_costs(partition.costs, names, partition.bounds, stages, topology.pipeline)
         partition = dataclasses.replace(partition, shards=shards)
     workers = {
-        s: StageWorker(s, module, is_last=s == num_stages - 1, loss_fn=loss_fn,
-                       checkpointed=config.checkpointed(s, num_stages), precision=config.dtype,
-                       sharding=fsdp.sharding(module))
+        s: StageWorker(
+            s,
+            module,
+            is_last=s == num_stages - 1,
+            loss_fn=loss_fn,
+            checkpointed=config.checkpointed(s, num_stages),
+            precision=config.dtype,
+            sharding=fsdp.sharding(module),
+        )
         for s, module in stages.items()
-    }  # fmt: skip
+    }
     if any(op.kind is Kind.BACKWARD_INPUT for rank in range(schedule.num_ranks) for _, op in schedule.ops(rank)):
         keep_compiled_graphs()  # W re-enters what I kept: compiled regions must allow it (step.backward)
     topology.pipeline.open_channels()
     syncs = gradient_syncs(ties, lowered, topology, stages, config.fsdp, config.reshard_after_forward)
     executor = Executor(topology.pp_rank, workers, topology.pipeline, syncs)
     programs = Programs(lowered, topology.pipeline, config.data_parallel > 1)
-    return Assembly(topology, world.device, schedule, partition, ties, stages, workers, executor, programs, meta,
-                    mesh)
+    return Assembly(topology, world.device, schedule, partition, ties, stages, workers, executor, programs, meta, mesh)
 
 
 def agree_partition(
@@ -131,9 +139,12 @@ def agree_partition(
     if transport.rank == source or transport.alone:  # alone: a dry run's rank works out what the source would send
         method = partition if isinstance(partition, str) else ("time" if sample is not None else "parameters")
         if method == "time" and transport.alone:  # a dry run: layers timed on the meta device say nothing
-            warnings.warn("partition by time measures the layers on the device, and a dry run (pipeengine.dry_run) "
-                          "has none: it partitions by parameters instead; pass partition= (stage sizes, or "
-                          "'parameters' or 'memory') to check the layout the real run will use", stacklevel=2)
+            warnings.warn(
+                "partition by time measures the layers on the device, and a dry run (pipeengine.dry_run) "
+                "has none: it partitions by parameters instead; pass partition= (stage sizes, or "
+                "'parameters' or 'memory') to check the layout the real run will use",
+                stacklevel=2,
+            )
             method = "parameters"
         try:
             micro = None if sample is None else _first_microbatch(sample, m)
@@ -157,8 +168,7 @@ def agree_partition(
     if counts is not None:
         return Partition("explicit", bounds_from_counts(counts, len(model)), costs, schedule.placement)
     method = METHODS[int(header[1])]
-    return Partition(method, solve(method_costs(method, costs), schedule.num_stages, joined), costs,
-                     schedule.placement)  # fmt: skip
+    return Partition(method, solve(method_costs(method, costs), schedule.num_stages, joined), costs, schedule.placement)
 
 
 def _first_microbatch(sample: object, num_microbatches: int) -> torch.Tensor | Tensors:

@@ -66,8 +66,9 @@ class LayerCosts:
         if profile is None:
             return cls(params, param_bytes, None, None, None)
         timed = profile.timed
-        return cls(params, param_bytes, profile.saved, profile.forward if timed else None,
-                   profile.backward if timed else None)  # fmt: skip
+        return cls(
+            params, param_bytes, profile.saved, profile.forward if timed else None, profile.backward if timed else None
+        )
 
     def to_rows(self) -> list[list[float]]:
         """As rows of floats (for a broadcast): params, bytes, activations, forward, backward; -1 is missing."""

@@ -31,12 +31,38 @@ from pipeengine.core.specs import Tensors, map_tensors, unpack
 from pipeengine.observe.ledger import Ledger, storage
 from pipeengine.step.backward import backward_input
 
-__all__ = ["COLUMNS", "Extras", "WithLoss", "compiled", "graded", "layer_bytes", "leaves", "measure", "nbytes",
-           "profile_columns", "time_layer"]
+__all__ = [
+    "COLUMNS",
+    "Extras",
+    "WithLoss",
+    "compiled",
+    "graded",
+    "layer_bytes",
+    "leaves",
+    "measure",
+    "nbytes",
+    "profile_columns",
+    "time_layer",
+]
 
 # per layer: seconds of each compute (median), then bytes (layer_bytes')
-COLUMNS = ("forward", "backward", "backward_input", "backward_weight", "parameter_bytes", "parameter_count", "output",
-           "gradient", "saved_other", "saves_input", "saves_output", "kept", "output_kept", "other_freed", "saved")
+COLUMNS = (
+    "forward",
+    "backward",
+    "backward_input",
+    "backward_weight",
+    "parameter_bytes",
+    "parameter_count",
+    "output",
+    "gradient",
+    "saved_other",
+    "saves_input",
+    "saves_output",
+    "kept",
+    "output_kept",
+    "other_freed",
+    "saved",
+)
 
 
 def measure(
@@ -60,8 +86,9 @@ def measure(
     if timed and repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     rows = unpack(sample)[0].shape[0]
-    columns = profile_columns(list(model), sample, rows, repeats if timed else 0, torch.device(device or "cpu"),
-                              compile)  # fmt: skip
+    columns = profile_columns(
+        list(model), sample, rows, repeats if timed else 0, torch.device(device or "cpu"), compile
+    )
     lean = _Lean(timed, columns["saved"], columns["forward"], columns["backward"])  # type: ignore[arg-type]
     return LayerCosts.of(lean, model)
 
@@ -80,8 +107,9 @@ class Extras(Protocol):
     """What the planner measures of each layer beyond the columns (pipeengine.planner.measure), at three points of
     profile_columns' pass over the layers."""
 
-    def prepare(self, index: int, layer: nn.Module, probe: nn.Module, value: torch.Tensor | Tensors,
-                flush: Callable[[], None]) -> tuple[nn.Module, Callable[[], None]]:  # fmt: skip
+    def prepare(
+        self, index: int, layer: nn.Module, probe: nn.Module, value: torch.Tensor | Tensors, flush: Callable[[], None]
+    ) -> tuple[nn.Module, Callable[[], None]]:
         """Before the copy ``probe`` of ``layer`` is compiled: the probe to measure, and what runs before each of its
         timed computes (``flush``, or more)."""
 
@@ -93,10 +121,15 @@ class Extras(Protocol):
 
 
 def profile_columns(
-    model: Sequence[nn.Module], sample: torch.Tensor | Tensors, rows: int, repeats: int, device: torch.device,
-    compile: bool | Mapping[str, object] = False, progress: Callable[[], None] | None = None,
+    model: Sequence[nn.Module],
+    sample: torch.Tensor | Tensors,
+    rows: int,
+    repeats: int,
+    device: torch.device,
+    compile: bool | Mapping[str, object] = False,
+    progress: Callable[[], None] | None = None,
     extras: Extras | None = None,
-) -> dict[str, tuple[float | int | bool, ...]]:  # fmt: skip
+) -> dict[str, tuple[float | int | bool, ...]]:
     """Every layer measured on the first ``rows`` rows of ``sample``, each fed the real output of the one before:
     per column of COLUMNS a value a layer. ``repeats`` 0: bytes only (one forward and backward a layer), times 0.0.
     A layer is measured compiled where the engine runs it so (``compiled``). ``progress()`` after each layer."""
@@ -162,8 +195,9 @@ def graded(layer: nn.Module, inputs: Tensors, value: torch.Tensor | Tensors) -> 
     return [settled(o) for o in unpack(layer(inputs if isinstance(value, tuple) else inputs[0])) if o.requires_grad]
 
 
-def time_layer(layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: torch.device,
-               flush: Callable[[], None]) -> tuple[float, ...]:  # fmt: skip
+def time_layer(
+    layer: nn.Module, value: torch.Tensor | Tensors, first: bool, device: torch.device, flush: Callable[[], None]
+) -> tuple[float, ...]:
     """Forward, full backward, input-gradient (I) and weight-gradient (W) seconds of one layer on one input,
     each through the engine's own code (pipeengine.step.backward for I and W, as a zero-bubble stage runs them),
     each after ``flush()`` (the CPU's caches emptied)."""

@@ -33,8 +33,10 @@ def solve(costs: Sequence[float], num_stages: int, joined: Sequence[bool] = ()) 
     if any(joined):
         units = cut_points(len(costs), joined)
         if num_stages > len(units):
-            raise ValueError(f"{num_stages} stages, but the model can be cut into {len(units)} at most (a stage cannot "
-                             "end on a layer whose output is a tensor-parallel shard): use fewer stages")
+            raise ValueError(
+                f"{num_stages} stages, but the model can be cut into {len(units)} at most (a stage cannot "
+                "end on a layer whose output is a tensor-parallel shard): use fewer stages"
+            )
         merged = solve([sum(costs[a:b]) for a, b in units], num_stages)
         return [(units[i][0], units[j - 1][1]) for i, j in merged]
     n = len(costs)

@@ -10,8 +10,16 @@ import torch
 
 from schedules import SCHEDULES, Schedule
 
-__all__ = ["AUTO", "CHECKPOINTING", "DEFAULT_TIMEOUT", "METHODS", "PRECISIONS", "EngineConfig", "check_arguments",
-           "check_memory_limit"]
+__all__ = [
+    "AUTO",
+    "CHECKPOINTING",
+    "DEFAULT_TIMEOUT",
+    "METHODS",
+    "PRECISIONS",
+    "EngineConfig",
+    "check_arguments",
+    "check_memory_limit",
+]
 
 METHODS = ("uniform", "parameters", "time", "memory")  # how partition= cuts a model (construction.partition)
 
@@ -20,8 +28,11 @@ AUTO = "auto"  # schedule="auto": pipeengine.tune chooses schedule, micro-batche
 DEFAULT_TIMEOUT = 120.0  # seconds a rank waits on a peer before it gives up
 CHECKPOINTING = ("never", "always", "except_last")  # activation checkpointing, per stage
 PRECISIONS: dict[str | None, torch.dtype | None] = {
-    None: None, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
-}  # fmt: skip
+    None: None,
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,8 +150,10 @@ class EngineConfig:
             from torch.distributed.tensor.parallel import ParallelStyle
 
             if not isinstance(self.tp_plan, Mapping) or not self.tp_plan:
-                raise TypeError("tp_plan must map fnmatch patterns of module names to ParallelStyles, e.g. "
-                                "{'*.mlp.0': ColwiseParallel(), '*.mlp.2': RowwiseParallel()}")  # fmt: skip
+                raise TypeError(
+                    "tp_plan must map fnmatch patterns of module names to ParallelStyles, e.g. "
+                    "{'*.mlp.0': ColwiseParallel(), '*.mlp.2': RowwiseParallel()}"
+                )
             for pattern, style in self.tp_plan.items():
                 if not isinstance(pattern, str) or not isinstance(style, ParallelStyle):
                     raise TypeError(
@@ -148,8 +161,10 @@ class EngineConfig:
                         f"RowwiseParallel(), ...); got {pattern!r}: {type(style).__name__}"
                     )
             if self.tensor_parallel == 1:
-                raise ValueError("tp_plan= shards layers over tensor_parallel ranks, but tensor_parallel=1: nothing "
-                                 "reads it; pass tensor_parallel=2 (or more), or leave tp_plan out")  # fmt: skip
+                raise ValueError(
+                    "tp_plan= shards layers over tensor_parallel ranks, but tensor_parallel=1: nothing "
+                    "reads it; pass tensor_parallel=2 (or more), or leave tp_plan out"
+                )
         if self.tensor_parallel > 1 and self.tp_plan is None and self.parallelize is None:
             raise ValueError(
                 f"tensor_parallel={self.tensor_parallel} with neither tp_plan= nor parallelize=: no layer would be "
@@ -167,8 +182,10 @@ class EngineConfig:
                 "data_parallel=2 (or more), or leave fsdp out"
             )
         if self.reshard_after_forward and not self.fsdp:
-            raise ValueError("reshard_after_forward=True frees FSDP's gathered weights after each forward; without "
-                             "fsdp=True nothing is gathered: pass fsdp=True, or leave it out")  # fmt: skip
+            raise ValueError(
+                "reshard_after_forward=True frees FSDP's gathered weights after each forward; without "
+                "fsdp=True nothing is gathered: pass fsdp=True, or leave it out"
+            )
 
     def shared(self) -> dict[str, tuple[object, str]]:
         """The options every rank must pass alike, as consensus.agree_on_model compares them across the world: each
@@ -193,14 +210,22 @@ class EngineConfig:
             return fn is not None, "None" if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
 
         return {
-            "schedule": shown_schedule, "num_microbatches": plain(self.num_microbatches), "chunks": plain(self.chunks),
-            "partition": plain(self.partition), "data_parallel": plain(self.data_parallel),
-            "tensor_parallel": plain(self.tensor_parallel), "tp_plan": (styles, repr(plan)),
-            "parallelize": given(self.parallelize), "fsdp": plain(self.fsdp),
-            "reshard_after_forward": plain(self.reshard_after_forward), "checkpoint": plain(self.checkpoint),
-            "precision": plain(precision), "loss_count": given(self.loss_count), "trace": plain(self.trace),
+            "schedule": shown_schedule,
+            "num_microbatches": plain(self.num_microbatches),
+            "chunks": plain(self.chunks),
+            "partition": plain(self.partition),
+            "data_parallel": plain(self.data_parallel),
+            "tensor_parallel": plain(self.tensor_parallel),
+            "tp_plan": (styles, repr(plan)),
+            "parallelize": given(self.parallelize),
+            "fsdp": plain(self.fsdp),
+            "reshard_after_forward": plain(self.reshard_after_forward),
+            "checkpoint": plain(self.checkpoint),
+            "precision": plain(precision),
+            "loss_count": given(self.loss_count),
+            "trace": plain(self.trace),
             "memory_limit": plain(self.memory_limit),
-        }  # fmt: skip
+        }
 
     @property
     def needs_mesh(self) -> bool:
@@ -245,5 +270,7 @@ def check_arguments(model: object, loss_fn: object, group: object, data_parallel
 def check_memory_limit(value: object) -> None:
     """A memory limit is None (no limit) or a positive number of bytes per rank (the engine's and tune's)."""
     if value is not None and not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"memory_limit must be a positive number of bytes per rank (or None: no limit), got "
-                         f"{value!r}; for '64MiB' write 64 * 2**20")  # fmt: skip
+        raise ValueError(
+            f"memory_limit must be a positive number of bytes per rank (or None: no limit), got "
+            f"{value!r}; for '64MiB' write 64 * 2**20"
+        )

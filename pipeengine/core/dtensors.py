@@ -1,10 +1,10 @@
 """Tensors that may be DTensors (a stage parallelized on its tensor-parallel mesh): this rank's part, and the whole.
 
-    local(t)    the tensor this rank holds (a DTensor's local shard, an async collective's result; a plain tensor)
-    settle(ts)  wait for the collectives still writing any of these tensors
-    whole(t)    the full tensor (a DTensor gathered over its mesh: every rank of the mesh calls it)
-    spread(t, like)   a full tensor cut as ``like`` is (its mesh and placements), with no communication
-    tensor_parallel_numel(t)   the elements of this rank's shard along the mesh's "tp" dim alone
+local(t)    the tensor this rank holds (a DTensor's local shard, an async collective's result; a plain tensor)
+settle(ts)  wait for the collectives still writing any of these tensors
+whole(t)    the full tensor (a DTensor gathered over its mesh: every rank of the mesh calls it)
+spread(t, like)   a full tensor cut as ``like`` is (its mesh and placements), with no communication
+tensor_parallel_numel(t)   the elements of this rank's shard along the mesh's "tp" dim alone
 """
 
 from __future__ import annotations
@@ -66,8 +66,12 @@ def spread(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return full
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements,  # type: ignore[attr-defined]
-                             src_data_rank=None)  # fmt: skip
+    return distribute_tensor(
+        full.to(like.device, like.dtype),
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        src_data_rank=None,
+    )
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -66,10 +66,13 @@ class Grid:
         """The world ranks whose coordinates are in the given sets (None: any), in rank order."""
         return [
             self.rank(d, p, t)
-            for d in range(self.dp) if dp is None or d in dp
-            for p in range(self.pp) if pp is None or p in pp
-            for t in range(self.tp) if tp is None or t in tp
-        ]  # fmt: skip
+            for d in range(self.dp)
+            if dp is None or d in dp
+            for p in range(self.pp)
+            if pp is None or p in pp
+            for t in range(self.tp)
+            if tp is None or t in tp
+        ]
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group along ``dim`` (ranks that differ only there), each in order; every rank is in one."""

@@ -173,15 +173,18 @@ def _run(layers: Sequence[nn.Module], value: object) -> object:
     return value
 
 
-def _run_for_real(layers: Sequence[nn.Module], received: Boundary, on_meta: _LayerFailed, stage: int,
-                  start: int) -> tuple[object, Tensors]:  # fmt: skip
+def _run_for_real(
+    layers: Sequence[nn.Module], received: Boundary, on_meta: _LayerFailed, stage: int, start: int
+) -> tuple[object, Tensors]:
     """A stage that cannot run on the meta device, run on the CPU: once with every parameter, buffer and input zero,
     once with them all 0.01 (integers 1). Its output shapes must be the same both times: a shape that follows the
     values (``x[x > 0]``) is refused."""
     results = []
     for fill in (0, 1):
-        leaves = tuple(torch.full(s.shape, _value(s.dtype, fill), dtype=s.dtype).requires_grad_(s.requires_grad)
-                       for s in received.specs)  # fmt: skip
+        leaves = tuple(
+            torch.full(s.shape, _value(s.dtype, fill), dtype=s.dtype).requires_grad_(s.requires_grad)
+            for s in received.specs
+        )
         try:
             value = _run([_filled(layer, fill) for layer in layers], pack(leaves, received.is_tuple))
         except _LayerFailed as for_real:

@@ -38,8 +38,15 @@ class Embed(nn.Module):
     """Token ids (B, T) -> hidden states (B, T, D): the embedding, GPT-2's learned positions, the dropout; an
     attention mask given beside the ids goes on with the hidden state."""
 
-    def __init__(self, tokens: nn.Module, config: Any, positions: nn.Module | None = None,
-                 drop: nn.Module | None = None, scale: float = 1.0, packed: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokens: nn.Module,
+        config: Any,
+        positions: nn.Module | None = None,
+        drop: nn.Module | None = None,
+        scale: float = 1.0,
+        packed: bool = False,
+    ) -> None:
         super().__init__()
         self.packed = packed  # the second input is the position ids of packed documents, not a mask
         self.tokens, self.positions, self.drop = tokens, positions, drop
@@ -87,8 +94,9 @@ class Embed(nn.Module):
 class Decoder(nn.Module):
     """One decoder layer, its positions, attention mask and rotary embeddings computed from what it receives."""
 
-    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module | None, gpt2: bool, kind: str,
-                 packed: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, layer: nn.Module, config: Any, rotary: nn.Module | None, gpt2: bool, kind: str, packed: bool = False
+    ) -> None:
         super().__init__()
         self.packed = packed  # what crosses beside the hidden state: position ids (packed documents), else a mask
         self.layer, self.rotary, self.gpt2 = layer, rotary, gpt2
@@ -128,8 +136,9 @@ class Decoder(nn.Module):
 class Final(nn.Module):
     """The final norm and the head: hidden states -> logits (B, T, vocabulary)."""
 
-    def __init__(self, norm: nn.Module, head: nn.Module, times: float = 1.0, divided: float = 1.0,
-                 cap: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, norm: nn.Module, head: nn.Module, times: float = 1.0, divided: float = 1.0, cap: float | None = None
+    ) -> None:
         super().__init__()
         self.norm, self.head = norm, head
         self.times, self.divided, self.cap = times, divided, cap  # the family's last step (families.logits_step)
@@ -158,10 +167,13 @@ def sequential(model: nn.Module, packed: bool = False) -> nn.Sequential:
         family = family_of(model)
         rotary = getattr(base, "rotary_emb", None)
         kinds = layer_kinds(family, config, len(base.layers))
-        parts: list[nn.Module] = [Embed(base.embed_tokens, config, scale=embedding_scale(family, config),
-                                        packed=packed)]  # fmt: skip
-        parts += [Decoder(layer, config, copy.deepcopy(rotary) if rotary is not None else None, False, kind, packed)
-                  for layer, kind in zip(base.layers, kinds, strict=True)]  # fmt: skip
+        parts: list[nn.Module] = [
+            Embed(base.embed_tokens, config, scale=embedding_scale(family, config), packed=packed)
+        ]
+        parts += [
+            Decoder(layer, config, copy.deepcopy(rotary) if rotary is not None else None, False, kind, packed)
+            for layer, kind in zip(base.layers, kinds, strict=True)
+        ]
         parts.append(Final(base.norm, head, *logits_step(family, config)))  # type: ignore[arg-type]
     elif (gpt2 := getattr(model, "transformer", None)) is not None and all(
         hasattr(gpt2, part) for part in ("wte", "wpe", "h", "ln_f")
@@ -202,4 +214,3 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def count_labels(labels: torch.Tensor) -> torch.Tensor:
     """How many labels count in a micro-batch: those a position predicts (after the shift), not -100."""
     return (labels[:, 1:] != IGNORE).sum()
-

@@ -84,8 +84,13 @@ def _refuse_uncovered(model: nn.Module, name: str, plan: dict[str, str]) -> None
     """An attention the plan splits by heads (a column-wise entry in it) whose modules with parameters are not all in
     the plan: each rank would apply such a module whole to its own heads (wrong shapes, or a gradient of its heads
     alone). Refused, naming the first."""
-    split = {rest.rpartition(".")[0] for key, style in plan.items() if style == "colwise"
-             for rest in [key.partition(".*.")[2]] if "attn" in rest}  # fmt: skip
+    split = {
+        rest.rpartition(".")[0]
+        for key, style in plan.items()
+        if style == "colwise"
+        for rest in [key.partition(".*.")[2]]
+        if "attn" in rest
+    }
     covered = {key.partition(".*.")[2] for key in plan}
     for attention in sorted(split):
         for module_name, module in model.named_modules():

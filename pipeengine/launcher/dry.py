@@ -67,8 +67,9 @@ class RankReport:
     def __str__(self) -> str:
         dp, pp, tp = self.coordinates
         stages = ", ".join(f"stage {s}: layers {a}-{b - 1}" for s, (a, b) in self.stages.items())
-        joined = "; ".join(f"{name} {list(ranks) if len(ranks) <= 8 else _span(ranks)}"
-                           for name, ranks in self.groups.items())  # fmt: skip
+        joined = "; ".join(
+            f"{name} {list(ranks) if len(ranks) <= 8 else _span(ranks)}" for name, ranks in self.groups.items()
+        )
         return (
             f"rank {self.rank} of {self.world_size} (dp {dp}, pp {pp}, tp {tp}): {stages} "
             f"({', '.join(self.layers[:3])}{', ...' if len(self.layers) > 3 else ''}); parameters "
@@ -96,9 +97,12 @@ class DryRun:
         lines += [f"  {report}" for report in self.reports]
         if self.reports:
             lines.append(f"every pipeline's program ({self.reports[0].program}; every pipeline of the world runs it)")
-            lines += ["every pipeline stage of the world (the partition, as each rank built it; under tensor "
-                      "parallelism a layer no rank of the dry run built is counted as sharded as one of its size "
-                      "that a rank built, else whole):", self.reports[0].partition]  # fmt: skip
+            lines += [
+                "every pipeline stage of the world (the partition, as each rank built it; under tensor "
+                "parallelism a layer no rank of the dry run built is counted as sharded as one of its size "
+                "that a rank built, else whole):",
+                self.reports[0].partition,
+            ]
         return "\n".join(lines)
 
 
@@ -128,8 +132,10 @@ def dry_run(
     if ranks is not None and not chosen:
         raise ValueError("ranks=[]: name the ranks to dry-run (default: the first and the last)")
     if dist.is_initialized():
-        raise RuntimeError("dry_run initialises torch.distributed for each rank it runs: call it where no process "
-                           "group is set up (not inside launch or torchrun)")  # fmt: skip
+        raise RuntimeError(
+            "dry_run initialises torch.distributed for each rank it runs: call it where no process "
+            "group is set up (not inside launch or torchrun)"
+        )
     result = DryRun(world_size)
     fake.GHOSTS.first.clear()
     try:
@@ -152,19 +158,25 @@ def from_environment(main: Callable[..., Any], per_node: int, args: Sequence[Any
     env = os.environ
     try:
         world = int(env["PIPEENGINE_DRY_RUN_WORLD"])
-        ranks = [int(r) for r in env["PIPEENGINE_DRY_RUN_RANKS"].split(",")] if env.get("PIPEENGINE_DRY_RUN_RANKS") \
-            else None  # fmt: skip
+        ranks = (
+            [int(r) for r in env["PIPEENGINE_DRY_RUN_RANKS"].split(",")]
+            if env.get("PIPEENGINE_DRY_RUN_RANKS")
+            else None
+        )
         limit = float(env["PIPEENGINE_DRY_RUN_MEMORY"]) if env.get("PIPEENGINE_DRY_RUN_MEMORY") else None
     except ValueError as error:
-        raise ValueError(f"PIPEENGINE_DRY_RUN_WORLD={env.get('PIPEENGINE_DRY_RUN_WORLD')!r}, PIPEENGINE_DRY_RUN_RANKS="
-                         f"{env.get('PIPEENGINE_DRY_RUN_RANKS')!r}, PIPEENGINE_DRY_RUN_MEMORY="
-                         f"{env.get('PIPEENGINE_DRY_RUN_MEMORY')!r}: give a whole number of ranks, ranks as 0,7,..., "
-                         f"and bytes ({error})") from None  # fmt: skip
+        raise ValueError(
+            f"PIPEENGINE_DRY_RUN_WORLD={env.get('PIPEENGINE_DRY_RUN_WORLD')!r}, PIPEENGINE_DRY_RUN_RANKS="
+            f"{env.get('PIPEENGINE_DRY_RUN_RANKS')!r}, PIPEENGINE_DRY_RUN_MEMORY="
+            f"{env.get('PIPEENGINE_DRY_RUN_MEMORY')!r}: give a whole number of ranks, ranks as 0,7,..., "
+            f"and bytes ({error})"
+        ) from None
     return dry_run(main, world, ranks, devices_per_node=per_node, args=args, memory_limit=limit)
 
 
-def _run_rank(main: Callable[..., Any], args: Sequence[Any], rank: int, world_size: int, per_node: int
-              ) -> list[tuple[Any, int]]:  # fmt: skip
+def _run_rank(
+    main: Callable[..., Any], args: Sequence[Any], rank: int, world_size: int, per_node: int
+) -> list[tuple[Any, int]]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     fake.GHOSTS.engines.clear()
@@ -176,8 +188,10 @@ def _run_rank(main: Callable[..., Any], args: Sequence[Any], rank: int, world_si
             with torch.device("meta"):
                 main(*args)
         except BaseException as error:
-            error.add_note(f"pipeengine.dry_run: raised by rank {rank} of {world_size} ({per_node} a node) running "
-                           "main on torch's fake backend, the model on the meta device")  # fmt: skip
+            error.add_note(
+                f"pipeengine.dry_run: raised by rank {rank} of {world_size} ({per_node} a node) running "
+                "main on torch's fake backend, the model on the meta device"
+            )
             raise
         finally:
             dist.destroy_process_group()
@@ -253,8 +267,12 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
     layers = tuple(names[i] for a, b in stages.values() for i in range(a, b))
     held = sum(local(p, wait=False).numel() for p in engine.parameters())  # a DTensor's: its shard
     aliases = engine._params.ties.aliases  # a tied weight's other names: counted once, under its first
-    whole = sum(p.numel() for index, layer in enumerate(engine._stepper.layers.meta)
-                for name, p in layer.named_parameters() if f"{names[index]}.{name}" not in aliases)  # fmt: skip
+    whole = sum(
+        p.numel()
+        for index, layer in enumerate(engine._stepper.layers.meta)
+        for name, p in layer.named_parameters()
+        if f"{names[index]}.{name}" not in aliases
+    )
     groups = {"pipeline": topology.pipeline.ranks}
     if topology.data is not None:
         groups["data"] = topology.data.ranks
@@ -262,11 +280,26 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
         groups["tensor"] = topology.tensor.ranks
     peak, measured = _peak(engine)
     ran = engine.last_program or engine.schedule
-    program = (f"{ran.name}: {ran.num_ranks} pipeline ranks' streams, {ran.num_stages} stages, "
-               f"{ran.num_microbatches} micro-batches, {sum(1 for r in range(ran.num_ranks) for _ in ran.ops(r))} "
-               "instructions, validated under NCCL's rendezvous semantics")  # fmt: skip
-    return RankReport(rank, world_size, (topology.dp_rank, topology.pp_rank, topology.tp_rank), stages, layers,
-                      held, whole, groups, str(engine.partition), steps, program, peak, measured)  # fmt: skip
+    program = (
+        f"{ran.name}: {ran.num_ranks} pipeline ranks' streams, {ran.num_stages} stages, "
+        f"{ran.num_microbatches} micro-batches, {sum(1 for r in range(ran.num_ranks) for _ in ran.ops(r))} "
+        "instructions, validated under NCCL's rendezvous semantics"
+    )
+    return RankReport(
+        rank,
+        world_size,
+        (topology.dp_rank, topology.pp_rank, topology.tp_rank),
+        stages,
+        layers,
+        held,
+        whole,
+        groups,
+        str(engine.partition),
+        steps,
+        program,
+        peak,
+        measured,
+    )
 
 
 def _peak(engine: Any) -> tuple[float, bool]:
@@ -287,8 +320,12 @@ def _peak(engine: Any) -> tuple[float, bool]:
     inputs = _stage_inputs(engine)
     recomputed = [s in layers and engine.config.checkpointed(s, stages) and s in inputs for s in range(stages)]
     again = [whole[s] if recomputed[s] else 0.0 for s in range(stages)]  # B recomputes; under a split backward, I
-    memory = Memory(state=state, activation=[inputs[s] if recomputed[s] else whole[s] for s in range(stages)],
-                    backward_transient=again, input_transient=again)  # fmt: skip
+    memory = Memory(
+        state=state,
+        activation=[inputs[s] if recomputed[s] else whole[s] for s in range(stages)],
+        backward_transient=again,
+        input_transient=again,
+    )
     return float(simulate(engine.schedule, Costs(memory=memory)).peak_memory[engine.pp_rank]), True
 
 
@@ -308,7 +345,9 @@ def _check_memory(reports: Sequence[RankReport], limit: float | None) -> None:
         if limit is not None and report.peak_bytes > limit:
             stages = ", ".join(map(str, report.stages))
             unmeasured = "" if report.activations_measured else " (activations not counted)"
-            raise ValueError(f"rank {report.rank} of {report.world_size} (stage {stages}) is predicted to hold "
-                             f"{report.peak_bytes / 2**30:.2f} GiB at its peak{unmeasured}, over memory_limit="
-                             f"{limit / 2**30:.2f} GiB: spread the model over more pipeline stages or tensor-parallel "
-                             "ranks, shard it (fsdp=True), or recompute activations (checkpoint=)")  # fmt: skip
+            raise ValueError(
+                f"rank {report.rank} of {report.world_size} (stage {stages}) is predicted to hold "
+                f"{report.peak_bytes / 2**30:.2f} GiB at its peak{unmeasured}, over memory_limit="
+                f"{limit / 2**30:.2f} GiB: spread the model over more pipeline stages or tensor-parallel "
+                "ranks, shard it (fsdp=True), or recompute activations (checkpoint=)"
+            )

@@ -91,8 +91,10 @@ def launch(
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
     if max_restarts and in_process:
-        raise ValueError("in-process ranks are threads of this process and cannot start afresh: max_restarts needs "
-                         "processes (in_process=False)")
+        raise ValueError(
+            "in-process ranks are threads of this process and cannot start afresh: max_restarts needs "
+            "processes (in_process=False)"
+        )
     if os.environ.get("PIPEENGINE_DRY_RUN_WORLD") and os.environ.get("PIPEENGINE_DRY_RUN") != "1":
         from pipeengine.launcher.dry import from_environment  # a dry run of the job, asked by its environment
 
@@ -126,12 +128,24 @@ def launch(
             raise_cause(outcomes, nprocs, restarts=attempt)
             return
         trace = f"\n{found[1].trace.rstrip()}" if found[1].trace else ""
-        print(f"pipeengine.launcher.launch: {describe(*found)}; every rank stopped, starting all {nprocs} again "
-              f"(restart {attempt + 1} of max_restarts={max_restarts}){trace}", file=sys.stderr, flush=True)
+        print(
+            f"pipeengine.launcher.launch: {describe(*found)}; every rank stopped, starting all {nprocs} again "
+            f"(restart {attempt + 1} of max_restarts={max_restarts}){trace}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def _run_once(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...], device: str, timeout: float, threads: int,
-              reuse_memory: bool, grace: float) -> dict[int, Outcome]:  # fmt: skip
+def _run_once(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...],
+    device: str,
+    timeout: float,
+    threads: int,
+    reuse_memory: bool,
+    grace: float,
+) -> dict[int, Outcome]:
     """Start the ranks as fresh processes, wait for them all (stopping the others after a failure): their ends."""
     context = _context()
     store = _local_store(nprocs + 1)
@@ -165,8 +179,14 @@ def _local_store(world: int) -> dist.TCPStore:  # type: ignore[name-defined]
     # the store closes the socket: a socket object still holding it would close its number again, maybe another file
     # by then (should the store fail to start, it is left open rather than risk that)
     fd = listener.detach()
-    return dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
-                         master_listen_fd=fd)  # fmt: skip
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        port,
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=fd,
+    )
 
 
 def keep_freed_memory() -> bool:
@@ -277,8 +297,9 @@ def _child(
             sent = None
         summary = f"{type(error).__name__}: {error}"
         waiting = isinstance(error, PeerError)
-        reports.put(Outcome(rank, time.time(), error=sent, summary=summary, trace=traceback.format_exc(),
-                            waiting=waiting))  # fmt: skip
+        reports.put(
+            Outcome(rank, time.time(), error=sent, summary=summary, trace=traceback.format_exc(), waiting=waiting)
+        )
         reports.close()
         reports.join_thread()
         os._exit(1)  # at once: the peers' transfers fail fast instead of waiting out their timeout
@@ -331,14 +352,16 @@ def _supervise(
         if rank in outcomes:
             continue
         if child.is_alive():
-            outcomes[rank] = Outcome(rank, now, fate=f"was still running {grace:.0f} s after the first failure "
-                                                     "and was stopped")  # fmt: skip
+            outcomes[rank] = Outcome(
+                rank, now, fate=f"was still running {grace:.0f} s after the first failure and was stopped"
+            )
         elif child.exitcode is not None and child.exitcode < 0:
             name = signal.Signals(-child.exitcode).name
             outcomes[rank] = Outcome(rank, now, summary=f"died from signal {name}", died=True)
         else:
-            outcomes[rank] = Outcome(rank, now, summary=f"exited with code {child.exitcode} without a report",
-                                     died=True)  # fmt: skip
+            outcomes[rank] = Outcome(
+                rank, now, summary=f"exited with code {child.exitcode} without a report", died=True
+            )
     return outcomes
 
 

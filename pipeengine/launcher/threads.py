@@ -46,16 +46,23 @@ def _run(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: floa
             pending.finish()  # this rank's background checkpoint
             outcomes[rank] = Outcome(rank, time.time(), ok=True)
         except BaseException as error:  # noqa: BLE001  (report everything; the others are told at once)
-            outcomes[rank] = Outcome(rank, time.time(), error=error, summary=f"{type(error).__name__}: {error}",
-                                     trace=traceback.format_exc(), waiting=isinstance(error, PeerError))  # fmt: skip
+            outcomes[rank] = Outcome(
+                rank,
+                time.time(),
+                error=error,
+                summary=f"{type(error).__name__}: {error}",
+                trace=traceback.format_exc(),
+                waiting=isinstance(error, PeerError),
+            )
             hub.fail(rank, error)
         finally:
             bind(None)
             with hub.cond:
                 hub.pass_turn(rank)
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"pipeengine-rank-{r}", daemon=True)
-               for r in range(nprocs)]  # fmt: skip
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"pipeengine-rank-{r}", daemon=True) for r in range(nprocs)
+    ]
     for thread in threads:
         thread.start()
     failed_at: float | None = None

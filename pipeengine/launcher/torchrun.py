@@ -59,8 +59,14 @@ def join(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], device: str, 
             # keys: those of an earlier attempt's group name addresses that are gone ("Connection refused")
             agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,  # type: ignore[attr-defined]
-                                   is_master=not agent and rank == 0, timeout=wait, multi_tenant=True)  # fmt: skip
+            client = dist.TCPStore(  # type: ignore[attr-defined]
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=not agent and rank == 0,
+                timeout=wait,
+                multi_tenant=True,
+            )
             store = dist.PrefixStore(f"pipeengine/attempt-{number}", client)  # type: ignore[attr-defined]
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
         else:
@@ -118,8 +124,14 @@ class _State(pickle.Unpickler):
     (what a store holds is never run)."""
 
     RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-    ALLOWED = {(RENDEZVOUS, "_RendezvousState"), (RENDEZVOUS, "_NodeDesc"), ("datetime", "datetime"),
-               ("datetime", "timedelta"), ("datetime", "timezone"), ("builtins", "set")}  # fmt: skip
+    ALLOWED = {
+        (RENDEZVOUS, "_RendezvousState"),
+        (RENDEZVOUS, "_NodeDesc"),
+        ("datetime", "datetime"),
+        ("datetime", "timedelta"),
+        ("datetime", "timezone"),
+        ("builtins", "set"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:

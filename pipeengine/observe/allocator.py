@@ -86,7 +86,7 @@ def _dropping(noise: bytes) -> Iterator[None]:
             caught.seek(0)
             kept = b"".join(line for line in caught.read().splitlines(keepends=True) if noise not in line)
             while kept:
-                kept = kept[os.write(2, kept):]
+                kept = kept[os.write(2, kept) :]
 
 
 def _unwaited() -> int:
@@ -143,8 +143,9 @@ class AllocatorWatch:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._unwaited = _unwaited()
-            self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                   profile_memory=True)  # fmt: skip
+            self._profile = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
             if self.quiet:
                 self._filter.enter_context(_dropping(UNKNOWN_FREE))
             try:

@@ -50,8 +50,9 @@ class Saved:
 class Ledger:
     """The bytes alive of the tensors autograd saved (while a step runs under watching()) and of those shown."""
 
-    def __init__(self, ignore: Iterable[torch.Tensor] = (),
-                 ignore_live: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, ignore: Iterable[torch.Tensor] = (), ignore_live: Callable[[], Iterable[torch.Tensor]] | None = None
+    ) -> None:
         self.ignore = {storage(t)[0] for t in ignore if t.numel()}
         self.ignore_live = ignore_live  # tensors whose storage moves (FSDP's gathered parameters): looked up when saved
         self.saved: dict[int, Saved] = {}  # storage -> its bytes and the holders alive
@@ -62,8 +63,9 @@ class Ledger:
         if not tensor.numel():
             return tensor
         key, size = storage(tensor)
-        if key in self.ignore or (self.ignore_live is not None and
-                                  key in {storage(t)[0] for t in self.ignore_live() if t.numel()}):  # fmt: skip
+        if key in self.ignore or (
+            self.ignore_live is not None and key in {storage(t)[0] for t in self.ignore_live() if t.numel()}
+        ):
             return tensor
         with self.lock:
             entry = self.saved.setdefault(key, Saved(size))

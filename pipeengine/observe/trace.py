@@ -220,8 +220,12 @@ class Tracer:
         if self.samples:
             timeline.memory = memory
             ties = {group: held for g in gathered for group, held in g.tie_sync.items()}
-            timeline.sizes = _sizes([g.sizes for g in gathered], num_stages, transport.semantics is Semantics.BUFFERED,
-                                    [ties.get(group, 0.0) for group in range(max(ties, default=-1) + 1)])  # fmt: skip
+            timeline.sizes = _sizes(
+                [g.sizes for g in gathered],
+                num_stages,
+                transport.semantics is Semantics.BUFFERED,
+                [ties.get(group, 0.0) for group in range(max(ties, default=-1) + 1)],
+            )
             peaks = [g.allocated for g in gathered if g.allocated is not None]
             timeline.allocated_peak = peaks if len(peaks) == len(gathered) else None
             timeline.optimizer_peak = [g.optimizer for g in gathered]
@@ -250,19 +254,29 @@ def _sizes(
         return None
     table = [stages[s] for s in range(num_stages)]
     return Memory(
-        state=[s.state for s in table], activation=[s.activation for s in table],
-        after_input=[s.after_input for s in table], boundary=[s.boundary for s in table],
-        gradient=[s.gradient for s in table], buffered_sends=buffered,
+        state=[s.state for s in table],
+        activation=[s.activation for s in table],
+        after_input=[s.after_input for s in table],
+        boundary=[s.boundary for s in table],
+        gradient=[s.gradient for s in table],
+        buffered_sends=buffered,
         output_after_input=[float(s.output_after_input) for s in table],
         input_after_input=[float(s.input_after_input) for s in table],
-        transient=[s.transients[0] for s in table], backward_transient=[s.transients[1] for s in table],
-        input_transient=[s.transients[2] for s in table], weight_transient=[s.transients[3] for s in table],
-        sync=[s.sync for s in table], tie_sync=tuple(tie_sync), optimizer=[s.optimizer for s in table],
-        grads_late=[s.grads_late for s in table], first_transient=[s.first_transient for s in table],
-        gathered=[s.gathered for s in table], gathered_grads=[s.gathered_grads for s in table],
-        reduce_held=[s.reduce_held for s in table], reduce_transient=[s.reduce_transient for s in table],
+        transient=[s.transients[0] for s in table],
+        backward_transient=[s.transients[1] for s in table],
+        input_transient=[s.transients[2] for s in table],
+        weight_transient=[s.transients[3] for s in table],
+        sync=[s.sync for s in table],
+        tie_sync=tuple(tie_sync),
+        optimizer=[s.optimizer for s in table],
+        grads_late=[s.grads_late for s in table],
+        first_transient=[s.first_transient for s in table],
+        gathered=[s.gathered for s in table],
+        gathered_grads=[s.gathered_grads for s in table],
+        reduce_held=[s.reduce_held for s in table],
+        reduce_transient=[s.reduce_transient for s in table],
         gather_transient=[s.gather_transient for s in table],
-    )  # fmt: skip
+    )
 
 
 def _clock_offsets(transport: Transport) -> tuple[list[float], float]:

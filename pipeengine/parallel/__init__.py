@@ -32,8 +32,9 @@ from schedules import Schedule
 __all__ = ["checked_ties", "gradient_syncs"]
 
 
-def checked_ties(model: nn.Sequential, bounds: Sequence[tuple[int, int]], placement: Sequence[int],
-                 fsdp: bool = False) -> Ties:  # fmt: skip
+def checked_ties(
+    model: nn.Sequential, bounds: Sequence[tuple[int, int]], placement: Sequence[int], fsdp: bool = False
+) -> Ties:
     """The ties of ``model`` cut at ``bounds`` onto pipeline ranks (``placement``: stage -> rank), or the ValueError
     a build raises there: a buffer or memory two ranks would share (core.ties.find_ties), and with ``fsdp`` a layer
     FSDP cannot shard or a weight two stages of one rank share (pipeengine.parallel.fsdp). The engine builds through
@@ -46,8 +47,14 @@ def checked_ties(model: nn.Sequential, bounds: Sequence[tuple[int, int]], placem
     return ties
 
 
-def gradient_syncs(ties: Ties, schedule: Schedule, topology: Topology, stages: dict[int, nn.Module],
-                   fsdp: bool = False, reshard_after_forward: bool = False) -> Syncs:  # fmt: skip
+def gradient_syncs(
+    ties: Ties,
+    schedule: Schedule,
+    topology: Topology,
+    stages: dict[int, nn.Module],
+    fsdp: bool = False,
+    reshard_after_forward: bool = False,
+) -> Syncs:
     """What this rank's AR and TR instructions start: the replicas' mean (FSDP2's reduce-scatter with fsdp), and the
     tied weights' sum (after the reduce-scatter with fsdp: it adds reduced shards); and at the step's end, after
     them, the sum over the tensor-parallel ranks of the gradients each computes only its part of (TensorSum: with
@@ -55,8 +62,15 @@ def gradient_syncs(ties: Ties, schedule: Schedule, topology: Topology, stages: d
     syncs: list[GradientSync] = []
     if topology.data is not None and fsdp:
         on_gloo = topology.world.device.type != "cuda"
-        syncs.append(ShardedReduce(stages, topology.data.size, sum_only=on_gloo, late_buffers=on_gloo,
-                                   reshard_after_forward=reshard_after_forward))  # fmt: skip
+        syncs.append(
+            ShardedReduce(
+                stages,
+                topology.data.size,
+                sum_only=on_gloo,
+                late_buffers=on_gloo,
+                reshard_after_forward=reshard_after_forward,
+            )
+        )
     elif topology.data is not None:
         syncs.append(ReplicaMean(topology.data, stages))
     groups = tie_groups(ties, schedule, topology, stages, fsdp)

@@ -29,9 +29,17 @@ from pipeengine.observe.trace import Spans
 from pipeengine.parallel.gradsync import Gathered, GradientSync, SyncBytes
 from schedules import Action, Instruction, Kind, Memory
 
-__all__ = ["ShardedReduce", "check_shardable", "gather", "priced", "refuse_shared_units", "reshard", "shard_stage",
-           "stage_output", "units"]
-
+__all__ = [
+    "ShardedReduce",
+    "check_shardable",
+    "gather",
+    "priced",
+    "refuse_shared_units",
+    "reshard",
+    "shard_stage",
+    "stage_output",
+    "units",
+]
 
 
 def units(module: nn.Module) -> list[nn.Module]:
@@ -129,8 +137,11 @@ def shard_stage(module: nn.Module, stage: int, mesh: object, reshard_after_forwa
     for layer in module.children():
         for param in set(layer.parameters()):
             users[id(param)] = users.get(id(param), 0) + 1
-    units = [(f"layer {name}", layer) for name, layer in module.named_children()
-             if [*layer.parameters()] and all(users[id(p)] == 1 for p in layer.parameters())]  # fmt: skip
+    units = [
+        (f"layer {name}", layer)
+        for name, layer in module.named_children()
+        if [*layer.parameters()] and all(users[id(p)] == 1 for p in layer.parameters())
+    ]
     where = "the stage module"
     try:
         for where, layer in [*units, ("the stage module", module)]:  # noqa: B007  (read in the except clause)
@@ -209,8 +220,12 @@ class ShardedReduce(GradientSync):
             params = list(dict.fromkeys(root.parameters()))
             unit = max(_unit_gradients(root))  # FSDP2 keeps the last unit's reduce-scatter input (the largest, bound)
             grads = _whole_bytes(params)
-            into.gathered[stage] = Gathered(_whole_bytes(params, trainable=False), grads, unit,
-                                            _reduce_rise(unit, grads, self.replicas, self.late_buffers))  # fmt: skip
+            into.gathered[stage] = Gathered(
+                _whole_bytes(params, trainable=False),
+                grads,
+                unit,
+                _reduce_rise(unit, grads, self.replicas, self.late_buffers),
+            )
 
     def gathered(self) -> list[nn.Parameter]:
         return [p for root in self.roots.values() for p in root.parameters()]
@@ -270,8 +285,15 @@ def sync_next(module: nn.Module) -> None:
     module.set_reshard_after_backward(True)  # type: ignore[operator]
 
 
-def priced(memory: Memory, state: list[float], optimizer_copies: float, data_parallel: int, allocations: bool,
-           units: Sequence[float], buffered: bool) -> Memory:  # fmt: skip
+def priced(
+    memory: Memory,
+    state: list[float],
+    optimizer_copies: float,
+    data_parallel: int,
+    allocations: bool,
+    units: Sequence[float],
+    buffered: bool,
+) -> Memory:
     """The planner's memory model of a layout with fsdp=True: each stage's state sharded over the replicas, its
     parameters and gradients gathered whole during the step, no flat all-reduce buffer. ``units``: each stage's
     largest layer's parameter bytes (a unit: its reduce-scatter input is what the AR leaves held, as
@@ -281,18 +303,26 @@ def priced(memory: Memory, state: list[float], optimizer_copies: float, data_par
     table = memory.per_stage(len(whole))
     # a unit's backward makes all its parameters' gradients before FSDP2's hook adds them to the whole ones (without
     # FSDP each is added as it is made): a B or W holds at least the largest unit's gradients while it runs
-    backward, weight = ([max(t, u) for t, u in zip(table[name], units, strict=True)]
-                        for name in ("backward_transient", "weight_transient"))  # fmt: skip
+    backward, weight = (
+        [max(t, u) for t, u in zip(table[name], units, strict=True)]
+        for name in ("backward_transient", "weight_transient")
+    )
     first = None
     if allocations:  # the first backward of a step makes every unit's whole gradient before it ends (FSDP2 keeps
         # each to accumulate into): at least that much on top while it runs (measured by the engine's traced steps)
         first = [max(t, w) for t, w in zip(table["first_transient"], whole, strict=True)]
     return dataclasses.replace(
-        memory, state=[s / data_parallel for s in state], gathered=whole, gathered_grads=whole, sync=0.0,
-        reduce_held=list(units), gather_transient=whole,
+        memory,
+        state=[s / data_parallel for s in state],
+        gathered=whole,
+        gathered_grads=whole,
+        sync=0.0,
+        reduce_held=list(units),
+        gather_transient=whole,
         reduce_transient=[_reduce_rise(u, w, data_parallel, buffered) for u, w in zip(units, whole, strict=True)],
-        backward_transient=backward, weight_transient=weight,
+        backward_transient=backward,
+        weight_transient=weight,
         grads_late=[g / data_parallel for g in whole] if allocations else 0.0,
         optimizer=[o / data_parallel for o in memory.optimizer] if allocations else 0.0,  # type: ignore[union-attr]
         first_transient=first if first is not None else memory.first_transient,
-    )  # fmt: skip
+    )

@@ -75,8 +75,9 @@ def write(target: Path, flat: dict[str, Any], group: Any = None) -> None:
     try:
         save(flat, storage_writer=FileSystemWriter(str(target / FOLDER)), process_group=group)
     except CheckpointException as error:  # every rank gets it: name what failed where (its text is "ranks: ...")
-        causes = "; ".join(f"rank {rank}: {type(cause).__name__}: {cause}" for rank, (cause, _) in
-                           sorted(error.failures.items()))  # fmt: skip
+        causes = "; ".join(
+            f"rank {rank}: {type(cause).__name__}: {cause}" for rank, (cause, _) in sorted(error.failures.items())
+        )
         raise OSError(f"writing the shards of {target.name} failed ({causes})") from error
 
 
@@ -96,9 +97,11 @@ def read(
     def like(key: str, placed: torch.Tensor | None, exact: bool = True) -> torch.Tensor:
         entry = stored[key]
         if placed is not None and tuple(placed.shape) != tuple(entry.size) and exact:
-            raise ValueError(f"{folder}: {key.split('.', 1)[1]!r} ({key.split('.')[0]}) is {list(entry.size)} there, "
-                             f"{list(placed.shape)} in this model: it is a checkpoint of another model; load one "
-                             "saved from the same nn.Sequential")  # fmt: skip
+            raise ValueError(
+                f"{folder}: {key.split('.', 1)[1]!r} ({key.split('.')[0]}) is {list(entry.size)} there, "
+                f"{list(placed.shape)} in this model: it is a checkpoint of another model; load one "
+                "saved from the same nn.Sequential"
+            )
         dtype = entry.properties.dtype
         if placed is not None and is_dtensor(placed) and tuple(placed.shape) == tuple(entry.size):
             return torch.zeros_like(placed, dtype=dtype)  # a DTensor placed as the parameter: DCP reads its shard
@@ -106,8 +109,9 @@ def read(
 
     absent = [name for name in wanted if f"model.{name}" not in stored]
     if absent:
-        raise ValueError(f"{folder} holds no tensor for {', '.join(absent[:6])}: the shards are incomplete or of "
-                         "another model")  # fmt: skip
+        raise ValueError(
+            f"{folder} holds no tensor for {', '.join(absent[:6])}: the shards are incomplete or of another model"
+        )
     flat = {f"model.{name}": like(f"model.{name}", placed) for name, placed in wanted.items()}
     fields: dict[str, list[str]] = {}
     for key in stored:
@@ -140,9 +144,11 @@ def _decoded(data: torch.Tensor, folder: Path, name: str) -> dict[str, Any]:
     try:
         value = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
     except Exception as error:  # noqa: BLE001  (a refused global or corrupt bytes: named, never run)
-        raise ValueError(f"{folder}: the optimizer hyperparameters of {name!r} (hparams.{name}) cannot be read "
-                         f"({refused(error)}); nothing in them was run: load a checkpoint written by "
-                         "engine.save") from None  # fmt: skip
+        raise ValueError(
+            f"{folder}: the optimizer hyperparameters of {name!r} (hparams.{name}) cannot be read "
+            f"({refused(error)}); nothing in them was run: load a checkpoint written by "
+            "engine.save"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"{folder}: hparams.{name} holds a {type(value).__name__}, not a dict of hyperparameters")
     return value
@@ -152,10 +158,21 @@ def _decoded(data: torch.Tensor, folder: Path, name: str) -> dict[str, Any]:
 
 _RECORDS = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")  # fmt: skip
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout")}
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+}
 _PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}  # StorageMeta.checkpoint_id
 
 
@@ -179,11 +196,14 @@ def read_metadata(path: Path) -> Metadata:
         with open(path, "rb") as stream:
             metadata = _MetadataUnpickler(stream).load()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing: the checkpoint's shards are incomplete; load another "
-                                "checkpoint or save again") from None  # fmt: skip
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint's shards are incomplete; load another checkpoint or save again"
+        ) from None
     except Exception as error:  # noqa: BLE001  (a refused global, a truncated or foreign file: named, never run)
-        raise ValueError(f"{path} is not a checkpoint's metadata that pipeengine reads ({type(error).__name__}: "
-                         f"{error}); nothing in it was run: load a checkpoint written by engine.save") from None
+        raise ValueError(
+            f"{path} is not a checkpoint's metadata that pipeengine reads ({type(error).__name__}: "
+            f"{error}); nothing in it was run: load a checkpoint written by engine.save"
+        ) from None
     _check(metadata, path)
     checked: Metadata = metadata
     return checked
@@ -194,26 +214,34 @@ def _check(metadata: Any, path: Path) -> None:
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise ValueError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata: load a checkpoint written "
-                         "by engine.save")  # fmt: skip
+        raise ValueError(
+            f"{path} holds a {type(metadata).__name__}, not DCP's Metadata: load a checkpoint written by engine.save"
+        )
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
-            raise ValueError(f"{path}: entry {key!r} is a pickled object ({type(entry).__name__}), which loading "
-                             "would have to run; pipeengine reads tensors only: load a checkpoint written by "
-                             "engine.save of this version")  # fmt: skip
+            raise ValueError(
+                f"{path}: entry {key!r} is a pickled object ({type(entry).__name__}), which loading "
+                "would have to run; pipeengine reads tensors only: load a checkpoint written by "
+                "engine.save of this version"
+            )
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise ValueError(f"{path} names no files for its tensors (storage_data is {type(storage).__name__})")
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
         plain = isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
-        if not plain or not all(isinstance(getattr(info, f, None), int) and getattr(info, f) >= 0
-                                for f in ("offset", "length")):  # fmt: skip
-            raise ValueError(f"{path}: the chunk of {getattr(index, 'fqn', index)!r} is stored at {info!r}; a chunk "
-                             "is a byte range of a file inside the folder")  # fmt: skip
+        if not plain or not all(
+            isinstance(getattr(info, f, None), int) and getattr(info, f) >= 0 for f in ("offset", "length")
+        ):
+            raise ValueError(
+                f"{path}: the chunk of {getattr(index, 'fqn', index)!r} is stored at {info!r}; a chunk "
+                "is a byte range of a file inside the folder"
+            )
         if getattr(info, "transform_descriptors", None):
-            raise ValueError(f"{path}: the chunk of {index.fqn!r} is stored transformed ({info.transform_descriptors})"
-                             ", which pipeengine does not read: save it again with engine.save")  # fmt: skip
+            raise ValueError(
+                f"{path}: the chunk of {index.fqn!r} is stored transformed ({info.transform_descriptors})"
+                ", which pipeengine does not read: save it again with engine.save"
+            )
 
 
 def SafeReader(folder: Path) -> Any:  # noqa: N802  (a class, made once: DCP is imported only when a load needs it)
@@ -250,8 +278,10 @@ def _reader_class() -> type:
                 per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
             for name, requests in per_file.items():
                 if not (self.folder / name).is_file():
-                    raise FileNotFoundError(f"{self.folder / name} is missing: the checkpoint's shards are incomplete; "
-                                            "load another checkpoint or save again")  # fmt: skip
+                    raise FileNotFoundError(
+                        f"{self.folder / name} is missing: the checkpoint's shards are incomplete; "
+                        "load another checkpoint or save again"
+                    )
                 with open(self.folder / name, "rb") as stream:
                     for request in requests:
                         tensor = self._tensor(stream, name, request)
@@ -260,8 +290,10 @@ def _reader_class() -> type:
                             tensor = tensor.narrow(dim, start, length)  # the part this rank asked for
                         target = planner.resolve_tensor(request).detach()
                         if target.size() != tensor.size():
-                            raise ValueError(f"{self.folder / name}: {request.storage_index.fqn!r} reads as "
-                                             f"{list(tensor.shape)} where {list(target.shape)} was planned")
+                            raise ValueError(
+                                f"{self.folder / name}: {request.storage_index.fqn!r} reads as "
+                                f"{list(tensor.shape)} where {list(target.shape)} was planned"
+                            )
                         target.copy_(tensor)
                         planner.commit_tensor(request, target)
             done: Future[None] = Future()
@@ -274,14 +306,18 @@ def _reader_class() -> type:
             stream.seek(info.offset)
             data = stream.read(info.length)
             if len(data) != info.length:
-                raise ValueError(f"{self.folder / name} is truncated: {fqn!r} needs bytes {info.offset}-"
-                                 f"{info.offset + info.length}, the file has {os.fstat(stream.fileno()).st_size}; load "
-                                 "another checkpoint or save again")  # fmt: skip
+                raise ValueError(
+                    f"{self.folder / name} is truncated: {fqn!r} needs bytes {info.offset}-"
+                    f"{info.offset + info.length}, the file has {os.fstat(stream.fileno()).st_size}; load "
+                    "another checkpoint or save again"
+                )
             try:
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as error:  # noqa: BLE001  (a refused global or a corrupt record: named, never run)
-                raise ValueError(f"{self.folder / name}: {fqn!r} cannot be read ({refused(error)}); nothing in it was "
-                                 "run: the file is damaged; load another checkpoint or save again") from None
+                raise ValueError(
+                    f"{self.folder / name}: {fqn!r} cannot be read ({refused(error)}); nothing in it was "
+                    "run: the file is damaged; load another checkpoint or save again"
+                ) from None
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{self.folder / name}: {fqn!r} holds a {type(tensor).__name__}, not a tensor")
             return tensor

@@ -149,8 +149,9 @@ class GradientSync(abc.ABC):
         """``module`` (a stage of this rank) with its parameters whole inside the block, as after its first F."""
         yield
 
-    def _reduce(self, op: Instruction | None, grads: Iterable[torch.Tensor], transport: Transport, what: str,
-                divisor: int) -> None:  # fmt: skip
+    def _reduce(
+        self, op: Instruction | None, grads: Iterable[torch.Tensor], transport: Transport, what: str, divisor: int
+    ) -> None:
         """Start a sum of ``grads`` over ``transport``, one flat buffer per dtype."""
         buckets: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in grads:  # a DTensor's shard: the replicas hold the same shard, at the same tensor index
@@ -173,8 +174,11 @@ class Syncs:
                 sync.leave(others)
         self.order: list[GradientSync] = []
         while len(self.order) < len(self.by_kind):  # each after what it waits for (the kinds this rank has)
-            ready = [s for s in self.by_kind.values() if s not in self.order and
-                     all(self.by_kind.get(k) in (None, *self.order) for k in s.after)]  # fmt: skip
+            ready = [
+                s
+                for s in self.by_kind.values()
+                if s not in self.order and all(self.by_kind.get(k) in (None, *self.order) for k in s.after)
+            ]
             if not ready:
                 waits = [(str(s.kind), [str(k) for k in s.after]) for s in self.by_kind.values()]
                 raise PipelineError(f"gradient syncs that wait for each other: {waits}")

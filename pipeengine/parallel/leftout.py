@@ -27,9 +27,11 @@ from pipeengine.errors import PlanError
 
 __all__ = ["check_replicated", "refuse_headwise", "whole_parameters"]
 
-FIX = ("mark it in tp_plan with pipeengine.parallel.styles.ReplicatedGradSum() (its gradient is summed over the "
-       "tensor-parallel ranks) or HeadRows(...) (a weight with a row per head: each rank holds its heads' rows), or "
-       "use pipeengine.hf.tp_plan(model) for a Hugging Face model")  # fmt: skip
+FIX = (
+    "mark it in tp_plan with pipeengine.parallel.styles.ReplicatedGradSum() (its gradient is summed over the "
+    "tensor-parallel ranks) or HeadRows(...) (a weight with a row per head: each rank holds its heads' rows), or "
+    "use pipeengine.hf.tp_plan(model) for a Hugging Face model"
+)
 # A plan that covers every module gives each rank's copy of a whole parameter the same gradient, bit for bit: each
 # rank runs the same computation on the same whole tensors, and a collective (DTensor's all-reduce, the replicas')
 # leaves the same bits on every rank. A kernel that sums in an order of its own (atomic adds on a GPU) may leave a few
@@ -71,8 +73,10 @@ def refuse_headwise(model: nn.Module, plan: Mapping[str, object]) -> None:
         where: dict[str, list[str]] = {}  # alike in every layer: said once, with the modules it sits in
         for parent, what in found.values():
             where.setdefault(what, []).append(parent or "the model")
-        shown = "; ".join(f"{what} in {', '.join(parents[:3])}" + (f" and {len(parents) - 3} more" if len(parents) > 3
-                          else "") for what, parents in where.items())  # fmt: skip
+        shown = "; ".join(
+            f"{what} in {', '.join(parents[:3])}" + (f" and {len(parents) - 3} more" if len(parents) > 3 else "")
+            for what, parents in where.items()
+        )
         raise ValueError(
             f"tp_plan splits a projection by columns (ColwiseParallel: each tensor-parallel rank computes its heads of "
             f"the output) and says nothing of a weight beside it with a row per head of that output: {shown}. Each "
@@ -124,8 +128,10 @@ def check_replicated(params: Sequence[tuple[str, nn.Parameter]], tensor: Transpo
         for name, (diff, largest) in theirs.items():  # each replica finds its own: the largest
             old = merged.get(name, (0.0, 0.0))
             merged[name] = (max(old[0], diff), max(old[1], largest))
-    listed = ", ".join(f"{name} (by up to {diff:.2e}; its largest gradient {largest:.2e})"
-                       for name, (diff, largest) in list(merged.items())[:6])  # fmt: skip
+    listed = ", ".join(
+        f"{name} (by up to {diff:.2e}; its largest gradient {largest:.2e})"
+        for name, (diff, largest) in list(merged.items())[:6]
+    )
     if len(merged) > 6:
         listed += f" and {len(merged) - 6} more ({', '.join(list(merged)[6:])})"
     raise PlanError(
@@ -148,12 +154,14 @@ def _summary(param: nn.Parameter) -> torch.Tensor:
     accumulate = torch.promote_types(grad.dtype, torch.float32)
     sample = grad[:: max(1, grad.numel() // SAMPLES)][:SAMPLES].double()
     weights = torch.arange(sample.numel(), dtype=torch.float64, device=sample.device).remainder_(7).add_(1)
-    return torch.stack([
-        grad.sum(dtype=accumulate).double(),
-        torch.linalg.vector_norm(grad, 1, dtype=accumulate).double(),
-        torch.linalg.vector_norm(grad, 2, dtype=accumulate).double(),
-        (sample * weights).sum(),
-    ])  # fmt: skip
+    return torch.stack(
+        [
+            grad.sum(dtype=accumulate).double(),
+            torch.linalg.vector_norm(grad, 1, dtype=accumulate).double(),
+            torch.linalg.vector_norm(grad, 2, dtype=accumulate).double(),
+            (sample * weights).sum(),
+        ]
+    )
 
 
 def _rtol(param: nn.Parameter) -> float:
@@ -165,8 +173,10 @@ def _rtol(param: nn.Parameter) -> float:
 def _differences(params: Sequence[tuple[str, nn.Parameter]], tensor: Transport) -> dict[str, tuple[float, float]]:
     """Each parameter's largest elementwise difference of its gradient over the tensor-parallel ranks, and its largest
     gradient: the gradients gathered whole (every rank of ``tensor`` finds the same parameters, and calls it)."""
-    flats = [torch.zeros(local(p).numel()) if p.grad is None else local(p.grad).detach().reshape(-1).float().cpu()
-             for _, p in params]  # fmt: skip
+    flats = [
+        torch.zeros(local(p).numel()) if p.grad is None else local(p.grad).detach().reshape(-1).float().cpu()
+        for _, p in params
+    ]
     gathered = tensor.all_gather(torch.cat(flats).to(tensor.device), "the differing gradients")
     every = torch.stack([g.cpu() for g in gathered])
     found, offset = {}, 0

@@ -46,8 +46,21 @@ from schedules import Action, Instruction, Kind
 if TYPE_CHECKING:
     from pipeengine.construction.layercosts import LayerCosts
 
-__all__ = ["SUMMED", "TensorSum", "agree_on_ties", "apply", "device_mesh", "fake_mesh", "group_mesh", "plan_matches",
-           "retie", "shard_costs", "shard_layer", "shards_output", "tensor_sum"]
+__all__ = [
+    "SUMMED",
+    "TensorSum",
+    "agree_on_ties",
+    "apply",
+    "device_mesh",
+    "fake_mesh",
+    "group_mesh",
+    "plan_matches",
+    "retie",
+    "shard_costs",
+    "shard_layer",
+    "shards_output",
+    "tensor_sum",
+]
 
 # set True on a module by its tp_plan style (pipeengine.parallel.styles.ReplicatedGradSum): its own parameters are
 # whole on every tensor-parallel rank, each rank's gradient of them only its part
@@ -196,8 +209,11 @@ def retie(ties: Ties, stages: Mapping[int, nn.Module]) -> tuple[Ties, dict[str, 
                 # parallelizing each stage made a copy of the one tensor: share the first again
                 owner, _, attribute = name.rpartition(".")
                 setattr(module.get_submodule(owner) if owner else module, attribute, held)
-    names = {id(param): ties.aliases.get(name, name) for module in stages.values()
-             for name, param in module.named_parameters(remove_duplicate=False)}  # fmt: skip
+    names = {
+        id(param): ties.aliases.get(name, name)
+        for module in stages.values()
+        for name, param in module.named_parameters(remove_duplicate=False)
+    }
     return dataclasses.replace(ties, names=names), placements
 
 
@@ -222,8 +238,13 @@ def agree_on_ties(ties: Ties, stages: dict[int, nn.Module], topology: Topology) 
     return ties
 
 
-def shard_costs(costs: LayerCosts, names: Sequence[str], bounds: Sequence[tuple[int, int]],
-                stages: Mapping[int, nn.Module], pipeline: Transport) -> LayerCosts:  # fmt: skip
+def shard_costs(
+    costs: LayerCosts,
+    names: Sequence[str],
+    bounds: Sequence[tuple[int, int]],
+    stages: Mapping[int, nn.Module],
+    pipeline: Transport,
+) -> LayerCosts:
     """``costs`` with each layer's parameters (count and bytes) as this rank's tensor-parallel index holds them: a
     shard where the plan split them (pipeengine.core.dtensors.tensor_parallel_numel). Each rank counts the layers of
     its stages (under the model's ``names``), the pipeline gathers them: every rank of the pipeline calls it. A layer
@@ -286,8 +307,10 @@ class TensorSum(GradientSync):
                     param.grad.zero_()
 
     def start(self, op: Instruction, stream: tuple[Action, ...], average: bool, tracer: Spans) -> None:
-        raise PipelineError(f"{op}: the tensor-parallel ranks' gradient sum is started by no instruction, at the "
-                            "step's end: a schedule has no instruction for it")
+        raise PipelineError(
+            f"{op}: the tensor-parallel ranks' gradient sum is started by no instruction, at the "
+            "step's end: a schedule has no instruction for it"
+        )
 
     def end(self, tracer: Spans) -> None:
         grads = []

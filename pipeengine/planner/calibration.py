@@ -201,14 +201,22 @@ class Prices:
         return link.latency * rounds / near_rounds + (link.time(nbytes) - link.latency) * share / near_share
 
     def to_json(self) -> dict[str, object]:
-        return {"format": FORMAT, "overhead": self.overhead, "p2p": [self.p2p.latency, self.p2p.per_byte],
-                "processors": self.processors, "post": [self.post, self.post_message], "copy": self.copy,
-                "fsdp": {"hooks": list(self.fsdp.get("hooks", [0.0, 0.0])),
-                         **{name: {str(g): s for g, s in self.fsdp.get(name, {}).items()}
-                            for name in ("gather", "reduce")}},
-                "frame": {name: {str(g): s for g, s in sizes.items()} for name, sizes in self.frame.items()},
-                "collectives": _curves(self.collectives), "crowded": _curves(self.crowded),
-                "wake": [list(point) for point in self.wake]}
+        return {
+            "format": FORMAT,
+            "overhead": self.overhead,
+            "p2p": [self.p2p.latency, self.p2p.per_byte],
+            "processors": self.processors,
+            "post": [self.post, self.post_message],
+            "copy": self.copy,
+            "fsdp": {
+                "hooks": list(self.fsdp.get("hooks", [0.0, 0.0])),
+                **{name: {str(g): s for g, s in self.fsdp.get(name, {}).items()} for name in ("gather", "reduce")},
+            },
+            "frame": {name: {str(g): s for g, s in sizes.items()} for name, sizes in self.frame.items()},
+            "collectives": _curves(self.collectives),
+            "crowded": _curves(self.crowded),
+            "wake": [list(point) for point in self.wake],
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> Prices:
@@ -220,23 +228,41 @@ class Prices:
         post, post_message = map(float, data["post"])
         by_group = {name: _by_group(data["fsdp"][name]) for name in ("gather", "reduce")}
         fsdp: dict[str, Any] = {"hooks": [float(h) for h in data["fsdp"]["hooks"]], **by_group}
-        return cls(float(data["overhead"]), Link(*map(float, data["p2p"])), collectives, source, True,
-                   None if data.get("processors") is None else float(data["processors"]), data.get("world_size"),
-                   frame={name: _by_group(sizes) for name, sizes in data["frame"].items()}, post=post,
-                   post_message=post_message, copy=float(data["copy"]), fsdp=fsdp, crowded=crowded,
-                   wake=tuple(sorted((float(c), float(late)) for c, late in data.get("wake", []))))  # fmt: skip
+        return cls(
+            float(data["overhead"]),
+            Link(*map(float, data["p2p"])),
+            collectives,
+            source,
+            True,
+            None if data.get("processors") is None else float(data["processors"]),
+            data.get("world_size"),
+            frame={name: _by_group(sizes) for name, sizes in data["frame"].items()},
+            post=post,
+            post_message=post_message,
+            copy=float(data["copy"]),
+            fsdp=fsdp,
+            crowded=crowded,
+            wake=tuple(sorted((float(c), float(late)) for c, late in data.get("wake", []))),
+        )
 
 
 def _curves(table: Mapping[str, Mapping[int, Link | Curve]]) -> dict[str, dict[str, list[Any]]]:
     """Collectives' prices as a file keeps them: a Curve as its [bytes, seconds] points, a Link as [latency,
     per_byte]."""
-    return {op: {str(g): [list(p) for p in link.points] if isinstance(link, Curve) else [link.latency, link.per_byte]
-                 for g, link in groups.items()} for op, groups in table.items()}  # fmt: skip
+    return {
+        op: {
+            str(g): [list(p) for p in link.points] if isinstance(link, Curve) else [link.latency, link.per_byte]
+            for g, link in groups.items()
+        }
+        for op, groups in table.items()
+    }
 
 
 def _read_curves(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[int, Link | Curve]]:
-    return {op: {int(g): Curve.of(v) if v and isinstance(v[0], list) else Link(*map(float, v))
-                 for g, v in groups.items()} for op, groups in table.items()}  # fmt: skip
+    return {
+        op: {int(g): Curve.of(v) if v and isinstance(v[0], list) else Link(*map(float, v)) for g, v in groups.items()}
+        for op, groups in table.items()
+    }
 
 
 def _curved(samples: Mapping[str, Mapping[int, Sequence[tuple[float, float]]]]) -> dict[str, dict[int, Link | Curve]]:
@@ -261,8 +287,12 @@ def save(prices: Prices, path: str | os.PathLike[str] | None = None, **about: ob
     """Write the prices with the host, the date and ``about`` (the backend, the world size); returns the path."""
     target = Path(path) if path is not None else default_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    record = {"host": socket.gethostname(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              **about, **prices.to_json()}  # fmt: skip
+    record = {
+        "host": socket.gethostname(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **about,
+        **prices.to_json(),
+    }
     text = json.dumps(record, indent=1) + "\n"
     write_atomically(target, lambda temporary: Path(temporary).write_text(text))  # never seen half written
     return target
@@ -298,8 +328,9 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     samples: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in COLLECTIVES}
     p2p = Link.fit([(size, probes.ping(size // 4, repeats, device)) for size in SIZES])
-    groups = {g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD
-              for g in range(2, world + 1) if world % g == 0}  # fmt: skip
+    groups = {
+        g: dist.new_subgroups(g)[0] if g < world else dist.group.WORLD for g in range(2, world + 1) if world % g == 0
+    }
     crowded: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in COLLECTIVES}
     baseline = probes.computing(4 * repeats, 2 * repeats, device)  # what each op's price is beyond
     for group_size, group in groups.items():
@@ -307,18 +338,42 @@ def calibrate(engine: Callable[..., Any], repeats: int = 5, sizes: Sequence[int]
             for size in sizes:
                 # a small op's time varies with when each rank is scheduled: many of them, in few rounds
                 count, rounds = (4 * repeats, 3) if size < 2**20 else (repeats, repeats) if size < 2**22 else (2, 3)
-                samples[op].setdefault(group_size, []).append((size, probes.collective(
-                    op, size // 4, group, group_size, count, device, rounds, rank < group_size, baseline)))
+                samples[op].setdefault(group_size, []).append(
+                    (
+                        size,
+                        probes.collective(
+                            op, size // 4, group, group_size, count, device, rounds, rank < group_size, baseline
+                        ),
+                    )
+                )
                 if group_size < world:  # every group of the size at once, as the replicas of each pipeline rank
-                    crowded[op].setdefault(group_size, []).append((size, probes.collective(
-                        op, size // 4, group, group_size, count, device, rounds, baseline=baseline)))  # fmt: skip
+                    crowded[op].setdefault(group_size, []).append(
+                        (
+                            size,
+                            probes.collective(
+                                op, size // 4, group, group_size, count, device, rounds, baseline=baseline
+                            ),
+                        )
+                    )
     post, post_message = probes.posting(2 * repeats, device)
     sharing = shared_cores.measure_processors(repeats, device)  # CPU ranks only: the optional host model
     # the world's pipeline frame is timed below, beside probes.host's chain of stages
     framed = probes.frame(groups, 12 * repeats, device, pipelines=[g for g in groups if g < world])
-    partial = Prices(0.0, p2p, _curved(samples), f"measured just now on {socket.gethostname()}", True, sharing, None,
-                     frame=framed, post=post, post_message=post_message, copy=probes.copying(repeats, device), fsdp={},
-                     crowded=_curved(crowded))  # fmt: skip
+    partial = Prices(
+        0.0,
+        p2p,
+        _curved(samples),
+        f"measured just now on {socket.gethostname()}",
+        True,
+        sharing,
+        None,
+        frame=framed,
+        post=post,
+        post_message=post_message,
+        copy=probes.copying(repeats, device),
+        fsdp={},
+        crowded=_curved(crowded),
+    )
     partial = dataclasses.replace(partial, fsdp=_fsdp(partial, probes.fsdp(groups, 2 * repeats, device)))
     overhead, latency, around = probes.host(engine, _stepper(partial), 4 * repeats, device)
     frame = {**partial.frame, "pipeline": {**partial.frame["pipeline"], world: around}}  # timed with the latency's
@@ -334,9 +389,13 @@ def _fsdp(prices: Prices, measured: Mapping[str, Any]) -> dict[str, Any]:
     """What FSDP2 adds per unit beyond the raw collectives: probes.fsdp's seconds per unit over each group size less
     the calibrated collective at the unit's bytes (every group at once, as the probe ran it), at least 0."""
     unit = float(measured["unit"])
-    return {"hooks": measured["hooks"], **{name: {g: max(0.0, t - prices.collective(op, g, unit, crowded=True))
-                                                  for g, t in measured[name].items()}
-                                           for name, op in (("gather", "all_gather"), ("reduce", "reduce_scatter"))}}
+    return {
+        "hooks": measured["hooks"],
+        **{
+            name: {g: max(0.0, t - prices.collective(op, g, unit, crowded=True)) for g, t in measured[name].items()}
+            for name, op in (("gather", "all_gather"), ("reduce", "reduce_scatter"))
+        },
+    }
 
 
 def _stepper(prices: Prices) -> Callable[[Any, float, float], float]:
@@ -346,16 +405,24 @@ def _stepper(prices: Prices) -> Callable[[Any, float, float], float]:
     from schedules import Costs, simulate
 
     def step(program: Any, overhead: float, latency: float) -> float:
-        costs = Costs(forward=overhead, backward=overhead, latency=latency, per_byte=prices.p2p.per_byte,
-                      message_bytes=16, post=prices.post, post_message=prices.post_message,
-                      processors=None if prices.processors is None else min(prices.processors, program.num_ranks))
+        costs = Costs(
+            forward=overhead,
+            backward=overhead,
+            latency=latency,
+            per_byte=prices.p2p.per_byte,
+            message_bytes=16,
+            post=prices.post,
+            post_message=prices.post_message,
+            processors=None if prices.processors is None else min(prices.processors, program.num_ranks),
+        )
         return simulate(program, costs).makespan
 
     return step
 
 
-def measure_machine(world_size: int, engine: Callable[..., Any], backend: str = "gloo",
-                    path: str | os.PathLike[str] | None = None) -> tuple[Path, Prices]:  # fmt: skip
+def measure_machine(
+    world_size: int, engine: Callable[..., Any], backend: str = "gloo", path: str | os.PathLike[str] | None = None
+) -> tuple[Path, Prices]:
     """Launch ``world_size`` ranks on this machine (pipeengine.launch), calibrate on them and keep the prices at
     ``path`` (default_path()); returns the path and the prices read back."""
     from pipeengine.launcher.launch import launch

@@ -25,12 +25,15 @@ FRAMES = ("pipeline", "replicas")
 
 
 def measured(data: object) -> str:
-    """"HOST at DATE": where and when a kept file's record was measured; a ValueError if it has none."""
+    """ "HOST at DATE": where and when a kept file's record was measured; a ValueError if it has none."""
     record = _record(data)
     for key in ("host", "date"):
         if not isinstance(record.get(key), str):
-            raise _refused(key, record, "not the name of the machine measured on" if key == "host" else
-                           "not the date it was measured on")  # fmt: skip
+            raise _refused(
+                key,
+                record,
+                "not the name of the machine measured on" if key == "host" else "not the date it was measured on",
+            )
     return f"{record['host']} at {record['date']}"
 
 
@@ -42,8 +45,12 @@ def check(data: object, version: int, ops: Sequence[str]) -> None:
     if isinstance(found, bool) or not isinstance(found, int):
         raise _refused("format", record, "not a format number")
     if found != version:
-        written = ("an earlier pipeengine (this one reads {0}, which also prices a step's frame, posting, copying and "
-                   "FSDP2's extras)" if found < version else "a later pipeengine (this one reads {0})")  # fmt: skip
+        written = (
+            "an earlier pipeengine (this one reads {0}, which also prices a step's frame, posting, copying and "
+            "FSDP2's extras)"
+            if found < version
+            else "a later pipeengine (this one reads {0})"
+        )
         raise ValueError(f"it is of format {found}, written by {written.format(version)}")
     _number(record, "overhead", SECONDS)
     _number(record, "copy", SECONDS)
@@ -123,8 +130,9 @@ def _pair(table: dict[str, Any], key: str, rule: str, where: str = "") -> None:
         _number(value, index, SECONDS, _path(where, key))
 
 
-def _object(table: dict[str, Any], key: str, rule: str, names: tuple[str, ...], where: str = "",
-            required: bool = True) -> dict[str, Any]:  # fmt: skip
+def _object(
+    table: dict[str, Any], key: str, rule: str, names: tuple[str, ...], where: str = "", required: bool = True
+) -> dict[str, Any]:
     """``table[key]``: a JSON object of ``names`` (every one if ``required``, else some)."""
     value = table.get(key)
     if not isinstance(value, dict):
@@ -145,8 +153,10 @@ def _groups(table: dict[str, Any], key: str, each: Callable[[dict[str, Any], str
         raise _refused(key, table, 'not an object of {"group size": ...}', where)
     for group in groups:
         if not isinstance(group, str) or not re.fullmatch(r"[1-9][0-9]*", group) or int(group) < 2:
-            raise ValueError(f"{field} has the group size {group!r}: a group size is a whole number of 2 or more "
-                             'ranks, written as "2" (a ring over one rank has no rounds to price)')  # fmt: skip
+            raise ValueError(
+                f"{field} has the group size {group!r}: a group size is a whole number of 2 or more "
+                'ranks, written as "2" (a ring over one rank has no rounds to price)'
+            )
         each(groups, group, field)
 
 
@@ -167,8 +177,12 @@ def _price(groups: dict[str, Any], group: str, where: str) -> None:
         _number(point, 1, SECONDS, _path(field, index))
     for smaller, larger in zip(sizes, sizes[1:], strict=False):
         if larger == smaller:
-            raise ValueError(f"{field} is measured twice at {smaller:.0f} bytes: a curve has each size measured "
-                             "once (the planner divides by the gap between two)")  # fmt: skip
+            raise ValueError(
+                f"{field} is measured twice at {smaller:.0f} bytes: a curve has each size measured "
+                "once (the planner divides by the gap between two)"
+            )
         if larger < smaller:
-            raise ValueError(f"{field} has {larger:.0f} bytes after {smaller:.0f}: a curve's sizes ascend, as "
-                             "calibration writes them")  # fmt: skip
+            raise ValueError(
+                f"{field} has {larger:.0f} bytes after {smaller:.0f}: a curve's sizes ascend, as "
+                "calibration writes them"
+            )

@@ -23,11 +23,20 @@ __all__ = ["Layout", "candidate_specs", "layouts", "named"]
 Layout = tuple[int, int, int]  # (dp, pp, tp)
 
 
-def candidate_specs(model: nn.Sequential, found: list[Layout], fsdp: bool | None, names: list[str],
-                    counts: dict[int, list[int]], per_replica: dict[int, int],
-                    profiles: dict[tuple[int, int, bool], LayerProfile], methods: Sequence[str],
-                    checkpoint: Sequence[str], transport: object, refused: dict[str, str], tp_plan: object
-                    ) -> list[tuple[Spec, Candidate]]:  # fmt: skip
+def candidate_specs(
+    model: nn.Sequential,
+    found: list[Layout],
+    fsdp: bool | None,
+    names: list[str],
+    counts: dict[int, list[int]],
+    per_replica: dict[int, int],
+    profiles: dict[tuple[int, int, bool], LayerProfile],
+    methods: Sequence[str],
+    checkpoint: Sequence[str],
+    transport: object,
+    refused: dict[str, str],
+    tp_plan: object,
+) -> list[tuple[Spec, Candidate]]:
     """Each candidate of every layout to price, and what it is (the programs, cuts and engine checks shared among
     the layouts that can share them)."""
     specs: list[tuple[Spec, Candidate]] = []
@@ -38,14 +47,36 @@ def candidate_specs(model: nn.Sequential, found: list[Layout], fsdp: bool | None
         dp, pp, tp = layout
         for sharded in ([fsdp] if fsdp is not None else [False, True]) if dp > 1 else [False]:
             specs += _layout_candidates(
-                model, layout, sharded, names, counts[dp], per_replica[dp], profiles, methods, checkpoint,
-                transport, refused, programs, cuts, checked, tp_plan)  # fmt: skip
+                model,
+                layout,
+                sharded,
+                names,
+                counts[dp],
+                per_replica[dp],
+                profiles,
+                methods,
+                checkpoint,
+                transport,
+                refused,
+                programs,
+                cuts,
+                checked,
+                tp_plan,
+            )
     return specs
 
 
-def layouts(model: nn.Sequential, world_size: int, batch: int, data_parallel: int | None = None,
-            tensor_parallel: int | None = None, tp_plan: object = None, fsdp: bool | None = None,
-            backend: str = "gloo", refused: dict[str, str] | None = None) -> list[Layout]:  # fmt: skip
+def layouts(
+    model: nn.Sequential,
+    world_size: int,
+    batch: int,
+    data_parallel: int | None = None,
+    tensor_parallel: int | None = None,
+    tp_plan: object = None,
+    fsdp: bool | None = None,
+    backend: str = "gloo",
+    refused: dict[str, str] | None = None,
+) -> list[Layout]:
     """Every (dp, pp, tp) with dp x pp x tp = world_size the engine can build for this model; each other
     factorisation is in ``refused`` with the reason."""
     refused = refused if refused is not None else {}
@@ -61,8 +92,16 @@ def layouts(model: nn.Sequential, world_size: int, batch: int, data_parallel: in
     return found
 
 
-def _illegal(model: nn.Sequential, layout: Layout, batch: int, data_parallel: int | None,
-             tensor_parallel: int | None, tp_plan: object, fsdp: bool | None, backend: str) -> str | None:  # fmt: skip
+def _illegal(
+    model: nn.Sequential,
+    layout: Layout,
+    batch: int,
+    data_parallel: int | None,
+    tensor_parallel: int | None,
+    tp_plan: object,
+    fsdp: bool | None,
+    backend: str,
+) -> str | None:
     dp, pp, tp = layout
     if (data_parallel is not None and dp != data_parallel) or (tensor_parallel is not None and tp != tensor_parallel):
         return ""
@@ -75,20 +114,32 @@ def _illegal(model: nn.Sequential, layout: Layout, batch: int, data_parallel: in
     if fsdp and backend == "loopback":
         return "FSDP runs DTensor collectives, which in-process ranks cannot host"
     if pp > len(model):
-        return (f"{pp} pipeline stages need at least {pp} layers, one per stage; the model has {len(model)}: use at "
-                f"most {len(model)} pipeline ranks (more replicas), or split the model into more nn.Sequential layers")
+        return (
+            f"{pp} pipeline stages need at least {pp} layers, one per stage; the model has {len(model)}: use at "
+            f"most {len(model)} pipeline ranks (more replicas), or split the model into more nn.Sequential layers"
+        )
     if data_parallel is None and batch % dp:
         return f"the batch of {batch} rows does not split equally into {dp} replicas"
     return None
 
 
 def _layout_candidates(
-    model: nn.Sequential, layout: Layout, sharded: bool, names: Sequence[str], counts: Sequence[int], rows: int,
-    profiles: Mapping[tuple[int, int, bool], LayerProfile], methods: Sequence[str], checkpoint: Sequence[str],
-    transport: object, refused: dict[str, str], programs: dict[tuple[str, int, int, int, bool], Schedule | str],
-    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]], checked: dict[tuple[object, ...], str],
+    model: nn.Sequential,
+    layout: Layout,
+    sharded: bool,
+    names: Sequence[str],
+    counts: Sequence[int],
+    rows: int,
+    profiles: Mapping[tuple[int, int, bool], LayerProfile],
+    methods: Sequence[str],
+    checkpoint: Sequence[str],
+    transport: object,
+    refused: dict[str, str],
+    programs: dict[tuple[str, int, int, int, bool], Schedule | str],
+    cuts: dict[tuple[int, int, bool, str, int], list[tuple[int, int]]],
+    checked: dict[tuple[object, ...], str],
     tp_plan: object,
-) -> list[tuple[Spec, Candidate]]:  # fmt: skip
+) -> list[tuple[Spec, Candidate]]:
     """Every candidate of one layout (schedule, chunks, micro-batches, partition and checkpointing), to be priced:
     what it is priced from, and the candidate (unpriced). ``programs``: each program as the transport runs it (with
     the replicas' ARs), or why it cannot be built; ``cuts``: each partition by (rows, tp, one pipeline rank, method,
@@ -108,8 +159,9 @@ def _layout_candidates(
             for m in counts:
                 program = programs.get((name, ranks, m, chunks, dp > 1))
                 if program is None:
-                    program = programs[name, ranks, m, chunks, dp > 1] = _program(transport, name, ranks, m, chunks,
-                                                                                   dp > 1)  # fmt: skip
+                    program = programs[name, ranks, m, chunks, dp > 1] = _program(
+                        transport, name, ranks, m, chunks, dp > 1
+                    )
                 if isinstance(program, str):  # m does not suit this schedule (interleaved: a multiple of p)
                     why[name] = program
                     continue
@@ -120,14 +172,17 @@ def _layout_candidates(
                 joined = profile.shards_output[:-1]  # no stage ends on a tensor-parallel shard
                 most = len(cut_points(layers, joined))
                 if stages > most:
-                    why[name] = (f"{stages} stages, but with tp={tp} the tp_plan lets the model be cut into {most} at "
-                                 "most (a stage cannot end on a layer whose output is a shard)")  # fmt: skip
+                    why[name] = (
+                        f"{stages} stages, but with tp={tp} the tp_plan lets the model be cut into {most} at "
+                        "most (a stage cannot end on a layer whose output is a shard)"
+                    )
                     continue
                 for method in methods:
                     bounds = cuts.get((rows // m, tp, ranks == 1, method, stages))
                     if bounds is None:
                         bounds = cuts[rows // m, tp, ranks == 1, method, stages] = solve(
-                            method_costs(method, LayerCosts.of(profile, model)), stages, joined)  # fmt: skip
+                            method_costs(method, LayerCosts.of(profile, model)), stages, joined
+                        )
                     refusal = _refusal(model, bounds, program.placement, sharded, checked)
                     if refusal:  # the engine would refuse to build it
                         why[name] = refusal
@@ -142,19 +197,42 @@ def _layout_candidates(
                             found[seen[key]] = (spec, dataclasses.replace(old, methods=(*old.methods, method)))
                             continue
                         seen[key] = len(found)
-                        found.append((Spec(program, profile, bounds, dp, sharded, option),
-                                      Candidate(name, m, chunks, (method,), partition, 0.0, 0.0, (), dp, sharded, tp,
-                                                option, tp_plan if tp > 1 else None)))  # type: ignore[arg-type]  # fmt: skip
+                        found.append(
+                            (
+                                Spec(program, profile, bounds, dp, sharded, option),
+                                Candidate(
+                                    name,
+                                    m,
+                                    chunks,
+                                    (method,),
+                                    partition,
+                                    0.0,
+                                    0.0,
+                                    (),
+                                    dp,
+                                    sharded,
+                                    tp,
+                                    option,
+                                    tp_plan if tp > 1 else None,  # type: ignore[arg-type]
+                                ),
+                            )
+                        )
     if not found:
         refused[named(layout, sharded)] = (
             f"this layout builds with no schedule of {list(names)} (m in {list(counts)}, {ranks} pipeline "
-            f"rank{'s' if ranks != 1 else ''}, {layers} layers)" + "".join(f"; {name}: {reason}" for name, reason
-                                                                          in why.items()))  # fmt: skip
+            f"rank{'s' if ranks != 1 else ''}, {layers} layers)"
+            + "".join(f"; {name}: {reason}" for name, reason in why.items())
+        )
     return found
 
 
-def _refusal(model: nn.Sequential, bounds: Sequence[tuple[int, int]], placement: Sequence[int], sharded: bool,
-             checked: dict[tuple[object, ...], str]) -> str:  # fmt: skip
+def _refusal(
+    model: nn.Sequential,
+    bounds: Sequence[tuple[int, int]],
+    placement: Sequence[int],
+    sharded: bool,
+    checked: dict[tuple[object, ...], str],
+) -> str:
     """Why the engine would refuse to build this cut on this placement ("": it builds), by the engine's own rule
     (pipeengine.parallel.checked_ties), asked once per cut: ``checked`` keeps each answer."""
     key = (tuple(bounds), tuple(placement), sharded)

@@ -1,9 +1,9 @@
 """``python -m pipeengine.tune``: the planner on the command line, and the machine's calibration.
 
-    python -m pipeengine.tune examples.train_gpt:planning --world-size 4 --memory-limit 64MiB
-    python -m pipeengine.tune --calibrate --world-size 4
-    python -m pipeengine.tune --model config.json --devices 512 --hardware a100-80gb --global-batch 1536 --seq 2048
-    torchrun --nproc-per-node 8 -m pipeengine.tune --calibrate --hardware h100-sxm --out my-gpus.json
+python -m pipeengine.tune examples.train_gpt:planning --world-size 4 --memory-limit 64MiB
+python -m pipeengine.tune --calibrate --world-size 4
+python -m pipeengine.tune --model config.json --devices 512 --hardware a100-80gb --global-batch 1536 --seq 2048
+torchrun --nproc-per-node 8 -m pipeengine.tune --calibrate --hardware h100-sxm --out my-gpus.json
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def progress_printer(stream: TextIO | None = None) -> Callable[[int, int, int], 
     return report
 
 
-
-SIZE_UNITS = ("KiB, MiB, GiB and TiB (or K, M, G and T) are powers of 1024, KB, MB, GB and TB powers of 1000, "
-              "B or none bytes")
+SIZE_UNITS = (
+    "KiB, MiB, GiB and TiB (or K, M, G and T) are powers of 1024, KB, MB, GB and TB powers of 1000, B or none bytes"
+)
 _SIZE = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*(?:([KMGT])(i?B)?|B)?\s*", re.IGNORECASE)
 
 
@@ -59,8 +59,7 @@ def parse_bytes(text: str) -> float:
     match = _SIZE.fullmatch(text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: write bytes with an optional unit, e.g. 512MiB, 2GiB, 2GB or 1.5e9 "
-            f"({SIZE_UNITS})"
+            f"{text!r} is not a size: write bytes with an optional unit, e.g. 512MiB, 2GiB, 2GB or 1.5e9 ({SIZE_UNITS})"
         )
     number, prefix, suffix = match.groups()
     power = " KMGT".index(prefix.upper()) if prefix else 0
@@ -86,47 +85,82 @@ def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = 
     from pipeengine.planner.search import tune
 
     parser = argparse.ArgumentParser(
-        prog="python -m pipeengine.tune", description=__doc__.split("\n")[0],
+        prog="python -m pipeengine.tune",
+        description=__doc__.split("\n")[0],
         epilog="A GPU cluster instead: python -m pipeengine.tune --model config.json --devices 512 --hardware "
-               "a100-80gb --global-batch 1536 --seq 2048 (its own --help with --devices); a hardware description "
-               "measured on your GPUs: torchrun ... -m pipeengine.tune --calibrate --hardware h100-sxm --out FILE",
-    )  # fmt: skip
-    parser.add_argument("problem", nargs="?", help="module:function returning (model, loss_fn, sample) or (model, "
-                        "loss_fn, sample, tp_plan): the model to plan for")  # fmt: skip
+        "a100-80gb --global-batch 1536 --seq 2048 (its own --help with --devices); a hardware description "
+        "measured on your GPUs: torchrun ... -m pipeengine.tune --calibrate --hardware h100-sxm --out FILE",
+    )
+    parser.add_argument(
+        "problem",
+        nargs="?",
+        help="module:function returning (model, loss_fn, sample) or (model, "
+        "loss_fn, sample, tp_plan): the model to plan for",
+    )
     parser.add_argument("--world-size", type=int, required=True, help="ranks to lay the model out on")
-    parser.add_argument("--calibrate", action="store_true", help="measure this machine's prices on --world-size "
-                        "ranks (host time per instruction, messages, collectives) and keep them for the planner")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's prices on --world-size "
+        "ranks (host time per instruction, messages, collectives) and keep them for the planner",
+    )
     parser.add_argument("--data-parallel", type=int, help="fix the replicas (default: searched)")
-    parser.add_argument("--tensor-parallel", type=int, help="fix the tensor-parallel degree (default: searched "
-                        "where the problem gives a tp_plan)")  # fmt: skip
-    parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, help="fix FSDP on (--fsdp) or off "
-                        "(--no-fsdp); default: both tried where there are replicas")  # fmt: skip
-    parser.add_argument("--checkpoint", nargs="+", choices=CHECKPOINTING, default=list(CHECKPOINTING),
-                        help="the checkpoint options to try")
-    parser.add_argument("--memory-limit", type=parse_bytes,
-                        help=f"bytes per rank, with an optional unit, e.g. 512MiB ({SIZE_UNITS})")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        help="fix the tensor-parallel degree (default: searched where the problem gives a tp_plan)",
+    )
+    parser.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        help="fix FSDP on (--fsdp) or off (--no-fsdp); default: both tried where there are replicas",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        nargs="+",
+        choices=CHECKPOINTING,
+        default=list(CHECKPOINTING),
+        help="the checkpoint options to try",
+    )
+    parser.add_argument(
+        "--memory-limit", type=parse_bytes, help=f"bytes per rank, with an optional unit, e.g. 512MiB ({SIZE_UNITS})"
+    )
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), help="the schedules to try (default: all)")
-    parser.add_argument("--microbatches", type=int, nargs="+", help="the micro-batch counts to try (default: each "
-                        "that divides a replica's batch, up to 64)")  # fmt: skip
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        help="the micro-batch counts to try (default: each that divides a replica's batch, up to 64)",
+    )
     parser.add_argument("--backend", default="gloo", choices=sorted(BACKENDS), help="the transport that will run it")
     args = parser.parse_args(_glued(list(sys.argv[1:] if argv is None else argv), ("--memory-limit",)))
     if args.calibrate:
         from pipeengine.planner.calibration import measure_machine
 
         if args.world_size < 2:
-            parser.error(f"--calibrate times messages and collectives between ranks: --world-size 2 or more, got "
-                         f"{args.world_size}")  # fmt: skip
+            parser.error(
+                f"--calibrate times messages and collectives between ranks: --world-size 2 or more, got "
+                f"{args.world_size}"
+            )
         print(f"calibrating on {args.world_size} {args.backend} ranks ...", flush=True)
         if engine is None:
             parser.error("--calibrate runs the engine: use python -m pipeengine.tune")
         path, prices = measure_machine(args.world_size, engine, args.backend)
-        sharing = ("each rank computes at full speed" if prices.processors is None else
-                   f"{prices.processors:.2f} ranks compute at full speed at once")  # fmt: skip
-        frame = ", ".join(f"{name} of {group} {seconds * 1e3:.2f} ms" for name, sizes in prices.frame.items()
-                          for group, seconds in sorted(sizes.items()))  # fmt: skip
-        print(f"wrote {path}: host {prices.overhead * 1e3:.3f} ms per compute, a post {prices.post * 1e3:.3f} ms, a "
-              f"message {prices.p2p.latency * 1e3:.3f} ms + {prices.p2p.per_byte * 2**30:.3f} s/GiB; a step's frame: "
-              f"{frame}; {sharing}")  # fmt: skip
+        sharing = (
+            "each rank computes at full speed"
+            if prices.processors is None
+            else f"{prices.processors:.2f} ranks compute at full speed at once"
+        )
+        frame = ", ".join(
+            f"{name} of {group} {seconds * 1e3:.2f} ms"
+            for name, sizes in prices.frame.items()
+            for group, seconds in sorted(sizes.items())
+        )
+        print(
+            f"wrote {path}: host {prices.overhead * 1e3:.3f} ms per compute, a post {prices.post * 1e3:.3f} ms, a "
+            f"message {prices.p2p.latency * 1e3:.3f} ms + {prices.p2p.per_byte * 2**30:.3f} s/GiB; a step's frame: "
+            f"{frame}; {sharing}"
+        )
         return 0
     if args.problem is None:
         parser.error("give the problem (module:function), or --calibrate")
@@ -134,11 +168,22 @@ def main(argv: Sequence[str] | None = None, engine: Callable[..., Any] | None = 
     if args.memory_limit is not None:
         print(f"memory limit {args.memory_limit:,.0f} bytes ({args.memory_limit / 2**20:.2f} MiB) per rank", flush=True)
     try:
-        result = tune(model, loss_fn, sample, args.world_size, memory_limit=args.memory_limit,
-                      data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
-                      tp_plan=plan[0] if plan else None, fsdp=args.fsdp,
-                      checkpoint=args.checkpoint, schedules=args.schedules, microbatches=args.microbatches,
-                      backend=args.backend, progress=progress_printer())  # fmt: skip
+        result = tune(
+            model,
+            loss_fn,
+            sample,
+            args.world_size,
+            memory_limit=args.memory_limit,
+            data_parallel=args.data_parallel,
+            tensor_parallel=args.tensor_parallel,
+            tp_plan=plan[0] if plan else None,
+            fsdp=args.fsdp,
+            checkpoint=args.checkpoint,
+            schedules=args.schedules,
+            microbatches=args.microbatches,
+            backend=args.backend,
+            progress=progress_printer(),
+        )
         print(result)
         print(f"best: PipelineEngine(model, loss_fn, **{result.best.engine_kwargs()})")
     except (ValueError, TypeError) as error:
@@ -175,7 +220,7 @@ def _problem(parser: argparse.ArgumentParser, problem: str) -> tuple[nn.Sequenti
     made = make()
     if not isinstance(made, tuple) or len(made) not in (3, 4):
         what = f"{len(made)} values" if isinstance(made, tuple) else type(made).__name__
-        parser.error(f"{problem}() must return (model, loss_fn, sample) or (model, loss_fn, sample, tp_plan); it "
-                     f"returned {what}")
+        parser.error(
+            f"{problem}() must return (model, loss_fn, sample) or (model, loss_fn, sample, tp_plan); it returned {what}"
+        )
     return made
-

@@ -44,8 +44,18 @@ from schedules import Costs, Memory, state_bytes
 
 __all__ = ["FREE", "LayerProfile"]
 
-FREE = Prices(0.0, Link(0.0, 0.0), {}, "free: no host cost, no message or collective time", frame={}, post=0.0,
-              post_message=0.0, copy=0.0, fsdp={})
+FREE = Prices(
+    0.0,
+    Link(0.0, 0.0),
+    {},
+    "free: no host cost, no message or collective time",
+    frame={},
+    post=0.0,
+    post_message=0.0,
+    copy=0.0,
+    fsdp={},
+)
+
 
 @dataclass(frozen=True)
 class LayerProfile:
@@ -84,10 +94,17 @@ class LayerProfile:
     checkpoint_stash: int = 0
 
     def stage_costs(
-        self, bounds: Sequence[tuple[int, int]], *, prices: Prices = FREE, optimizer_copies: int = 2,
-        buffered_sends: bool = True, placement: Sequence[int] | None = None, data_parallel: int = 1,
-        fsdp: bool = False, checkpoint: str = "never",
-    ) -> Costs:  # fmt: skip
+        self,
+        bounds: Sequence[tuple[int, int]],
+        *,
+        prices: Prices = FREE,
+        optimizer_copies: int = 2,
+        buffered_sends: bool = True,
+        placement: Sequence[int] | None = None,
+        data_parallel: int = 1,
+        fsdp: bool = False,
+        checkpoint: str = "never",
+    ) -> Costs:
         """The simulator's Costs (time and memory) for stages of these layers (``bounds``: [start, end) each).
 
         ``prices``: the host cost per compute, a message across a boundary, each collective (default: all free).
@@ -100,10 +117,12 @@ class LayerProfile:
         stage's first F to its AR and its whole gradients from its first B or W to the AR. ``checkpoint``: the
         engine's option ("never", "always", "except_last").
         """
-        checkpointed = [checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1)
-                        for s in range(len(bounds))]  # fmt: skip
-        memory, params, boundary = self._memory(bounds, placement, optimizer_copies, buffered_sends, data_parallel,
-                                                fsdp, checkpointed)  # fmt: skip
+        checkpointed = [
+            checkpoint == "always" or (checkpoint == "except_last" and s != len(bounds) - 1) for s in range(len(bounds))
+        ]
+        memory, params, boundary = self._memory(
+            bounds, placement, optimizer_copies, buffered_sends, data_parallel, fsdp, checkpointed
+        )
         world = data_parallel * self.tensor_parallel * (max(placement) + 1 if placement else len(bounds))
         tp_forward = [self._collectives("F", a, b, prices, world) for a, b in bounds]  # (work, wait) each
         tp_backward = [self._collectives("B", a, b, prices, world) for a, b in bounds]
@@ -126,16 +145,33 @@ class LayerProfile:
             backward=[b + a + prices.overhead for b, a in zip(backward, again, strict=True)],
             backward_input=[i + a + prices.overhead for i, a in zip(grad_input, again, strict=True)],
             backward_weight=[w + prices.overhead for w in weight],
-            latency=prices.p2p.latency, per_byte=prices.p2p.per_byte, message_bytes=boundary, memory=memory,
-            all_reduce=reduce, gather=gather,
+            latency=prices.p2p.latency,
+            per_byte=prices.p2p.per_byte,
+            message_bytes=boundary,
+            memory=memory,
+            all_reduce=reduce,
+            gather=gather,
             processors=shared_cores.per_pipeline(prices.processors, data_parallel, self.tensor_parallel),
-            forward_wait=forward_wait, backward_wait=backward_wait, post=prices.post, post_message=prices.post_message,
-            sync_host=sync_host, sync_blocking=fsdp, wake=prices.wake, unit="s",
-        )  # fmt: skip
+            forward_wait=forward_wait,
+            backward_wait=backward_wait,
+            post=prices.post,
+            post_message=prices.post_message,
+            sync_host=sync_host,
+            sync_blocking=fsdp,
+            wake=prices.wake,
+            unit="s",
+        )
 
-    def _memory(self, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None, optimizer_copies: int,
-                buffered_sends: bool, data_parallel: int, fsdp: bool, checkpointed: list[bool]
-                ) -> tuple[Memory, list[float], list[float]]:  # fmt: skip
+    def _memory(
+        self,
+        bounds: Sequence[tuple[int, int]],
+        placement: Sequence[int] | None,
+        optimizer_copies: int,
+        buffered_sends: bool,
+        data_parallel: int,
+        fsdp: bool,
+        checkpointed: list[bool],
+    ) -> tuple[Memory, list[float], list[float]]:
         """The stages' memory model (stage_costs' docstring says what it holds), each stage's parameter bytes (once
         per rank) and the bytes it sends the next stage."""
         total = _total
@@ -157,42 +193,70 @@ class LayerProfile:
             boundary.append(0.0 if last else float(self.output[b - 1]))
             gradient.append(0.0 if last else float(self.gradient[b - 1]))
         state = [state_bytes(p, optimizer_copies) for p in params]
-        memory = Memory(state=state, activation=activation, after_input=after_input, boundary=boundary,
-                        gradient=gradient, buffered_sends=buffered_sends, output_after_input=keeps_out,
-                        input_after_input=keeps_in)  # fmt: skip
+        memory = Memory(
+            state=state,
+            activation=activation,
+            after_input=after_input,
+            boundary=boundary,
+            gradient=gradient,
+            buffered_sends=buffered_sends,
+            output_after_input=keeps_out,
+            input_after_input=keeps_in,
+        )
         if self.allocations:
             memory = self._allocated(memory, bounds, placement, params, data_parallel, checkpointed)
         if fsdp:  # each stage's state over the replicas, gathered whole during the step
-            memory = priced(memory, state, optimizer_copies, data_parallel, bool(self.allocations),
-                            self._largest_units(bounds), buffered_sends)  # fmt: skip
+            memory = priced(
+                memory,
+                state,
+                optimizer_copies,
+                data_parallel,
+                bool(self.allocations),
+                self._largest_units(bounds),
+                buffered_sends,
+            )
         if any(checkpointed):
             memory = _checkpointed(memory, checkpointed, bounds, self.output, self.checkpoint_stash)
         return memory, params, boundary
 
-    def _replicas(self, bounds: Sequence[tuple[int, int]], params: list[float], prices: Prices, data_parallel: int,
-                  fsdp: bool, world: int) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+    def _replicas(
+        self,
+        bounds: Sequence[tuple[int, int]],
+        params: list[float],
+        prices: Prices,
+        data_parallel: int,
+        fsdp: bool,
+        world: int,
+    ) -> tuple[list[float], list[float], list[float]]:
         """Seconds of each stage's sync over the replicas (its AR), of its gather before its first F, and of the
         host's part of the sync (the copies)."""
         if fsdp:  # the gradients reduce-scattered over the replicas, the parameters all-gathered once a step: one
             # of each per FSDP unit (pipeengine.parallel.fsdp.shard_stage: each layer with parameters), each copying
             # the whole tensors in or out of its flat buffer on the host
             reduce = [self._per_unit("reduce_scatter", a, b, prices, data_parallel) for a, b in bounds]
-            gather = [self._per_unit("all_gather", a, b, prices, data_parallel) + prices.copy * p
-                      for (a, b), p in zip(bounds, params, strict=True)]  # fmt: skip
+            gather = [
+                self._per_unit("all_gather", a, b, prices, data_parallel) + prices.copy * p
+                for (a, b), p in zip(bounds, params, strict=True)
+            ]
             return reduce, gather, [prices.copy * p * (1 + 1 / data_parallel) for p in params]
         # flattened at the AR, copied back (and divided) once it is done, at the step's end
         synced = data_parallel > 1
         speed = shared_cores.replicas_speed(prices.processors, world)  # 1 where ranks have processors of their own
-        reduce = [(prices.collective("all_reduce", data_parallel, p, crowded=True) + 2 * prices.copy * p) * speed
-                  * synced for p in params]  # fmt: skip
+        reduce = [
+            (prices.collective("all_reduce", data_parallel, p, crowded=True) + 2 * prices.copy * p) * speed * synced
+            for p in params
+        ]
         return reduce, [0.0] * len(bounds), [prices.copy * p * synced for p in params]
 
     def _per_unit(self, op: str, a: int, b: int, prices: Prices, data_parallel: int) -> float:
         """Seconds of one FSDP collective per layer of [a, b) that holds parameters, on that layer's bytes, with what
         FSDP2 adds to each."""
         extra = prices.fsdp_extra("gather" if op == "all_gather" else "reduce", data_parallel)
-        return sum(prices.collective(op, data_parallel, float(size), crowded=True) + extra
-                   for size in self.parameter_bytes[a:b] if size)  # fmt: skip
+        return sum(
+            prices.collective(op, data_parallel, float(size), crowded=True) + extra
+            for size in self.parameter_bytes[a:b]
+            if size
+        )
 
     def _collectives(self, compute: str, a: int, b: int, prices: Prices, world: int) -> tuple[float, float]:
         """Seconds of the tensor-parallel collectives layers [a, b) run in their forward ("F") or backward ("B"):
@@ -204,16 +268,24 @@ class LayerProfile:
                 if when != compute:
                     continue
                 alone = prices.collective(op, self.tensor_parallel, size)
-                crowded = prices.collective(op, self.tensor_parallel, size, crowded=True) \
-                    if prices.processors is not None else alone  # fmt: skip
+                crowded = (
+                    prices.collective(op, self.tensor_parallel, size, crowded=True)
+                    if prices.processors is not None
+                    else alone
+                )
                 more = shared_cores.split(alone, crowded, prices.processors, self.tensor_parallel, world)
                 work, wait = work + more[0], wait + more[1]
         return work, wait
 
     def _allocated(
-        self, memory: Memory, bounds: Sequence[tuple[int, int]], placement: Sequence[int] | None,
-        params: list[float], data_parallel: int, checkpointed: Sequence[bool],
-    ) -> Memory:  # fmt: skip
+        self,
+        memory: Memory,
+        bounds: Sequence[tuple[int, int]],
+        placement: Sequence[int] | None,
+        params: list[float],
+        data_parallel: int,
+        checkpointed: Sequence[bool],
+    ) -> Memory:
         """The memory model with what the allocator saw: transients, late gradients, sync buffers, the optimizer.
         A checkpointed stage's W is one autograd call (transients.stage's one_pass)."""
         columns: dict[str, list[float]] = {}
@@ -227,8 +299,13 @@ class LayerProfile:
             mine = [s for s, r in enumerate(ranks) if r == rank]
             layers = [self.allocations[k] for s in mine for k in range(*bounds[s])]
             optimizer[mine[0]] = transients.optimizer(layers)
-        return dataclasses.replace(memory, **columns, grads_late=grads, optimizer=optimizer,  # type: ignore[arg-type]
-                                   sync=grads if data_parallel > 1 else 0.0)  # fmt: skip
+        return dataclasses.replace(
+            memory,
+            **columns,  # type: ignore[arg-type]
+            grads_late=grads,
+            optimizer=optimizer,
+            sync=grads if data_parallel > 1 else 0.0,
+        )
 
     def in_flight(self, bounds: Sequence[tuple[int, int]], fsdp: bool = False) -> float:
         """Bytes of the largest tensor these stages send or receive (a boundary) or reduce over the tensor-parallel
@@ -260,20 +337,25 @@ class LayerProfile:
         return float(sum(mine.values()))
 
 
-
 def _total(values: Sequence[float], a: int, b: int) -> float:
     return float(sum(values[a:b]))
 
 
-def _checkpointed(memory: Memory, checkpointed: Sequence[bool], bounds: Sequence[tuple[int, int]],
-                  output: Sequence[int], stash: int = 0) -> Memory:  # fmt: skip
+def _checkpointed(
+    memory: Memory,
+    checkpointed: Sequence[bool],
+    bounds: Sequence[tuple[int, int]],
+    output: Sequence[int],
+    stash: int = 0,
+) -> Memory:
     """A checkpointed stage holds its input and output from F to B (its I keeps them for W), and what torch's
     checkpoint stashes for the recompute (``stash``: its RNG state, on the CPU); its backward holds again, while it
     recomputes, what the forward saved: the difference rides on B's and I's transients."""
     n = len(bounds)
     table = memory.per_stage(n)
-    columns: dict[str, list[float]] = {name: list(table[name]) for name in
-                                       ("activation", "after_input", "backward_transient", "input_transient")}
+    columns: dict[str, list[float]] = {
+        name: list(table[name]) for name in ("activation", "after_input", "backward_transient", "input_transient")
+    }
     for s, (a, b) in enumerate(bounds):
         if not checkpointed[s]:
             continue

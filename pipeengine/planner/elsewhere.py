@@ -15,8 +15,9 @@ from pipeengine.planner.costmodel import LayerProfile
 __all__ = ["elsewhere", "one_process"]
 
 
-def elsewhere(profile: Callable[..., LayerProfile], model: nn.Sequential, sample: object, rows: int,
-              arguments: dict[str, object]) -> LayerProfile:  # fmt: skip
+def elsewhere(
+    profile: Callable[..., LayerProfile], model: nn.Sequential, sample: object, rows: int, arguments: dict[str, object]
+) -> LayerProfile:
     """``profile(model, sample, rows, **arguments)`` (pipeengine.planner.measure.profile_layers) in a fresh process
     (spawned): everything it is given must pickle."""
     import multiprocessing

@@ -33,8 +33,9 @@ from pipeengine.planner.elsewhere import elsewhere, one_process
 __all__ = ["measure_layouts", "parameter_keys", "profile_layers"]
 
 
-def parameter_keys(model: Iterable[nn.Module], sizes: Sequence[Sequence[int]] | None = None
-                   ) -> tuple[tuple[tuple[int, int], ...], ...]:  # fmt: skip
+def parameter_keys(
+    model: Iterable[nn.Module], sizes: Sequence[Sequence[int]] | None = None
+) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per layer, (index among the model's distinct parameters, bytes) of each distinct parameter it holds; ``sizes``:
     per layer, the bytes of each in order where they are not the model's (a tensor-parallel rank's shards)."""
     index: dict[int, int] = {}
@@ -47,12 +48,23 @@ def parameter_keys(model: Iterable[nn.Module], sizes: Sequence[Sequence[int]] | 
 
 
 def profile_layers(
-    model: nn.Sequential, sample: torch.Tensor | Tensors, rows: int, *, repeats: int = 3, device: torch.device,
-    threads: int | None = None, loss: Callable[..., torch.Tensor] | None = None, target: object = None,
-    timed: bool = True, allocator: bool = False, compile: bool | Mapping[str, object] = False,
-    progress: Callable[[], None] | None = None, tensor_parallel: int = 1, tp_plan: Mapping[str, object] | None = None,
+    model: nn.Sequential,
+    sample: torch.Tensor | Tensors,
+    rows: int,
+    *,
+    repeats: int = 3,
+    device: torch.device,
+    threads: int | None = None,
+    loss: Callable[..., torch.Tensor] | None = None,
+    target: object = None,
+    timed: bool = True,
+    allocator: bool = False,
+    compile: bool | Mapping[str, object] = False,
+    progress: Callable[[], None] | None = None,
+    tensor_parallel: int = 1,
+    tp_plan: Mapping[str, object] | None = None,
     warm: bool = False,
-) -> LayerProfile:  # fmt: skip
+) -> LayerProfile:
     """Measure every layer on the first ``rows`` rows of ``sample`` (each fed the real output of the one before),
     with ``threads`` torch threads (a rank's share of the cores; default: this process's). With ``loss`` and
     ``target`` (the batch's), ``loss(output, target's first rows)`` is measured as part of the last layer (the
@@ -71,21 +83,48 @@ def profile_layers(
 
         if tp_plan is None:
             raise ValueError(f"tensor_parallel={tensor_parallel} needs tp_plan= to shard the layers by")
-        arguments = dict(repeats=repeats, device=device, threads=threads, loss=loss, target=target, timed=timed,
-                         allocator=allocator, compile=compile, tensor_parallel=tensor_parallel, tp_plan=tp_plan,
-                         warm=warm)  # fmt: skip
+        arguments = dict(
+            repeats=repeats,
+            device=device,
+            threads=threads,
+            loss=loss,
+            target=target,
+            timed=timed,
+            allocator=allocator,
+            compile=compile,
+            tensor_parallel=tensor_parallel,
+            tp_plan=tp_plan,
+            warm=warm,
+        )
         if dist.is_initialized():  # one default group to a process: the fake one is made in a fresh process
             return elsewhere(profile_layers, model, sample, rows, arguments)
         with tensor.fake_mesh(tensor_parallel) as mesh:
             shards = _layer_plans(model, tp_plan, tensor_parallel)
             return _measured(model, sample, rows, **arguments, progress=progress, shard=(mesh, shards))  # type: ignore[arg-type]
-    return _measured(model, sample, rows, repeats=repeats, device=device, threads=threads, loss=loss, target=target,
-                     timed=timed, allocator=allocator, compile=compile, progress=progress, warm=warm)  # fmt: skip
+    return _measured(
+        model,
+        sample,
+        rows,
+        repeats=repeats,
+        device=device,
+        threads=threads,
+        loss=loss,
+        target=target,
+        timed=timed,
+        allocator=allocator,
+        compile=compile,
+        progress=progress,
+        warm=warm,
+    )
 
 
-def measure_layouts(model: nn.Sequential, sample: torch.Tensor | Tensors, wanted: Sequence[tuple[int, int, bool]],
-                    measuring: Mapping[str, object], progress: Callable[[int, int, int], None] | None = None
-                    ) -> tuple[dict[tuple[int, int, bool], LayerProfile], dict[int, str]]:  # fmt: skip
+def measure_layouts(
+    model: nn.Sequential,
+    sample: torch.Tensor | Tensors,
+    wanted: Sequence[tuple[int, int, bool]],
+    measuring: Mapping[str, object],
+    progress: Callable[[int, int, int], None] | None = None,
+) -> tuple[dict[tuple[int, int, bool], LayerProfile], dict[int, str]]:
     """The layers profiled (``profile_layers`` with ``measuring``'s options) at each (rows, tensor-parallel degree,
     host path warm) in ``wanted``, and the degrees whose plan cannot split a layer equally (tp -> why; their other
     sizes are not measured). ``progress(done, layers, sizes)``: 0 first, then after each layer at each size."""
@@ -106,8 +145,15 @@ def measure_layouts(model: nn.Sequential, sample: torch.Tensor | Tensors, wanted
             if tp in failed:
                 continue
             try:
-                profiles[rows, tp, alone] = profile_layers(model, sample, rows, progress=layer_done, tensor_parallel=tp,
-                                                           warm=alone, **measuring)  # type: ignore[arg-type]  # fmt: skip
+                profiles[rows, tp, alone] = profile_layers(
+                    model,
+                    sample,
+                    rows,
+                    progress=layer_done,
+                    tensor_parallel=tp,
+                    warm=alone,
+                    **measuring,  # type: ignore[arg-type]
+                )
             except ValueError as error:
                 if tp == 1:
                     raise
@@ -116,11 +162,24 @@ def measure_layouts(model: nn.Sequential, sample: torch.Tensor | Tensors, wanted
 
 
 def _measured(
-    model: nn.Sequential, sample: torch.Tensor | Tensors, rows: int, *, repeats: int, device: torch.device,
-    threads: int | None, loss: Callable[..., torch.Tensor] | None, target: object, timed: bool, allocator: bool,
-    compile: bool | Mapping[str, object], progress: Callable[[], None] | None = None, tensor_parallel: int = 1,
-    tp_plan: object = None, shard: tuple[object, list[dict[str, object]]] | None = None, warm: bool = False,
-) -> LayerProfile:  # fmt: skip
+    model: nn.Sequential,
+    sample: torch.Tensor | Tensors,
+    rows: int,
+    *,
+    repeats: int,
+    device: torch.device,
+    threads: int | None,
+    loss: Callable[..., torch.Tensor] | None,
+    target: object,
+    timed: bool,
+    allocator: bool,
+    compile: bool | Mapping[str, object],
+    progress: Callable[[], None] | None = None,
+    tensor_parallel: int = 1,
+    tp_plan: object = None,
+    shard: tuple[object, list[dict[str, object]]] | None = None,
+    warm: bool = False,
+) -> LayerProfile:
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -129,27 +188,41 @@ def _measured(
         if loss is not None and target is not None:  # the loss runs on the last stage: that layer's, for stages
             part = map_tensors(target, lambda t: t[:rows].to(device).clone())  # type: ignore[arg-type]
             layers[-1] = WithLoss(layers[-1], loss, part)
-        profile = _profile(layers, sample, rows, repeats if timed else 0, device, allocator, compile, progress, shard,
-                           warm)  # fmt: skip
+        profile = _profile(
+            layers, sample, rows, repeats if timed else 0, device, allocator, compile, progress, shard, warm
+        )
         keys = profile.parameters if shard is not None else parameter_keys(model)  # the loss wrapper left out
         stash = torch.get_rng_state().numel() if device.type == "cpu" else 0  # checkpoint's preserve_rng_state
-        return dataclasses.replace(profile, parameters=keys, timed=timed, tensor_parallel=tensor_parallel,
-                                   checkpoint_stash=stash)  # fmt: skip
+        return dataclasses.replace(
+            profile, parameters=keys, timed=timed, tensor_parallel=tensor_parallel, checkpoint_stash=stash
+        )
     finally:
         torch.set_num_threads(previous)
 
 
 def _profile(
-    model: Sequence[nn.Module], sample: torch.Tensor | Tensors, rows: int, repeats: int, device: torch.device,
-    allocator: bool, compile: bool | Mapping[str, object] = False, progress: Callable[[], None] | None = None,
-    shard: tuple[object, list[dict[str, object]]] | None = None, warm: bool = False,
-) -> LayerProfile:  # fmt: skip
+    model: Sequence[nn.Module],
+    sample: torch.Tensor | Tensors,
+    rows: int,
+    repeats: int,
+    device: torch.device,
+    allocator: bool,
+    compile: bool | Mapping[str, object] = False,
+    progress: Callable[[], None] | None = None,
+    shard: tuple[object, list[dict[str, object]]] | None = None,
+    warm: bool = False,
+) -> LayerProfile:
     extras = _Extras(repeats, device, allocator, compile, shard, warm)
     columns = profile_columns(model, sample, rows, repeats, device, compile, progress, extras)
     profile = LayerProfile(rows, **columns)  # type: ignore[arg-type]
     keys = parameter_keys(model, extras.probes) if extras.probes else ()  # the shards' sizes, each tie once
-    return dataclasses.replace(profile, allocations=tuple(extras.allocations), collectives=tuple(extras.collectives),
-                               parameters=keys, shards_output=tuple(extras.shards_output))  # fmt: skip
+    return dataclasses.replace(
+        profile,
+        allocations=tuple(extras.allocations),
+        collectives=tuple(extras.collectives),
+        parameters=keys,
+        shards_output=tuple(extras.shards_output),
+    )
 
 
 class _Extras:
@@ -157,18 +230,32 @@ class _Extras:
     parallelism the shard's parameters and collectives (recorded before any compile) and whether its output is a
     shard; the allocator's view; the host path warm before each timed compute."""
 
-    def __init__(self, repeats: int, device: torch.device, allocator: bool, compile: bool | Mapping[str, object],
-                 shard: tuple[object, list[dict[str, object]]] | None, warm: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        repeats: int,
+        device: torch.device,
+        allocator: bool,
+        compile: bool | Mapping[str, object],
+        shard: tuple[object, list[dict[str, object]]] | None,
+        warm: bool,
+    ) -> None:
         self.repeats, self.device, self.allocator, self.compile, self.shard, self.warm = (
-            repeats, device, allocator, compile, shard, warm)
+            repeats,
+            device,
+            allocator,
+            compile,
+            shard,
+            warm,
+        )
         self.allocations: list[transients.Allocation] = []
         self.collectives: list[tuple[tuple[str, str, int], ...]] = []
         self.probes: list[list[int]] = []
         self.shards_output: list[bool] = []
         self.whole: torch.Tensor | Tensors | None = None  # under tensor parallelism: the unsharded layers' outputs
 
-    def prepare(self, index: int, layer: nn.Module, probe: nn.Module, value: torch.Tensor | Tensors,
-                flush: Callable[[], None]) -> tuple[nn.Module, Callable[[], None]]:  # fmt: skip
+    def prepare(
+        self, index: int, layer: nn.Module, probe: nn.Module, value: torch.Tensor | Tensors, flush: Callable[[], None]
+    ) -> tuple[nn.Module, Callable[[], None]]:
         first = index == 0
         if first:
             self.whole = value  # to tell a shard from the whole
@@ -183,8 +270,14 @@ class _Extras:
 
     def measured(self, probe: nn.Module, value: torch.Tensor | Tensors, first: bool) -> None:
         if self.allocator:
-            self.allocations.append(transients.allocation(probe, lambda v=value, f=first: leaves(v, f),  # type: ignore[misc]
-                                                          isinstance(value, tuple), self.device))  # fmt: skip
+            self.allocations.append(
+                transients.allocation(
+                    probe,
+                    lambda v=value, f=first: leaves(v, f),  # type: ignore[misc]
+                    isinstance(value, tuple),
+                    self.device,
+                )
+            )
 
     def passed(self, layer: nn.Module, value: torch.Tensor | Tensors) -> None:
         if self.shard is None:
@@ -195,8 +288,9 @@ class _Extras:
         self.whole = whole if isinstance(value, tuple) else whole[0]
 
 
-def _warming(flush: Callable[[], None], twin: nn.Module, value: torch.Tensor | Tensors, first: bool
-             ) -> Callable[[], None]:  # fmt: skip
+def _warming(
+    flush: Callable[[], None], twin: nn.Module, value: torch.Tensor | Tensors, first: bool
+) -> Callable[[], None]:
     """What runs before each timed compute of a warm profile: ``flush()``, then a forward and backward of ``twin`` (a
     copy of the layer) on a copy of its input: the host's path through the layer warm, the layer's own weights and
     input cold."""
@@ -251,8 +345,11 @@ def _sharded(probe: nn.Module, index: int, mesh: object, plans: list[dict[str, o
 class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
     """Each functional collective run inside it: (op, bytes of the whole tensor)."""
 
-    OPS: Mapping[str, str] = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                              "reduce_scatter_tensor": "reduce_scatter"}  # fmt: skip
+    OPS: Mapping[str, str] = {
+        "all_reduce": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
 
     def __init__(self, size: int) -> None:
         super().__init__()

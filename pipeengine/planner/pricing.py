@@ -45,9 +45,16 @@ Priced = tuple[float, float, tuple[float, ...]]  # step seconds, bubble fraction
 def price(spec: Spec, prices: Prices, optimizer_copies: int, buffered: bool) -> Priced:
     """One candidate's step (the simulated program and the frame around it), bubble and memory that must fit."""
     program, dp = spec.program, spec.data_parallel
-    costs = spec.profile.stage_costs(spec.bounds, prices=prices, optimizer_copies=optimizer_copies,
-                                     buffered_sends=buffered, placement=program.placement, data_parallel=dp,
-                                     fsdp=spec.fsdp, checkpoint=spec.checkpoint)  # fmt: skip
+    costs = spec.profile.stage_costs(
+        spec.bounds,
+        prices=prices,
+        optimizer_copies=optimizer_copies,
+        buffered_sends=buffered,
+        placement=program.placement,
+        data_parallel=dp,
+        fsdp=spec.fsdp,
+        checkpoint=spec.checkpoint,
+    )
     summary = summarize(program, costs)
     step = summary.makespan + prices.frame_of(dp, program.num_ranks)  # with what the step runs around its program
     late = spec.profile.in_flight(spec.bounds, spec.fsdp) if buffered else 0.0  # a buffer gloo lets go late

@@ -44,8 +44,17 @@ def ping(elements: int, repeats: int, device: torch.device) -> float:
     return statistics.median(times[1:]) if rank == 0 else 0.0
 
 
-def collective(op: str, elements: int, group: Any, size: int, repeats: int, device: torch.device,
-               rounds: int = 1, active: bool = True, baseline: float | None = None) -> float:  # fmt: skip
+def collective(
+    op: str,
+    elements: int,
+    group: Any,
+    size: int,
+    repeats: int,
+    device: torch.device,
+    rounds: int = 1,
+    active: bool = True,
+    baseline: float | None = None,
+) -> float:
     """Seconds of one ``op`` on a whole tensor of ``elements`` floats over ``group``: ``repeats`` back to back after
     one barrier, as a step runs them, the slowest rank's time over their count (once warm); with ``rounds``, the
     median of that many. Timed one by one from a barrier each, an op also took the barrier's exit skew, milliseconds
@@ -128,8 +137,9 @@ def trimmed(samples: Sequence[float], cut: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
-def frame(groups: Mapping[int, Any], repeats: int, device: torch.device, pipelines: Collection[int] | None = None
-          ) -> dict[str, dict[int, float]]:  # fmt: skip
+def frame(
+    groups: Mapping[int, Any], repeats: int, device: torch.device, pipelines: Collection[int] | None = None
+) -> dict[str, dict[int, float]]:
     """What a training step runs outside its program, over groups of each size (``groups``: size -> this rank's
     group, all the world's groups of that size at once), each timed as a step takes it, from a barrier (the
     slowest rank's, the trimmed mean of ``repeats``): "pipeline", the header every rank of a pipeline gathers before the
@@ -215,8 +225,9 @@ def copying(repeats: int, device: torch.device, elements: int = 2**20) -> float:
     return statistics.median(times[1:]) / (elements * 4)
 
 
-def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: int = 256, units: int = 3
-         ) -> dict[str, Any]:  # fmt: skip
+def fsdp(
+    groups: Mapping[int, Any], repeats: int, device: torch.device, width: int = 256, units: int = 3
+) -> dict[str, Any]:
     """What FSDP2 adds to a stage as the engine shards one (pipeengine.parallel.fsdp: each layer a unit, gradients
     accumulated whole between syncs), on ``units`` Linear(width, width) layers against the same unsharded: "hooks",
     host seconds per unit in a forward and in a backward once gathered (each rank in turn, the others waiting); and
@@ -252,8 +263,7 @@ def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: i
             sharding.regather(sharded)
             dist.barrier()
             timings.append(passes(sharded, sync=True))
-        extra = [statistics.median(t[k] for t in timings[1:]) - statistics.median(t[k] for t in alone)
-                 for k in (0, 1)]  # fmt: skip
+        extra = [statistics.median(t[k] for t in timings[1:]) - statistics.median(t[k] for t in alone) for k in (0, 1)]
         seconds = torch.tensor(extra, dtype=torch.float64) / units
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         found["gather"][size], found["reduce"][size] = max(float(seconds[0]), 0.0), max(float(seconds[1]), 0.0)
@@ -265,15 +275,22 @@ def fsdp(groups: Mapping[int, Any], repeats: int, device: torch.device, width: i
                 dist.barrier()
                 if turn == rank:
                     mine = [passes(sharded) for _ in range(repeats)]
-                    hooks += torch.tensor([max(statistics.median(t[k] for t in mine) - statistics.median(
-                        t[k] for t in alone), 0.0) / units for k in (0, 1)], dtype=torch.float64)  # fmt: skip
+                    hooks += torch.tensor(
+                        [
+                            max(statistics.median(t[k] for t in mine) - statistics.median(t[k] for t in alone), 0.0)
+                            / units
+                            for k in (0, 1)
+                        ],
+                        dtype=torch.float64,
+                    )
             dist.all_reduce(hooks)
             found["hooks"] = [float(h) / size for h in hooks]
     return found
 
 
-def host(build: Callable[..., Any], price: Callable[[Any, float, float], float], repeats: int, device: torch.device
-         ) -> tuple[float, float, float]:  # fmt: skip
+def host(
+    build: Callable[..., Any], price: Callable[[Any, float, float], float], repeats: int, device: torch.device
+) -> tuple[float, float, float]:
     """Host seconds per compute and the latency of a message between stages, as the engine runs them, from two of
     its steps on tiny Linear(4, 4) layers against the simulator's (``price(program, overhead, latency)``: a simulated
     program at those prices, without the step's frame): a pipeline of one rank (8 micro-batches, no message: the
@@ -306,13 +323,18 @@ def host(build: Callable[..., Any], price: Callable[[Any, float, float], float],
         return (low + high) / 2
 
     torch.manual_seed(0)
-    single = build(nn.Sequential(nn.Linear(4, 4)), nn.functional.mse_loss, num_microbatches=8, schedule="gpipe",
-                   group=alone[rank])  # fmt: skip
+    single = build(
+        nn.Sequential(nn.Linear(4, 4)), nn.functional.mse_loss, num_microbatches=8, schedule="gpipe", group=alone[rank]
+    )
     batch, target = torch.randn(8, 4), torch.randn(8, 4)
     steps = [statistics.median(timed(lambda: single.train_step(batch, target), turn == rank)) for turn in range(world)]
     overhead = solve(synced(steps[rank]), lambda o: price(single.schedule, o, 0.0))
-    chain = build(nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)]), nn.functional.mse_loss,
-                  num_microbatches=1, schedule="gpipe")  # fmt: skip
+    chain = build(
+        nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)]),
+        nn.functional.mse_loss,
+        num_microbatches=1,
+        schedule="gpipe",
+    )
     frame = pipeline_frame(dist.group.WORLD, world, device)
     chains, frames = [], []
     for turn in range(6 * repeats):

@@ -35,9 +35,13 @@ class Candidate:
     def engine_kwargs(self) -> dict[str, object]:
         """The PipelineEngine options that build exactly what was priced:
         ``PipelineEngine(model, loss_fn, **c.engine_kwargs())``."""
-        kwargs: dict[str, object] = {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
-                                     "chunks": self.chunks, "partition": list(self.partition),
-                                     "data_parallel": self.data_parallel}  # fmt: skip
+        kwargs: dict[str, object] = {
+            "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "chunks": self.chunks,
+            "partition": list(self.partition),
+            "data_parallel": self.data_parallel,
+        }
         if self.fsdp:
             kwargs["fsdp"] = True
         if self.tensor_parallel > 1:
@@ -95,18 +99,24 @@ class TuneResult:
         return text
 
     def __str__(self) -> str:
-        lines = [f"{len(self.rows)} candidates (priced in {self.search_seconds:.2f} s after "
-                 f"{self.measure_seconds:.2f} s measuring the layers); {self.binding()}",
-                 f"prices: {self.prices}"]  # fmt: skip
+        lines = [
+            f"{len(self.rows)} candidates (priced in {self.search_seconds:.2f} s after "
+            f"{self.measure_seconds:.2f} s measuring the layers); {self.binding()}",
+            f"prices: {self.prices}",
+        ]
         lines += [f"refused {layout}: {why}" for layout, why in self.refused.items()]
         if self.rows:
-            lines.append(f"{'#':>3}  {'layout':22} {'schedule':11} {'m':>3} {'v':>2} {'ckpt':11} {'step ms':>8}  "
-                         f"{'bubble':>6}  {'peak MiB/rank (max)':>19}  partition (methods)")  # fmt: skip
+            lines.append(
+                f"{'#':>3}  {'layout':22} {'schedule':11} {'m':>3} {'v':>2} {'ckpt':11} {'step ms':>8}  "
+                f"{'bubble':>6}  {'peak MiB/rank (max)':>19}  partition (methods)"
+            )
         for index, c in enumerate(self.rows[:20]):
-            lines.append(f"{index:3d}  {c.layout:22} {c.schedule:11} {c.num_microbatches:3d} {c.chunks:2d} "
-                         f"{c.checkpoint:11} {c.step_time * 1e3:8.2f}  {c.bubble:6.1%}  "
-                         f"{max(c.peak_memory) / 2**20:19.1f}  {list(c.partition)} "
-                         f"({', '.join(c.methods)})")  # fmt: skip
+            lines.append(
+                f"{index:3d}  {c.layout:22} {c.schedule:11} {c.num_microbatches:3d} {c.chunks:2d} "
+                f"{c.checkpoint:11} {c.step_time * 1e3:8.2f}  {c.bubble:6.1%}  "
+                f"{max(c.peak_memory) / 2**20:19.1f}  {list(c.partition)} "
+                f"({', '.join(c.methods)})"
+            )
         if len(self.rows) > 20:
             lines.append(f"... and {len(self.rows) - 20} more")
         return "\n".join(lines)
@@ -120,5 +130,3 @@ def _mb(value: float | None) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
     return f"{value:.0f} B"
-
-

@@ -50,7 +50,6 @@ from schedules import SCHEDULES, Semantics, registration
 __all__ = ["Candidate", "TuneResult", "choose", "tune"]
 
 
-
 def tune(
     model: nn.Sequential,
     loss_fn: Callable[..., torch.Tensor] | None,
@@ -103,14 +102,26 @@ def tune(
     processors, where there are enough candidates and the platform forks).
     """
     _check_problem(model, sample, target)
-    _check_options(world_size, data_parallel, tensor_parallel, tp_plan, fsdp, checkpoint, max_microbatches, repeats,
-                   microbatches, memory_limit)  # fmt: skip
+    _check_options(
+        world_size,
+        data_parallel,
+        tensor_parallel,
+        tp_plan,
+        fsdp,
+        checkpoint,
+        max_microbatches,
+        repeats,
+        microbatches,
+        memory_limit,
+    )
     rates = prices if isinstance(prices, Prices) else calibration.load(prices)
     if rates.world_size is not None and rates.world_size != world_size:
         warnings.warn(
             f"tune for {world_size} ranks at prices measured on {rates.world_size} ({rates.source}): how many ranks "
             f"share this machine's processors and what a collective over {world_size} costs were not measured; run "
-            f"python -m pipeengine.tune --calibrate --world-size {world_size}", stacklevel=2)  # fmt: skip
+            f"python -m pipeengine.tune --calibrate --world-size {world_size}",
+            stacklevel=2,
+        )
     transport = backend_named(backend)  # its program, and whether a sent buffer is free once posted (buffered)
     buffered = transport.semantics is Semantics.BUFFERED
     names = list(schedules or SCHEDULES)
@@ -122,24 +133,38 @@ def tune(
     if not found:
         reasons = "; ".join(f"{layout}: {why}" for layout, why in refused.items()) or (
             f"data_parallel={data_parallel} and tensor_parallel={tensor_parallel} leave no pipeline size: their "
-            f"product must divide world_size={world_size}")  # fmt: skip
+            f"product must divide world_size={world_size}"
+        )
         raise ValueError(f"no layout of {world_size} ranks can run this model: {reasons}")
     per_replica = {dp: batch if data_parallel is not None else batch // dp for dp, _, _ in found}
-    counts = {dp: sorted(m for m in (microbatches or range(1, min(rows, max_microbatches) + 1)) if rows % m == 0)
-              for dp, rows in per_replica.items()}  # fmt: skip
+    counts = {
+        dp: sorted(m for m in (microbatches or range(1, min(rows, max_microbatches) + 1)) if rows % m == 0)
+        for dp, rows in per_replica.items()
+    }
     if not any(counts.values()):
-        raise ValueError(f"no micro-batch count in {list(microbatches or [])} divides a replica's batch "
-                         f"({sorted(set(per_replica.values()))} rows)")  # fmt: skip
+        raise ValueError(
+            f"no micro-batch count in {list(microbatches or [])} divides a replica's batch "
+            f"({sorted(set(per_replica.values()))} rows)"
+        )
 
     started = time.perf_counter()
     where = torch.device(device) if device is not None else torch.device("cpu")
     if where.type == "cpu" and reuse_memory:
         keep_freed_memory()
-    measuring = {"repeats": repeats, "device": where, "threads": threads or max(1, (os.cpu_count() or 1) // world_size),
-                 "loss": loss_fn, "target": target, "allocator": allocator, "compile": compile, "tp_plan": tp_plan}
+    measuring = {
+        "repeats": repeats,
+        "device": where,
+        "threads": threads or max(1, (os.cpu_count() or 1) // world_size),
+        "loss": loss_fn,
+        "target": target,
+        "allocator": allocator,
+        "compile": compile,
+        "tp_plan": tp_plan,
+    }
     # a layout of one pipeline rank runs every layer back to back: on the CPU, its layers timed with the host path warm
-    wanted = sorted({(per_replica[dp] // m, tp, where.type == "cpu" and pp == 1) for dp, pp, tp in found
-                     for m in counts[dp]})  # fmt: skip
+    wanted = sorted(
+        {(per_replica[dp] // m, tp, where.type == "cpu" and pp == 1) for dp, pp, tp in found for m in counts[dp]}
+    )
     profiles, failed = measure_layouts(model, sample, wanted, measuring, progress)
     for layout in [x for x in found if x[2] in failed]:  # a plan this degree cannot split equally: refused
         refused[named(layout)] = failed[layout[2]]
@@ -147,11 +172,14 @@ def tune(
     measured = time.perf_counter() - started
 
     started = time.perf_counter()
-    specs = candidate_specs(model, found, fsdp, names, counts, per_replica, profiles, methods, checkpoint, transport,
-                            refused, tp_plan)  # fmt: skip
+    specs = candidate_specs(
+        model, found, fsdp, names, counts, per_replica, profiles, methods, checkpoint, transport, refused, tp_plan
+    )
     priced = in_parallel(len(specs), lambda i: price(specs[i][0], rates, optimizer_copies, buffered), workers)
-    candidates = [dataclasses.replace(candidate, step_time=step, bubble=bubble, peak_memory=peaks)
-                  for (_, candidate), (step, bubble, peaks) in zip(specs, priced, strict=True)]  # fmt: skip
+    candidates = [
+        dataclasses.replace(candidate, step_time=step, bubble=bubble, peak_memory=peaks)
+        for (_, candidate), (step, bubble, peaks) in zip(specs, priced, strict=True)
+    ]
     if not candidates:
         why = "; ".join(f"{layout}: {reason}" for layout, reason in refused.items())
         raise ValueError(
@@ -164,19 +192,34 @@ def tune(
     return TuneResult(kept, dropped, memory_limit, time.perf_counter() - started, measured, rates.source, refused)
 
 
-def _check_options(world_size: int, data_parallel: int | None, tensor_parallel: int | None, tp_plan: object,
-                   fsdp: bool | None, checkpoint: Sequence[str], max_microbatches: int, repeats: int,
-                   microbatches: Sequence[int] | None, memory_limit: float | None) -> None:  # fmt: skip
+def _check_options(
+    world_size: int,
+    data_parallel: int | None,
+    tensor_parallel: int | None,
+    tp_plan: object,
+    fsdp: bool | None,
+    checkpoint: Sequence[str],
+    max_microbatches: int,
+    repeats: int,
+    microbatches: Sequence[int] | None,
+    memory_limit: float | None,
+) -> None:
     """tune's options refused before anything is measured, each naming the rule and the value."""
-    for label, value in (("world_size", world_size), ("data_parallel", 1 if data_parallel is None else data_parallel),
-                         ("tensor_parallel", 1 if tensor_parallel is None else tensor_parallel),
-                         ("max_microbatches", max_microbatches),
-                         ("repeats", repeats), *(("each of microbatches", m) for m in microbatches or ())):  # fmt: skip
+    for label, value in (
+        ("world_size", world_size),
+        ("data_parallel", 1 if data_parallel is None else data_parallel),
+        ("tensor_parallel", 1 if tensor_parallel is None else tensor_parallel),
+        ("max_microbatches", max_microbatches),
+        ("repeats", repeats),
+        *(("each of microbatches", m) for m in microbatches or ()),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{label} must be a positive int, got {value!r}")
     if fsdp and data_parallel is not None and data_parallel < 2:
-        raise ValueError(f"fsdp=True shards the state over the data-parallel replicas, but data_parallel="
-                         f"{data_parallel}: pass data_parallel=2 (or more), or leave fsdp out")  # fmt: skip
+        raise ValueError(
+            f"fsdp=True shards the state over the data-parallel replicas, but data_parallel="
+            f"{data_parallel}: pass data_parallel=2 (or more), or leave fsdp out"
+        )
     if (tensor_parallel or 1) > 1 and tp_plan is None:
         raise ValueError(f"tensor_parallel={tensor_parallel} needs tp_plan= (the engine's) to shard the layers by")
     for option in checkpoint:
@@ -194,8 +237,10 @@ def _check_problem(model: object, sample: object, target: object) -> None:
     for label, value in (("sample", sample), ("target", target)):
         if label == "target" and value is None:
             continue
-        if not (isinstance(value, torch.Tensor) or (isinstance(value, tuple) and value
-                                                     and all(isinstance(t, torch.Tensor) for t in value))):  # fmt: skip
+        if not (
+            isinstance(value, torch.Tensor)
+            or (isinstance(value, tuple) and value and all(isinstance(t, torch.Tensor) for t in value))
+        ):
             raise TypeError(
                 f"{label} must be a batch: a tensor or a tuple of tensors (not a list), got {type(value).__name__}"
             )
@@ -204,9 +249,13 @@ def _check_problem(model: object, sample: object, target: object) -> None:
 
 
 def choose(
-    config: EngineConfig, model: nn.Sequential, loss_fn: Callable[..., torch.Tensor], sample: object,
-    world: Transport, engine: Callable[..., object],
-) -> tuple[EngineConfig, Candidate]:  # fmt: skip
+    config: EngineConfig,
+    model: nn.Sequential,
+    loss_fn: Callable[..., torch.Tensor],
+    sample: object,
+    world: Transport,
+    engine: Callable[..., object],
+) -> tuple[EngineConfig, Candidate]:
     """schedule="auto": world rank 0 (the first stage's rank) tunes on its sample, for the layout the config fixes
     (dp, tp, fsdp), at this machine's prices: where none were kept and the ranks are processes of one default
     process group, every rank measures them first (calibration.calibrate) and rank 0 keeps them. Every rank gets
@@ -218,20 +267,37 @@ def choose(
         try:
             if sample is None:
                 raise ValueError("schedule='auto' needs sample= (an input batch) on the first stage's rank to tune on")
-            result = tune(model, loss_fn, sample, world.size, data_parallel=config.data_parallel,  # type: ignore[arg-type]
-                          tensor_parallel=config.tensor_parallel, tp_plan=config.tp_plan, fsdp=config.fsdp,
-                          checkpoint=[config.checkpoint], compile=config.compile, prices=prices,
-                          microbatches=[config.num_microbatches] if config.num_microbatches else None,
-                          memory_limit=config.memory_limit, backend=world.name, device=config.device)  # fmt: skip
+            result = tune(
+                model,
+                loss_fn,
+                sample,  # type: ignore[arg-type]
+                world.size,
+                data_parallel=config.data_parallel,
+                tensor_parallel=config.tensor_parallel,
+                tp_plan=config.tp_plan,
+                fsdp=config.fsdp,
+                checkpoint=[config.checkpoint],
+                compile=config.compile,
+                prices=prices,
+                microbatches=[config.num_microbatches] if config.num_microbatches else None,
+                memory_limit=config.memory_limit,
+                backend=world.name,
+                device=config.device,
+            )
             choice = result.best
         except Exception as error:  # noqa: BLE001  (every rank must hear of it)
             failure = f"{type(error).__name__}: {error}"
     (choice, failure), *_ = world.all_gather_object((choice, failure), "the tuned schedule from rank 0")
     if choice is None:
         raise ValueError(f"schedule='auto' could not tune on rank 0: {failure}")
-    chosen = dataclasses.replace(config, schedule=choice.schedule, num_microbatches=choice.num_microbatches,
-                                 chunks=choice.chunks, partition=choice.partition,
-                                 memory_limit=None)  # fmt: skip  # spent: the choice fits under it (a limit beside a
+    chosen = dataclasses.replace(
+        config,
+        schedule=choice.schedule,
+        num_microbatches=choice.num_microbatches,
+        chunks=choice.chunks,
+        partition=choice.partition,
+        memory_limit=None,
+    )  # spent: the choice fits under it (a limit beside a
     # named schedule is refused as unread)
     return chosen, choice
 
@@ -245,8 +311,12 @@ def _live_prices(world: Transport, engine: Callable[..., object]) -> Prices | No
     processes = world.name != "loopback" and dist.is_initialized() and world.size == dist.get_world_size() > 1
     if not all(world.all_gather_object(kept or not processes, "whether this machine's prices are kept")):
         if world.rank == 0:
-            print(f"schedule='auto': no prices kept for this machine ({calibration.default_path()}): measuring them on "
-                  f"the {world.size} ranks first (about 20 s for 4 CPU ranks), once", file=sys.stderr, flush=True)
+            print(
+                f"schedule='auto': no prices kept for this machine ({calibration.default_path()}): measuring them on "
+                f"the {world.size} ranks first (about 20 s for 4 CPU ranks), once",
+                file=sys.stderr,
+                flush=True,
+            )
         prices = calibration.calibrate(engine)
         if world.rank == 0:
             calibration.save(prices, backend=world.name, world_size=world.size)

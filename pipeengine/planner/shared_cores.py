@@ -35,8 +35,9 @@ def replicas_speed(processors: float | None, world: int) -> float:
     return 1.0 if processors is None else min(1.0, processors / world)
 
 
-def split(alone: float, crowded: float, processors: float | None, tensor_parallel: int, world: int
-          ) -> tuple[float, float]:  # fmt: skip
+def split(
+    alone: float, crowded: float, processors: float | None, tensor_parallel: int, world: int
+) -> tuple[float, float]:
     """(work, wait) of a tensor-parallel collective timed ``alone`` (its group's ranks alone) and ``crowded`` (every
     group of the world at once). Ranks with processors of their own wait through all of it. Where ranks share
     processors, the share that is processor work is what slowed it crowded against the slowdown of pure work: that

@@ -91,10 +91,13 @@ def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, de
     peak = tuple(watches.peak[compute] for compute in COMPUTES)
     end = tuple(watches.end[compute] for compute in COMPUTES)
     return Allocation(
-        tuple(float(x) for x in peak), tuple(float(x) for x in end),  # type: ignore[arg-type]
-        (float(watches.peak["first B"]), float(watches.peak["first W"])), float(sum(size)),
-        optimizer_step(params, device), float(sum(g.numel() * g.element_size() for g in grads)),
-    )  # fmt: skip
+        tuple(float(x) for x in peak),  # type: ignore[arg-type]
+        tuple(float(x) for x in end),  # type: ignore[arg-type]
+        (float(watches.peak["first B"]), float(watches.peak["first W"])),
+        float(sum(size)),
+        optimizer_step(params, device),
+        float(sum(g.numel() * g.element_size() for g in grads)),
+    )
 
 
 def optimizer_step(params: Sequence[nn.Parameter], device: torch.device) -> float:
@@ -116,8 +119,12 @@ def stage(allocations: Sequence[Allocation], a: int, b: int, one_pass: bool = Fa
     W is one autograd call from its outputs (step.backward's, for a checkpointed stage), as the first stage's."""
     layers = allocations[a:b]
 
-    def composed(index: int, backward: bool, peaks: Callable[[Allocation], float] | None = None,
-                 kept: Callable[[Allocation], float] = lambda layer: 0.0) -> float:  # fmt: skip
+    def composed(
+        index: int,
+        backward: bool,
+        peaks: Callable[[Allocation], float] | None = None,
+        kept: Callable[[Allocation], float] = lambda layer: 0.0,
+    ) -> float:
         order = list(reversed(layers)) if backward else list(layers)
         below, top = 0.0, 0.0
         for position, layer in enumerate(order):
@@ -139,10 +146,12 @@ def stage(allocations: Sequence[Allocation], a: int, b: int, one_pass: bool = Fa
         "transient": composed(0, False),
         "backward_transient": composed(1, True),
         "input_transient": 0.0 if first else composed(2, True),
-        "weight_transient": composed(1, True, kept=lambda layer: layer.grads) if first or one_pass else
-        composed(3, True),
-        "first_transient": max(composed(1, True, lambda layer: layer.first_peak[0]),
-                               composed(3, True, lambda layer: layer.first_peak[1])),  # fmt: skip
+        "weight_transient": composed(1, True, kept=lambda layer: layer.grads)
+        if first or one_pass
+        else composed(3, True),
+        "first_transient": max(
+            composed(1, True, lambda layer: layer.first_peak[0]), composed(3, True, lambda layer: layer.first_peak[1])
+        ),
     }
 
 

@@ -76,8 +76,9 @@ class WeightPass:
             targets = [GradientEdge(_node(p), 0) for p in params]  # type: ignore[arg-type]
             last = index == len(self.roots) - 1
             # not bound to a name: the next root's gradients must not be made while these are still held
-            self._accumulate(params, torch.autograd.grad(edges, targets, values, retain_graph=not last,
-                                                         allow_unused=True))  # fmt: skip
+            self._accumulate(
+                params, torch.autograd.grad(edges, targets, values, retain_graph=not last, allow_unused=True)
+            )
         self.roots, self.fallback = [], None
         return calls
 
@@ -104,8 +105,10 @@ def _direct_weights(node: Node, kept: list[torch.Tensor | None], params: list[nn
     if handler is None or len(kept) != 1 or kept[0] is None or len(params) > 2:
         return False
     grad = kept[0]
-    if any(is_dtensor(p) or p.dtype != grad.dtype or p._backward_hooks or p._post_accumulate_grad_hooks is not None
-           for p in params):  # fmt: skip
+    if any(
+        is_dtensor(p) or p.dtype != grad.dtype or p._backward_hooks or p._post_accumulate_grad_hooks is not None
+        for p in params
+    ):
         return False
     owners = [_node(p) for p in params]
     made = handler(node, grad, owners)
@@ -121,8 +124,9 @@ def _edge(node: Node, index: int) -> Node | None:
 
 def _leaves(owners: list[Node | None], *edges: Node | None) -> bool:
     """The weights beneath the node are exactly these leaves (None: an edge without a gradient)."""
-    return set(owners) == {e for e in edges if e is not None} and all(type(e).__name__ == "AccumulateGrad"
-                                                                       for e in owners)  # fmt: skip
+    return set(owners) == {e for e in edges if e is not None} and all(
+        type(e).__name__ == "AccumulateGrad" for e in owners
+    )
 
 
 def _addmm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
@@ -135,8 +139,14 @@ def _mm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch
     return _linear(node, grad, owners, None, _edge(node, 1), node._saved_self)  # type: ignore[attr-defined]
 
 
-def _linear(node: Node, grad: torch.Tensor, owners: list[Node | None], bias: Node | None, transposed: Node | None,
-            x: torch.Tensor) -> list[torch.Tensor] | None:  # fmt: skip
+def _linear(
+    node: Node,
+    grad: torch.Tensor,
+    owners: list[Node | None],
+    bias: Node | None,
+    transposed: Node | None,
+    x: torch.Tensor,
+) -> list[torch.Tensor] | None:
     if transposed is None or type(transposed).__name__ != "TBackward0" or x.dtype != grad.dtype:
         return None
     weight = _edge(transposed, 0)
@@ -154,8 +164,15 @@ def _layer_norm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> li
         return None
     with torch.no_grad():
         _, weight_grad, bias_grad = torch.ops.aten.native_layer_norm_backward(
-            grad, x, node._saved_normalized_shape, node._saved_result1, node._saved_result2,  # type: ignore[attr-defined]
-            node._saved_weight, node._saved_bias, [False, weight is not None, bias is not None])  # type: ignore[attr-defined]  # fmt: skip
+            grad,
+            x,
+            node._saved_normalized_shape,  # type: ignore[attr-defined]
+            node._saved_result1,  # type: ignore[attr-defined]
+            node._saved_result2,  # type: ignore[attr-defined]
+            node._saved_weight,  # type: ignore[attr-defined]
+            node._saved_bias,  # type: ignore[attr-defined]
+            [False, weight is not None, bias is not None],
+        )
     return [weight_grad if owner is weight else bias_grad for owner in owners]
 
 
@@ -175,8 +192,7 @@ def _mul(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torc
         return [(grad * other).sum_to_size(shape)]
 
 
-_DIRECT = {"AddmmBackward0": _addmm, "MmBackward0": _mm, "NativeLayerNormBackward0": _layer_norm,
-           "MulBackward0": _mul}  # fmt: skip
+_DIRECT = {"AddmmBackward0": _addmm, "MmBackward0": _mm, "NativeLayerNormBackward0": _layer_norm, "MulBackward0": _mul}
 
 
 def backward_input(
@@ -199,8 +215,11 @@ def backward_input(
     on_path, below, reachable = _analyse(roots, input_nodes, set(weight_nodes))
     now = {w for node in on_path if _compiled(node) for w in below.get(node, ())}  # their whole gradient in I
     if now:  # W's analysis without them: autograd gives I their every path's share
-        below = {node: rest for node in on_path if not _compiled(node) and (rest := [w for w in below.get(node, ())
-                                                                                      if w not in now])}  # fmt: skip
+        below = {
+            node: rest
+            for node in on_path
+            if not _compiled(node) and (rest := [w for w in below.get(node, ()) if w not in now])
+        }
         reachable -= now
         weight_nodes = {node: p for node, p in weight_nodes.items() if node not in now}
     owner: dict[Node, int] = {}
@@ -226,8 +245,9 @@ def backward_input(
         handles = [node.register_prehook(keeper(node)) for node in on_path if below.get(node)]
     whole = [p for p in trainable if _node(p) in now]
     try:  # the graph is kept only for a W to come
-        made = torch.autograd.grad(outputs, [*wanted, *whole], grads, retain_graph=bool(weight_nodes),
-                                   allow_unused=True)  # fmt: skip
+        made = torch.autograd.grad(
+            outputs, [*wanted, *whole], grads, retain_graph=bool(weight_nodes), allow_unused=True
+        )
     except RuntimeError as error:
         if "donated buffers" not in str(error):
             raise

@@ -73,9 +73,12 @@ class Executor:
     streams start (by instruction kind: AR, TR; see pipeengine.parallel.gradsync)."""
 
     def __init__(
-        self, rank: int, workers: dict[int, StageWorker], pipeline: Transport,
+        self,
+        rank: int,
+        workers: dict[int, StageWorker],
+        pipeline: Transport,
         syncs: Syncs | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.rank = rank
         self.workers = workers
         self.pipeline = pipeline
@@ -167,10 +170,15 @@ class _Step:
         worker = self.executor.workers[s]
         with self.tracer.span(op), torch.set_grad_enabled(step.train):
             out, loss = worker.forward(
-                mb, inputs, packed, train=step.train, target=step.targets[mb] if last and step.train else None,  # type: ignore[index]
-                expected=None if last else step.boundaries[s], loss_weight=step.loss_weight,
+                mb,
+                inputs,
+                packed,
+                train=step.train,
+                target=step.targets[mb] if last and step.train else None,  # type: ignore[index]
+                expected=None if last else step.boundaries[s],
+                loss_weight=step.loss_weight,
                 loss_scale=step.loss_scale,
-            )  # fmt: skip
+            )
         if loss is not None:
             self.result.losses[mb] = loss
         made = self.flow.produced_key(op)

@@ -51,11 +51,14 @@ def check_summed(loss_fn: Callable[..., torch.Tensor], output: Boundary, target:
     """Refuse a loss_fn that is not a sum over its micro-batch (see the module docstring); silent if it cannot tell
     (a loss that fails on a doubled batch, or is 0 on this one)."""
     draw = torch.Generator().manual_seed(0)
-    made = output.pack([
-        torch.randn(s.shape, generator=draw).to(device, s.dtype) if s.dtype.is_floating_point
-        else torch.zeros(s.shape, dtype=s.dtype, device=device)
-        for s in output.specs
-    ])  # fmt: skip
+    made = output.pack(
+        [
+            torch.randn(s.shape, generator=draw).to(device, s.dtype)
+            if s.dtype.is_floating_point
+            else torch.zeros(s.shape, dtype=s.dtype, device=device)
+            for s in output.specs
+        ]
+    )
     if not all(isinstance(t, torch.Tensor) for t in unpack(target)):  # type: ignore[arg-type]
         return
     twice = map_tensors(target, lambda t: torch.cat([t, t]))  # type: ignore[arg-type]

@@ -104,8 +104,10 @@ class Mailbox:
                 self.transport.complete(list(self.sending))
             except Exception as error:
                 peers = sorted({t.peer for t in self.sending})
-                raise PeerError(f"completing the step's sends to ranks {peers} failed after "
-                                f"{time.perf_counter() - began:.1f} s: {error}") from error  # fmt: skip
+                raise PeerError(
+                    f"completing the step's sends to ranks {peers} failed after "
+                    f"{time.perf_counter() - began:.1f} s: {error}"
+                ) from error
 
     def held(self) -> Iterator[torch.Tensor]:
         """The messages not yet taken or sent."""

@@ -104,8 +104,13 @@ class GradScaler:
 
     def state_dict(self) -> dict[str, float | int]:
         """The scale and the good steps toward its growth, as torch.amp.GradScaler's (a checkpoint's extra)."""
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self._good_steps}  # fmt: skip
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self._good_steps,
+        }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         if not self.enabled:  # no scaling here (not fp16): nothing to restore, as torch.amp.GradScaler

@@ -1,8 +1,8 @@
 """The program cache: the streams a rank's transport runs, made and proved once per kind of step.
 
-    Programs.get(train, no_gradient)   the program of a training step whose ``no_gradient`` boundaries carry no
-                                       gradient (inferred per batch), or of an eval step; validated under the
-                                       transport's semantics before the first step that runs it
+Programs.get(train, no_gradient)   the program of a training step whose ``no_gradient`` boundaries carry no
+                                   gradient (inferred per batch), or of an eval step; validated under the
+                                   transport's semantics before the first step that runs it
 """
 
 from __future__ import annotations

@@ -79,8 +79,9 @@ def stage_sizes(
 class _Watch:
     """Each compute's peak above its start, by kind (F, B, I, W), where the allocator is watched."""
 
-    def __init__(self, worker: StageWorker, inputs: Tensors, params: list[nn.Parameter], device: torch.device,
-                 allocator: bool) -> None:  # fmt: skip
+    def __init__(
+        self, worker: StageWorker, inputs: Tensors, params: list[nn.Parameter], device: torch.device, allocator: bool
+    ) -> None:
         self.worker, self.inputs, self.params, self.device, self.allocator = worker, inputs, params, device, allocator
         self.transients = [0.0, 0.0, 0.0, 0.0]
 
@@ -117,9 +118,17 @@ def _as_it_was(worker: StageWorker, params: list[nn.Parameter]) -> Iterator[None
                 buffer.copy_(value)
 
 
-def _held(worker: StageWorker, ledger: Ledger, inputs: Tensors, packed: bool, target: object,
-          output: Boundary | None, split: bool, device: torch.device, watched: Callable[[int], Any]
-          ) -> tuple[int, int, bool, bool]:  # fmt: skip
+def _held(
+    worker: StageWorker,
+    ledger: Ledger,
+    inputs: Tensors,
+    packed: bool,
+    target: object,
+    output: Boundary | None,
+    split: bool,
+    device: torch.device,
+    watched: Callable[[int], Any],
+) -> tuple[int, int, bool, bool]:
     """One forward and backward under the ledger: the bytes held after the forward (the activation), after a split
     backward's I (what W needs), and whether I leaves the stage's output and input held."""
     with torch.enable_grad(), watched(0):  # the worker keeps what it keeps; nothing else holds a reference
@@ -145,8 +154,16 @@ def _held(worker: StageWorker, ledger: Ledger, inputs: Tensors, packed: bool, ta
     return activation, after_input, keeps_output, keeps_input
 
 
-def _run_stage(worker: StageWorker, inputs: Tensors, packed: bool, target: object, output: Boundary | None,
-               split: bool, device: torch.device, watched: Callable[[int], Any]) -> None:  # fmt: skip
+def _run_stage(
+    worker: StageWorker,
+    inputs: Tensors,
+    packed: bool,
+    target: object,
+    output: Boundary | None,
+    split: bool,
+    device: torch.device,
+    watched: Callable[[int], Any],
+) -> None:
     """One forward and backward of a stage on a sample micro-batch, each compute watched."""
     with torch.enable_grad(), watched(0):
         worker.forward(-1, inputs, packed, train=True, target=target, expected=output)

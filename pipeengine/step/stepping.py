@@ -43,9 +43,18 @@ __all__: list[str] = []
 class Stepper:
     """A rank's steps: what it runs them with is handed to it (the executor, the program cache, the tracing)."""
 
-    def __init__(self, executor: Executor, programs: Programs, topology: Topology, layers: StageLayers,
-                 config: EngineConfig, loss_fn: Callable[..., torch.Tensor], calls: Calls, tracing: Tracing,
-                 params: Callable[[], list[nn.Parameter]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        executor: Executor,
+        programs: Programs,
+        topology: Topology,
+        layers: StageLayers,
+        config: EngineConfig,
+        loss_fn: Callable[..., torch.Tensor],
+        calls: Calls,
+        tracing: Tracing,
+        params: Callable[[], list[nn.Parameter]],
+    ) -> None:
         self.executor, self.programs, self.topology, self.layers = executor, programs, topology, layers
         self.config, self.loss_fn, self.calls, self.tracing, self.params = config, loss_fn, calls, tracing, params
         self.num_microbatches: int = config.num_microbatches  # type: ignore[assignment]  # set by now (auto too)
@@ -59,8 +68,9 @@ class Stepper:
 
     def train(self, inputs: object, targets: object, loss_scale: float) -> float:
         """Forward and backward over all micro-batches; the mean loss (as one process has it) on every rank."""
-        header = self.calls.exchange(Call.TRAIN, inputs, targets, first=self.first, last=self.last,
-                                     num_microbatches=self.num_microbatches)  # fmt: skip
+        header = self.calls.exchange(
+            Call.TRAIN, inputs, targets, first=self.first, last=self.last, num_microbatches=self.num_microbatches
+        )
         boundaries = self.infer(header.microbatch_inputs)
         no_gradient = frozenset(b for b, boundary in enumerate(boundaries[:-1]) if not boundary.grad_specs)
         targets_split = None
@@ -73,10 +83,16 @@ class Stepper:
             total = count_units(self.config.loss_count, targets_split, topology, last, check)
             self._summed_checked = True
         step = StepInputs(
-            True, self._steps[True], self.split(inputs) if self.first else None, targets_split,
-            header.microbatch_inputs, boundaries, loss_weight=1.0 / (total or self.num_microbatches),
-            loss_scale=loss_scale, average_replicas=total is None,  # a global count: replicas' shares add up
-        )  # fmt: skip
+            True,
+            self._steps[True],
+            self.split(inputs) if self.first else None,
+            targets_split,
+            header.microbatch_inputs,
+            boundaries,
+            loss_weight=1.0 / (total or self.num_microbatches),
+            loss_scale=loss_scale,
+            average_replicas=total is None,  # a global count: replicas' shares add up
+        )
         result = self.run(self.programs.get(True, no_gradient), step)
         loss = torch.zeros((), dtype=torch.float32, device=self.executor.pipeline.device)
         if self.last:
@@ -91,8 +107,9 @@ class Stepper:
 
     def eval(self, inputs: object) -> torch.Tensor | Tensors | None:
         """Forward only; the last stage's rank returns the outputs of the whole batch, others None."""
-        header = self.calls.exchange(Call.EVAL, inputs, None, first=self.first, last=self.last,
-                                     num_microbatches=self.num_microbatches)  # fmt: skip
+        header = self.calls.exchange(
+            Call.EVAL, inputs, None, first=self.first, last=self.last, num_microbatches=self.num_microbatches
+        )
         boundaries = self.infer(header.microbatch_inputs)
         split = self.split(inputs) if self.first else None
         step = StepInputs(False, self._steps[False], split, None, header.microbatch_inputs, boundaries)
@@ -130,7 +147,7 @@ class Stepper:
             boundaries = self.topology.world.computed_once(
                 ("boundaries", self._engine, inputs),
                 lambda: infer_boundaries(self.layers.meta, self.layers.bounds, inputs),
-            )  # fmt: skip
+            )
             if self.config.dtype is not None:  # floating tensors cross in the autocast dtype (see precision)
                 boundaries = [b.in_dtype(self.config.dtype) for b in boundaries[:-1]] + boundaries[-1:]
             self._boundaries[inputs] = boundaries

@@ -62,8 +62,14 @@ class Checkpoints:
     def grid(self) -> list[int]:
         return [self.topology.grid.dp, self.topology.grid.pp, self.topology.grid.tp]
 
-    def save(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
-             extra: Mapping[str, Any], background: bool, keep: int | None = 1) -> Path | Future[Path]:  # fmt: skip
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        optimizer: torch.optim.Optimizer | None,
+        extra: Mapping[str, Any],
+        background: bool,
+        keep: int | None = 1,
+    ) -> Path | Future[Path]:
         """Every rank calls it: a pending background write ends first (its failure raised here, on every rank)."""
         check_keep(keep)
         self.background.wait()
@@ -105,16 +111,28 @@ class Checkpoints:
             listed = self.topology.pipeline.all_gather_object(list(state), "the names each rank saves")
             if rank == 0:
                 form = "shards/pp-{}" if self.sharded else "part-{}.pt"
-                meta = {"format": 2 if self.sharded else 1, "layers": self.layers, "keys": self.keys,
-                        "tied": dict(self.params.ties.aliases), "parts": {form.format(r): held for r, held in
-                        enumerate(listed)}, "grid": self.grid, "extras": sorted(taken)}  # fmt: skip
+                meta = {
+                    "format": 2 if self.sharded else 1,
+                    "layers": self.layers,
+                    "keys": self.keys,
+                    "tied": dict(self.params.ties.aliases),
+                    "parts": {form.format(r): held for r, held in enumerate(listed)},
+                    "grid": self.grid,
+                    "extras": sorted(taken),
+                }
         return Snapshot(
-            target, world.rank, part, fsdp_checkpoint.flatten(state, named) if self.sharded else None, meta,
-            taken if world.rank == 0 else None, extras.rng_state(world.device),
+            target,
+            world.rank,
+            part,
+            fsdp_checkpoint.flatten(state, named) if self.sharded else None,
+            meta,
+            taken if world.rank == 0 else None,
+            extras.rng_state(world.device),
         )
 
-    def load(self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None,
-             extra: Mapping[str, Any]) -> extras.Loaded:  # fmt: skip
+    def load(
+        self, directory: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any]
+    ) -> extras.Loaded:
         """Every rank reads and checks its whole part first; only if every rank can does any rank change: all ranks
         loaded or none, each failure named with its rank, on every rank."""
         self.background.wait()
@@ -126,8 +144,9 @@ class Checkpoints:
         try:
             target = resolve(Path(directory))
             saved = extras.check(target, extra)  # a refused extra before anything is loaded
-            staged = read_checkpoint(target, self.params.stages.values(), optimizer, names, expected=set(self.keys),
-                                     shapes_only=world.alone)  # fmt: skip  (a dry run reads no tensor's data)
+            staged = read_checkpoint(
+                target, self.params.stages.values(), optimizer, names, expected=set(self.keys), shapes_only=world.alone
+            )  # (a dry run reads no tensor's data)
             same = staged.meta.get("grid") == self.grid and not world.alone  # a dry run leaves the process's generators
             rng = extras.read_rng(target, world.rank) if same else None
             failure = None
@@ -154,8 +173,10 @@ def agree(failures: list[tuple[str, str] | None]) -> None:
     if not said:
         return
     first = next(failure for failure in failures if failure is not None)
-    raise _RAISED.get(first[0], RuntimeError)(f"{said} (nothing was loaded, on any rank: a load changes the model and "
-                                              "optimizer only where every rank can read its whole part)")  # fmt: skip
+    raise _RAISED.get(first[0], RuntimeError)(
+        f"{said} (nothing was loaded, on any rank: a load changes the model and "
+        "optimizer only where every rank can read its whole part)"
+    )
 
 
 @dataclass
@@ -203,10 +224,15 @@ def read_checkpoint(
             "load a checkpoint saved from the same nn.Sequential"
         )
     modules = list(modules)
-    placed = {tied.get(key, key): value for module in modules
-              for key, value in module.state_dict(keep_vars=True).items()}  # fmt: skip
-    params = {name: p for group in (optimizer.param_groups if optimizer else []) for p in group["params"]
-              if (name := names.get(id(p))) is not None}  # fmt: skip
+    placed = {
+        tied.get(key, key): value for module in modules for key, value in module.state_dict(keep_vars=True).items()
+    }
+    params = {
+        name: p
+        for group in (optimizer.param_groups if optimizer else [])
+        for p in group["params"]
+        if (name := names.get(id(p))) is not None
+    }
     if meta.get("format", 1) == 2:  # shards: each read as this rank places it, shapes checked as they are planned
         model, states, groups = fsdp_checkpoint.read(target, placed, params)
     else:
@@ -237,8 +263,10 @@ def _dry_saved(root: Path, target: Path, taken: Mapping[str, Any], background: b
 
 def _same_shape(stored: torch.Tensor, placed: torch.Tensor, what: str) -> None:
     if tuple(stored.shape) != tuple(placed.shape):
-        raise ValueError(f"{what} is {list(stored.shape)} there, {list(placed.shape)} in this model: it is a "
-                         "checkpoint of another model; load one saved from the same nn.Sequential")  # fmt: skip
+        raise ValueError(
+            f"{what} is {list(stored.shape)} there, {list(placed.shape)} in this model: it is a "
+            "checkpoint of another model; load one saved from the same nn.Sequential"
+        )
 
 
 def consolidate(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -271,8 +299,10 @@ def _read(
         payload = _part(target / part, shapes_only)
         absent = sorted(wanted.intersection(keys) - set(payload["model"]))
         if absent:
-            raise ValueError(f"{target / part} holds no tensor for {few(absent)}, which meta.json places there: the "
-                             "checkpoint is damaged; load another or save again")  # fmt: skip
+            raise ValueError(
+                f"{target / part} holds no tensor for {few(absent)}, which meta.json places there: the "
+                "checkpoint is damaged; load another or save again"
+            )
         model.update({k: v for k, v in payload["model"].items() if k in wanted})
         if payload["optimizer"] is not None:
             states.update(payload["optimizer"]["state"])
@@ -288,29 +318,43 @@ def _part(path: Path, shapes_only: bool = False) -> dict[str, Any]:
     try:
         payload = torch.load(path, map_location="meta" if shapes_only else "cpu", weights_only=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; load another or save "
-                                "again") from None  # fmt: skip
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint is incomplete; load another or save again"
+        ) from None
     except Exception as error:  # noqa: BLE001  (truncated, corrupt, or a refused global: named, never run)
-        raise ValueError(f"{path} cannot be read ({refused(error)}): it is truncated, damaged or not written by "
-                         "engine.save, and nothing in it was run; load another checkpoint or save again") from None
-    shaped = isinstance(payload, dict) and isinstance(payload.get("model"), dict) and all(
-        isinstance(v, torch.Tensor) for v in payload["model"].values()) and (payload.get("optimizer") is None or (
-        isinstance(payload["optimizer"], dict) and {"state", "param_groups"} <= set(payload["optimizer"])))  # fmt: skip
+        raise ValueError(
+            f"{path} cannot be read ({refused(error)}): it is truncated, damaged or not written by "
+            "engine.save, and nothing in it was run; load another checkpoint or save again"
+        ) from None
+    shaped = (
+        isinstance(payload, dict)
+        and isinstance(payload.get("model"), dict)
+        and all(isinstance(v, torch.Tensor) for v in payload["model"].values())
+        and (
+            payload.get("optimizer") is None
+            or (isinstance(payload["optimizer"], dict) and {"state", "param_groups"} <= set(payload["optimizer"]))
+        )
+    )
     if not shaped:
-        raise ValueError(f"{path} is not a checkpoint part ({{'model': tensors, 'optimizer': ...}}): load a checkpoint "
-                         "written by engine.save")  # fmt: skip
+        raise ValueError(
+            f"{path} is not a checkpoint part ({{'model': tensors, 'optimizer': ...}}): load a checkpoint "
+            "written by engine.save"
+        )
     part: dict[str, Any] = payload
     return part
 
 
-def _named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str], gather: bool = True
-                           ) -> dict[str, Any]:  # fmt: skip
+def _named_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], gather: bool = True
+) -> dict[str, Any]:
     """An optimizer's state_dict with parameter names in place of indices; parameters without a name here (a tied
     weight that another rank writes) are left out. ``gather``: DTensors whole (else as they are)."""
     state = optimizer.state_dict()
     by_index = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
-    wholes = {i: {key: whole(v) if isinstance(v, torch.Tensor) and gather else v for key, v in value.items()}
-              for i, value in state["state"].items()}  # fmt: skip  (every rank gathers: the collective is the mesh's)
+    wholes = {
+        i: {key: whole(v) if isinstance(v, torch.Tensor) and gather else v for key, v in value.items()}
+        for i, value in state["state"].items()
+    }  # (every rank gathers: the collective is the mesh's)
     return {
         "state": {by_index[i]: value for i, value in wholes.items() if by_index[i] is not None},
         "param_groups": [
@@ -333,10 +377,11 @@ def _load_named_optimizer_state(
             group.update(groups[by_index[group["params"][0]]])  # the hyperparameters saved with these parameters
     params = [p for group in optimizer.param_groups for p in group["params"]]
     current["state"] = {
-        i: {key: spread(v, params[i]) if isinstance(v, torch.Tensor) and v.dim() else v
-            for key, v in states[name].items()}  # a DTensor parameter's state: its part (step counts stay whole)
-        for i, name in enumerate(by_index) if name in states
-    }  # fmt: skip
+        i: {
+            key: spread(v, params[i]) if isinstance(v, torch.Tensor) and v.dim() else v
+            for key, v in states[name].items()
+        }  # a DTensor parameter's state: its part (step counts stay whole)
+        for i, name in enumerate(by_index)
+        if name in states
+    }
     optimizer.load_state_dict(current)
-
-

@@ -39,13 +39,24 @@ class ReplicaLoader:
     torch.utils.data.DataLoader (num_workers, collate_fn, pin_memory, ...), which does the loading.
     """
 
-    def __init__(self, dataset: Dataset[Any], batch_size: int, *, replicas: int = 1, rank: int = 0,
-                 shuffle: bool = True, seed: int = 0, **loader: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        **loader: Any,
+    ) -> None:
         if not isinstance(dataset, Sized):
             raise TypeError(f"ReplicaLoader needs a dataset with a length (a map-style Dataset), got {type(dataset)}")
         if batch_size < 1 or batch_size % replicas:
-            raise ValueError(f"the global batch_size={batch_size} must be a positive multiple of replicas={replicas}: "
-                             "every replica reads an equal share of each batch")  # fmt: skip
+            raise ValueError(
+                f"the global batch_size={batch_size} must be a positive multiple of replicas={replicas}: "
+                "every replica reads an equal share of each batch"
+            )
         if not 0 <= rank < replicas:
             raise ValueError(f"rank={rank} is not a replica of replicas={replicas} (0 to {replicas - 1})")
         self.batches_per_epoch = len(dataset) // batch_size
@@ -86,16 +97,26 @@ class ReplicaLoader:
         return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def state_dict(self) -> dict[str, int]:
-        return {"consumed": self.consumed, "batch_size": self.batch_size, "seed": self.seed,
-                "samples": len(self.dataset), "shuffle": int(self.shuffle)}  # fmt: skip
+        return {
+            "consumed": self.consumed,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "samples": len(self.dataset),
+            "shuffle": int(self.shuffle),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         mine = self.state_dict()
-        differ = [f"{key} {state[key]} (now {mine[key]})" for key in ("batch_size", "samples", "shuffle")
-                  if state.get(key, mine[key]) != mine[key]]  # fmt: skip
+        differ = [
+            f"{key} {state[key]} (now {mine[key]})"
+            for key in ("batch_size", "samples", "shuffle")
+            if state.get(key, mine[key]) != mine[key]
+        ]
         if differ:
-            raise ValueError(f"the saved position is in other batches: saved with {', '.join(differ)}; a resumed "
-                             "run reads the same global batches only with the same dataset and global batch_size")
+            raise ValueError(
+                f"the saved position is in other batches: saved with {', '.join(differ)}; a resumed "
+                "run reads the same global batches only with the same dataset and global batch_size"
+            )
         self.consumed, self.seed = int(state["consumed"]), int(state["seed"])
 
 

@@ -43,8 +43,9 @@ def extra_states(extra: Mapping[str, Any], copied: bool) -> dict[str, dict[str, 
     """What extra.pt holds (every rank takes it: a failure is every rank's, before any collective). It must load
     with torch.load(weights_only=True), as a resume does: tensors, numbers, strings, and lists, tuples and dicts of
     them; anything else is refused here, naming the extra. ``copied``: deep copies, for a background write."""
-    taken = {name: {"state": value.state_dict()} if is_stateful(value) else {"value": value}
-             for name, value in extra.items()}  # fmt: skip
+    taken = {
+        name: {"state": value.state_dict()} if is_stateful(value) else {"value": value} for name, value in extra.items()
+    }
     for name, entry in taken.items():
         buffer = io.BytesIO()
         try:
@@ -52,11 +53,16 @@ def extra_states(extra: Mapping[str, Any], copied: bool) -> dict[str, dict[str, 
             buffer.seek(0)
             torch.load(buffer, weights_only=True)
         except Exception as error:  # noqa: BLE001  (what fails is named, with what to do)
-            kind = f"the state_dict() of a {type(extra[name]).__name__}" if "state" in entry else \
-                f"a {type(extra[name]).__name__}"  # fmt: skip
-            raise TypeError(f"extra {name!r} is {kind}, which a resume could not load (torch.load(weights_only="
-                            f"True): {type(error).__name__}: {str(error).splitlines()[0][:200]}); pass tensors, "
-                            "numbers, strings, or lists and dicts of them (int(x), str(path))") from None  # fmt: skip
+            kind = (
+                f"the state_dict() of a {type(extra[name]).__name__}"
+                if "state" in entry
+                else f"a {type(extra[name]).__name__}"
+            )
+            raise TypeError(
+                f"extra {name!r} is {kind}, which a resume could not load (torch.load(weights_only="
+                f"True): {type(error).__name__}: {str(error).splitlines()[0][:200]}); pass tensors, "
+                "numbers, strings, or lists and dicts of them (int(x), str(path))"
+            ) from None
     return copy.deepcopy(taken) if copied else taken
 
 
@@ -84,23 +90,32 @@ def check(target: Path, extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         try:
             saved = torch.load(target / EXTRAS, map_location="cpu", weights_only=True)
         except Exception as error:  # noqa: BLE001  (damaged, or a refused global: named, never run)
-            raise ValueError(f"{target / EXTRAS} cannot be read ({refused(error)}); nothing in it was run: load "
-                             "another checkpoint or save again") from None
-        if not isinstance(saved, dict) or not all(isinstance(e, dict) and ("state" in e or "value" in e)
-                                                  for e in saved.values()):  # fmt: skip
+            raise ValueError(
+                f"{target / EXTRAS} cannot be read ({refused(error)}); nothing in it was run: load "
+                "another checkpoint or save again"
+            ) from None
+        if not isinstance(saved, dict) or not all(
+            isinstance(e, dict) and ("state" in e or "value" in e) for e in saved.values()
+        ):
             raise ValueError(f"{target / EXTRAS} is not a checkpoint's extras: load one written by engine.save")
     absent = sorted(set(extra) - set(saved))
     if absent:
         held = ", ".join(sorted(saved)) or "none"
-        raise KeyError(f"{target} holds no extra named {', '.join(absent)} (it holds: {held}); pass to engine.load "
-                       "the names given to engine.save")  # fmt: skip
+        raise KeyError(
+            f"{target} holds no extra named {', '.join(absent)} (it holds: {held}); pass to engine.load "
+            "the names given to engine.save"
+        )
     for name, value in extra.items():
         if is_stateful(value) and "state" not in saved[name]:
-            raise TypeError(f"extra {name!r} was saved as a plain value, {saved[name]['value']!r}, and cannot "
-                            f"load into a {type(value).__name__}: pass it as it was saved")  # fmt: skip
+            raise TypeError(
+                f"extra {name!r} was saved as a plain value, {saved[name]['value']!r}, and cannot "
+                f"load into a {type(value).__name__}: pass it as it was saved"
+            )
         if not is_stateful(value) and "state" in saved[name]:
-            raise TypeError(f"extra {name!r} was saved from an object with state_dict(); pass that object (it "
-                            f"loads in place), not a {type(value).__name__}")  # fmt: skip
+            raise TypeError(
+                f"extra {name!r} was saved from an object with state_dict(); pass that object (it "
+                f"loads in place), not a {type(value).__name__}"
+            )
     return saved
 
 
@@ -112,15 +127,22 @@ def read_rng(target: Path, world_rank: int) -> dict[str, Any] | None:
     try:
         rng = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  (damaged, or a refused global: named, never run)
-        raise ValueError(f"{path} cannot be read ({refused(error)}); nothing in it was run: the checkpoint is "
-                         "damaged; load another or save again") from None
+        raise ValueError(
+            f"{path} cannot be read ({refused(error)}); nothing in it was run: the checkpoint is "
+            "damaged; load another or save again"
+        ) from None
     if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor) or "python" not in rng:
         raise ValueError(f"{path} is not a rank's generator states: load a checkpoint written by engine.save")
     return rng
 
 
-def restore(target: Path, saved: dict[str, dict[str, Any]], extra: Mapping[str, Any], rng: dict[str, Any] | None,
-            device: torch.device) -> Loaded:  # fmt: skip
+def restore(
+    target: Path,
+    saved: dict[str, dict[str, Any]],
+    extra: Mapping[str, Any],
+    rng: dict[str, Any] | None,
+    device: torch.device,
+) -> Loaded:
     """Load each stateful extra, return the plain values; restore this rank's generators (``read_rng``'s, where the
     layout is the one that saved them)."""
     for name, value in extra.items():

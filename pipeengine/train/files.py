@@ -24,16 +24,21 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
         return None
     name = pointer.read_text(errors="replace").strip()
     if not NUMBERED.fullmatch(name):  # a pointer elsewhere ("../x") is not one engine.save wrote
-        raise ValueError(f"{pointer} says {name[:80]!r}, not a checkpoint's name (checkpoint-N): it was not "
-                         "written by engine.save; write the name of a checkpoint in this directory into it, or "
-                         "remove it")  # fmt: skip
+        raise ValueError(
+            f"{pointer} says {name[:80]!r}, not a checkpoint's name (checkpoint-N): it was not "
+            "written by engine.save; write the name of a checkpoint in this directory into it, or "
+            "remove it"
+        )
     return Path(directory) / name
 
 
 def numbered(root: Path) -> dict[int, Path]:
     """The checkpoints engine.save wrote in ``root`` (folders named checkpoint-N), by number."""
-    return {int(found.group(1)): p for p in root.glob("checkpoint-*") if (found := NUMBERED.fullmatch(p.name))
-            and p.is_dir()}  # fmt: skip
+    return {
+        int(found.group(1)): p
+        for p in root.glob("checkpoint-*")
+        if (found := NUMBERED.fullmatch(p.name)) and p.is_dir()
+    }
 
 
 def latest_number(root: Path) -> int:
@@ -49,23 +54,31 @@ def read_meta(target: Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing: {target.name} is not a whole checkpoint; load another or save "
-                                "again") from None  # fmt: skip
+        raise FileNotFoundError(
+            f"{path} is missing: {target.name} is not a whole checkpoint; load another or save again"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not JSON ({error}): the file is damaged or was not written by engine.save; "
-                         "load another checkpoint or save again") from None  # fmt: skip
+        raise ValueError(
+            f"{path} is not JSON ({error}): the file is damaged or was not written by engine.save; "
+            "load another checkpoint or save again"
+        ) from None
     parts = meta.get("parts") if isinstance(meta, dict) else None
     problem = (
-        "it is not an object" if not isinstance(meta, dict)
-        else "'parts' is not an object of lists of names" if not isinstance(parts, dict) or not all(
-            isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in parts.values())
-        else f"'format' is {meta.get('format')!r}, not 1 or 2" if meta.get("format", 1) not in (1, 2)
-        else "'tied' is not an object of names" if not isinstance(meta.get("tied", {}), dict)
-        else "'layers' is not a list" if not isinstance(meta.get("layers", []), list)
-        else "a part is not a plain file name" if meta.get("format", 1) == 1 and not all(
-            Path(part).name == part and part not in (".", "..") for part in parts)
+        "it is not an object"
+        if not isinstance(meta, dict)
+        else "'parts' is not an object of lists of names"
+        if not isinstance(parts, dict)
+        or not all(isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in parts.values())
+        else f"'format' is {meta.get('format')!r}, not 1 or 2"
+        if meta.get("format", 1) not in (1, 2)
+        else "'tied' is not an object of names"
+        if not isinstance(meta.get("tied", {}), dict)
+        else "'layers' is not a list"
+        if not isinstance(meta.get("layers", []), list)
+        else "a part is not a plain file name"
+        if meta.get("format", 1) == 1 and not all(Path(part).name == part and part not in (".", "..") for part in parts)
         else None
-    )  # fmt: skip
+    )
     if problem is not None:
         raise ValueError(f"{path} is not a checkpoint's meta.json: {problem}; load a checkpoint written by engine.save")
     checked: dict[str, Any] = meta

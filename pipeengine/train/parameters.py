@@ -23,8 +23,9 @@ __all__: list[str] = []
 
 
 class Parameters:
-    def __init__(self, stages: Mapping[int, nn.Module], ties: Ties, placement: tuple[int, ...], rank: int,
-                 pipeline: Transport) -> None:  # fmt: skip
+    def __init__(
+        self, stages: Mapping[int, nn.Module], ties: Ties, placement: tuple[int, ...], rank: int, pipeline: Transport
+    ) -> None:
         self.stages, self.ties, self.pipeline = stages, ties, pipeline
         self.elsewhere = ties.shared_elsewhere(placement, rank)  # first names of tied weights another rank owns
 

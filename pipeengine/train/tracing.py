@@ -56,8 +56,9 @@ class Tracing:
             self.enabled, self.optimizer = previous, None
 
     @contextlib.contextmanager
-    def step(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter]
-             ) -> Iterator[Spans]:  # fmt: skip
+    def step(
+        self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter]
+    ) -> Iterator[Spans]:
         """The tracer a step runs under (every rank of the pipeline alike): none, the user's profiler's ranges, or
         ours, watching memory in a training step; the timeline gathered when the step ends."""
         profiled = profiling()  # the user's profiler records: each instruction is a range in it
@@ -92,8 +93,9 @@ class Tracing:
             self._tracer.allocated = live + watch.peak if watch is not None else None
         self.timeline = self._tracer.gather(f"{program.name} measured", self._pipeline, self._num_stages)
 
-    def _begin(self, ledger: Ledger | None = None, state: float = 0.0,
-               sizes: dict[int, StageSizes] | None = None) -> None:  # fmt: skip
+    def _begin(
+        self, ledger: Ledger | None = None, state: float = 0.0, sizes: dict[int, StageSizes] | None = None
+    ) -> None:
         """Time zero, once every rank of the pipeline has set its tracing up: what a rank does first in a traced step
         (measuring its stages, starting the allocator's watch: up to seconds in a process's first) takes each rank its
         own time, and the ranks ready first would start the step alone, their work drawn ahead of the others' by as
@@ -101,8 +103,9 @@ class Tracing:
         self._pipeline.barrier("the traced step's start")
         self._tracer.begin(ledger, state, sizes)
 
-    def _stage_sizes(self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter],
-                     allocator: bool) -> dict[int, StageSizes]:  # fmt: skip
+    def _stage_sizes(
+        self, executor: Executor, program: Schedule, step: StepInputs, params: list[nn.Parameter], allocator: bool
+    ) -> dict[int, StageSizes]:
         """This rank's stages measured on the step's first micro-batch (once per batch shape and program)."""
         copies = optimizer_copies(self.optimizer, params)
         key = (step.first_input, tuple(step.boundaries), id(program), copies, allocator)
@@ -111,8 +114,12 @@ class Tracing:
             return sizes
         sizes, seen, workers, syncs = {}, set(), executor.workers, executor.syncs
         last = self._num_stages - 1
-        split = {op.stage for rank in range(program.num_ranks) for _, op in program.ops(rank)
-                 if op.kind is Kind.BACKWARD_INPUT}  # fmt: skip
+        split = {
+            op.stage
+            for rank in range(program.num_ranks)
+            for _, op in program.ops(rank)
+            if op.kind is Kind.BACKWARD_INPUT
+        }
         device = self._tracer.device
         for s, worker in sorted(workers.items()):
             mine = [p for p in dict.fromkeys(worker.module.parameters()) if id(p) not in seen]
@@ -128,11 +135,16 @@ class Tracing:
                 packed = boundary.is_tuple
             with syncs.whole(worker.module):  # measured as the step runs it (FSDP: gathered); after, as it was
                 sizes[s] = stage_sizes(
-                    worker, inputs, packed, step.targets[0] if s == last else None,  # type: ignore[index]
-                    None if s == last else step.boundaries[s], split=s in split,
-                    parameter_bytes=sum(local_bytes(p) for p in mine), optimizer_copies=copies,
+                    worker,
+                    inputs,
+                    packed,
+                    step.targets[0] if s == last else None,  # type: ignore[index]
+                    None if s == last else step.boundaries[s],
+                    split=s in split,
+                    parameter_bytes=sum(local_bytes(p) for p in mine),
+                    optimizer_copies=copies,
                     allocator=allocator,
-                )  # fmt: skip
+                )
             late = sum(local_bytes(p) for p in mine if p.grad is None and p.requires_grad)  # zero_grad(set_to_none)
             sizes[s] = dataclasses.replace(sizes[s], grads_late=float(late))
         if allocator and sizes:  # the optimizer steps over all of this rank's parameters at once
@@ -142,9 +154,14 @@ class Tracing:
         for s, flat in held.flat.items():
             sizes[s] = dataclasses.replace(sizes[s], sync=flat)
         for s, whole in held.gathered.items():
-            sizes[s] = dataclasses.replace(sizes[s], gathered=whole.parameters, gathered_grads=whole.gradients,
-                                           reduce_held=whole.reduce_held, reduce_transient=whole.reduce_transient,
-                                           gather_transient=whole.parameters)  # fmt: skip
+            sizes[s] = dataclasses.replace(
+                sizes[s],
+                gathered=whole.parameters,
+                gathered_grads=whole.gradients,
+                reduce_held=whole.reduce_held,
+                reduce_transient=whole.reduce_transient,
+                gather_transient=whole.parameters,
+            )
         self._tracer.tie_sync = held.ties
         self._sizes[key] = sizes
         return sizes

@@ -52,8 +52,9 @@ class Snapshot:
     def staged(self, buffers: dict[str, torch.Tensor]) -> Snapshot:
         """The same with every tensor copied (to the CPU; a DTensor's shard where it is): the training may go on.
         ``buffers``: the last staging's CPU copies, filled again where they fit (no allocation, no page faults)."""
-        return dataclasses.replace(self, part=_copied(self.part, buffers, "part"),
-                                   shards=_copied(self.shards, buffers, "shards"))  # fmt: skip
+        return dataclasses.replace(
+            self, part=_copied(self.part, buffers, "part"), shards=_copied(self.shards, buffers, "shards")
+        )
 
 
 def _copied(value: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
@@ -108,8 +109,10 @@ def commit(channel: Transport, target: Path, error: str | None, keep: int | None
     if failed:
         pointer = root / LATEST
         previous = f"still points at {pointer.read_text().strip()}" if pointer.exists() else "was never written"
-        raise OSError(f"writing checkpoint {target} failed ({'; '.join(failed)}); '{LATEST}' {previous}, "
-                      "intact: fix the cause and save again")  # fmt: skip
+        raise OSError(
+            f"writing checkpoint {target} failed ({'; '.join(failed)}); '{LATEST}' {previous}, "
+            "intact: fix the cause and save again"
+        )
     return target
 
 
@@ -128,8 +131,10 @@ def prune(root: Path, target: Path, keep: int | None) -> None:
 
 def check_keep(keep: object) -> None:
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-        raise ValueError(f"keep={keep!r}: keep is how many checkpoints to keep, the new one among them: an int of 1 or "
-                         "more, or None to keep every one")  # fmt: skip
+        raise ValueError(
+            f"keep={keep!r}: keep is how many checkpoints to keep, the new one among them: an int of 1 or "
+            "more, or None to keep every one"
+        )
 
 
 class Background:

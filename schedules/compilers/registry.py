@@ -71,17 +71,34 @@ def register(record: Registration) -> Registration:
 
 register(Registration("gpipe", gpipe, "all forwards, then all backwards"))
 register(Registration("1f1b", one_f_one_b, "warm-up, one forward one backward, cool-down"))
-register(Registration("interleaved", interleaved_1f1b, "1F1B over v chunks per rank, stage k on rank k mod p",
-                      chunks=None, default_chunks=2, check_microbatches=check_rounds))  # fmt: skip
+register(
+    Registration(
+        "interleaved",
+        interleaved_1f1b,
+        "1F1B over v chunks per rank, stage k on rank k mod p",
+        chunks=None,
+        default_chunks=2,
+        check_microbatches=check_rounds,
+    )
+)
 register(Registration("zb-h1", zb_h1, "1F1B with the backward split into I at once and W deferred"))
 register(Registration("zb-v", zb_v, "two chunks per rank in a V with a split backward", chunks=(2,), default_chunks=2))
-register(Registration("v-half", v_half, "ZB-V's V holding about half of 1F1B's activations", chunks=(2,),
-                      default_chunks=2))  # fmt: skip
-register(Registration("v-min", v_min, "ZB-V's V holding about a third of 1F1B's activations", chunks=(2,),
-                      default_chunks=2))  # fmt: skip
-register(Registration("dualpipe-v", dualpipe_v, "DeepSeek's DualPipeV: a V alternating a forward of one chunk with "
-                      "a backward of the other", chunks=(2,), default_chunks=2,
-                      check_microbatches=check_dualpipe_v))  # fmt: skip
+register(
+    Registration("v-half", v_half, "ZB-V's V holding about half of 1F1B's activations", chunks=(2,), default_chunks=2)
+)
+register(
+    Registration("v-min", v_min, "ZB-V's V holding about a third of 1F1B's activations", chunks=(2,), default_chunks=2)
+)
+register(
+    Registration(
+        "dualpipe-v",
+        dualpipe_v,
+        "DeepSeek's DualPipeV: a V alternating a forward of one chunk with a backward of the other",
+        chunks=(2,),
+        default_chunks=2,
+        check_microbatches=check_dualpipe_v,
+    )
+)
 
 
 def registration(name: str) -> Registration:

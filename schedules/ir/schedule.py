@@ -168,8 +168,13 @@ class Schedule:
         (and ``no-gradient 0 2`` when boundaries carry no gradient, ``tied 0 7`` per group of stages that
         share a weight). Lines starting with ``#`` are comments.
         """
-        lines = [f"schedule {self.name}", f"ranks {self.num_ranks}", f"microbatches {self.num_microbatches}",
-                 f"chunks {self.chunks}", "placement " + " ".join(map(str, self.placement))]  # fmt: skip
+        lines = [
+            f"schedule {self.name}",
+            f"ranks {self.num_ranks}",
+            f"microbatches {self.num_microbatches}",
+            f"chunks {self.chunks}",
+            "placement " + " ".join(map(str, self.placement)),
+        ]
         if self.no_gradient:
             lines.append("no-gradient " + " ".join(map(str, sorted(self.no_gradient))))
         lines += ["tied " + " ".join(map(str, stages)) for stages in self.tied]
@@ -224,11 +229,21 @@ class Schedule:
         placement = tuple(numbers("placement"))
         chunks = numbers("chunks") or [len(placement) // max(p, 1)]
         if sorted(streams) != list(range(p)):
-            raise ScheduleError(f"the schedule has ranks {p}, so it needs lines 'rank 0:' .. 'rank {p - 1}:', "
-                                f"got ranks {sorted(streams)}")  # fmt: skip
+            raise ScheduleError(
+                f"the schedule has ranks {p}, so it needs lines 'rank 0:' .. 'rank {p - 1}:', "
+                f"got ranks {sorted(streams)}"
+            )
         name = fields["schedule"][1] if "schedule" in fields else "custom"
-        return cls(name, p, m, chunks[0], placement, tuple(streams[r][1] for r in range(p)),
-                   frozenset(numbers("no-gradient")), tuple(tied))  # fmt: skip
+        return cls(
+            name,
+            p,
+            m,
+            chunks[0],
+            placement,
+            tuple(streams[r][1] for r in range(p)),
+            frozenset(numbers("no-gradient")),
+            tuple(tied),
+        )
 
     def error(self, rule: str, detail: str, marks: Iterable[Cell] = ()) -> ScheduleError:
         """A ScheduleError naming the rule and the values, with the marked cells shown in the grid."""

@@ -28,8 +28,11 @@ def with_gradient_sync(schedule: Schedule) -> Schedule:
         synced: list[Action] = []
         for index, action in enumerate(stream):
             synced.append(action)
-            synced += [Instruction(stage, Kind.ALL_REDUCE, action.microbatch)  # type: ignore[union-attr]
-                       for stage, at in last.items() if at == index]  # fmt: skip
+            synced += [
+                Instruction(stage, Kind.ALL_REDUCE, action.microbatch)  # type: ignore[union-attr]
+                for stage, at in last.items()
+                if at == index
+            ]
         streams.append(synced)
     return schedule.with_streams(streams)
 
@@ -53,8 +56,9 @@ def with_tie_sync(schedule: Schedule) -> Schedule:
         synced: list[Action] = []
         for index, action in enumerate(stream):
             synced.append(action)
-            synced += [Instruction(stage, Kind.TIE_REDUCE, group)
-                       for group, (at, stage) in after.items() if at == index]  # fmt: skip
+            synced += [
+                Instruction(stage, Kind.TIE_REDUCE, group) for group, (at, stage) in after.items() if at == index
+            ]
         streams.append(synced)
     return schedule.with_streams(streams)
 

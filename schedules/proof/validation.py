@@ -250,9 +250,10 @@ def _check_messages(index: _Index) -> None:
                     )
                 if recv[1] >= at:
                     raise schedule.error(
-                        rule, f"rank {rank}: {needed.recv()} at instruction {recv[1]} comes after {op} at {at}",
+                        rule,
+                        f"rank {rank}: {needed.recv()} at instruction {recv[1]} comes after {op} at {at}",
                         [recv, here],
-                    )  # fmt: skip
+                    )
             if made is not None:
                 used[flow.key(made)] = 1
                 sent, rule = index.sends[flow.key(made)], "a compute's output is sent after it runs"

@@ -32,10 +32,17 @@ def chrome_trace_events(timeline: Timeline) -> list[dict[str, object]]:
         category = "wait" if span.wait else ("compute" if span.is_compute else "post")
         if isinstance(span.action, Post):
             category = "post"
-        events.append({
-            "ph": "X", "name": name, "cat": category, "pid": span.rank, "tid": 0 if compute_thread else 1,
-            "ts": (span.start - origin) * scale, "dur": span.duration * scale,
-        })  # fmt: skip
+        events.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": category,
+                "pid": span.rank,
+                "tid": 0 if compute_thread else 1,
+                "ts": (span.start - origin) * scale,
+                "dur": span.duration * scale,
+            }
+        )
     return events
 
 

@@ -50,6 +50,8 @@ class Skeleton(NamedTuple):
     crosses: bool
     makes: int
     extra: bool | tuple[tuple[int, bool], ...]  # a compute: its stage's first F on the rank; a post: its keys
+
+
 _SKELETONS: ByIdentity[tuple[list[list[Skeleton]], list[bool]]] = ByIdentity()
 
 
@@ -80,8 +82,17 @@ def _flattened(schedule: Schedule, flow: Dataflow) -> tuple[list[list[Skeleton]]
                 if first:
                     gathered.add(action.stage)
                 needs = flow.consumed_key(action)
-                skeleton.append(Skeleton(action.kind, action.stage, action.stage * M + action.microbatch, needs,
-                                         needs >= 0 and flow.crosses_key(needs), flow.produced_key(action), first))
+                skeleton.append(
+                    Skeleton(
+                        action.kind,
+                        action.stage,
+                        action.stage * M + action.microbatch,
+                        needs,
+                        needs >= 0 and flow.crosses_key(needs),
+                        flow.produced_key(action),
+                        first,
+                    )
+                )
         found.append(skeleton)
     return found, has_recv
 
@@ -104,8 +115,19 @@ def priced(
                 program.append(Entry(None, stage, 0.0, -1, False, -1, extra, host, 0.0))  # type: ignore[arg-type]
             else:  # an AR
                 cost = reduce[stage] if reduce else 0.0
-                program.append(Entry(None, stage, cost, -1, False, -1, (), sync_host[stage] if sync_host else 0.0,
-                                     cost if blocking else 0.0))  # fmt: skip
+                program.append(
+                    Entry(
+                        None,
+                        stage,
+                        cost,
+                        -1,
+                        False,
+                        -1,
+                        (),
+                        sync_host[stage] if sync_host else 0.0,
+                        cost if blocking else 0.0,
+                    )
+                )
             continue
         if durations is not None:
             program.append(Entry(kind, index, next(durations), needs, crosses, makes, (), 0.0, 0.0))

@@ -106,9 +106,23 @@ class Memory:
         return table
 
     def _expanded(self, num_stages: int) -> dict[str, list[float]]:
-        names = ("state", "activation", "boundary", "gradient", "transient", "output_after_input", "input_after_input",
-                 "sync", "optimizer", "grads_late", "gathered", "gathered_grads", "reduce_held",
-                 "reduce_transient", "gather_transient")  # fmt: skip
+        names = (
+            "state",
+            "activation",
+            "boundary",
+            "gradient",
+            "transient",
+            "output_after_input",
+            "input_after_input",
+            "sync",
+            "optimizer",
+            "grads_late",
+            "gathered",
+            "gathered_grads",
+            "reduce_held",
+            "reduce_transient",
+            "gather_transient",
+        )
         table = {name: expand(f"Memory.{name}", getattr(self, name), num_stages) for name in names}
         after = self.activation if self.after_input is None else self.after_input
         table["after_input"] = expand("Memory.after_input", after, num_stages)
@@ -120,9 +134,16 @@ class Memory:
 
     def without_transients(self) -> Memory:
         """What the engine's ledger sees: the sizes between computes, without the peaks inside them."""
-        return dataclasses.replace(self, transient=0.0, backward_transient=None, input_transient=None,
-                                   weight_transient=None, first_transient=None, reduce_transient=0.0,
-                                   gather_transient=0.0)  # fmt: skip
+        return dataclasses.replace(
+            self,
+            transient=0.0,
+            backward_transient=None,
+            input_transient=None,
+            weight_transient=None,
+            first_transient=None,
+            reduce_transient=0.0,
+            gather_transient=0.0,
+        )
 
     def optimizer_peak(self, placement: tuple[int, ...]) -> list[float]:
         """Per rank, what the optimizer step holds at its peak: the state of its stages and their temporaries."""
@@ -134,8 +155,12 @@ class Memory:
 
 
 _WHEN = operator.itemgetter(0, 1)  # events by (time, order)
-_TRANSIENT = {Kind.FORWARD: "transient", Kind.BACKWARD: "backward_transient", Kind.BACKWARD_INPUT: "input_transient",
-              Kind.BACKWARD_WEIGHT: "weight_transient"}  # fmt: skip
+_TRANSIENT = {
+    Kind.FORWARD: "transient",
+    Kind.BACKWARD: "backward_transient",
+    Kind.BACKWARD_INPUT: "input_transient",
+    Kind.BACKWARD_WEIGHT: "weight_transient",
+}
 Sample = tuple[float, float, Action | None]  # (time, bytes held after it, the action that made the change)
 
 
@@ -156,8 +181,9 @@ def track(schedule: object, times: list[list[tuple[float, float]]], memory: Memo
 def peaks(schedule: object, times: list[list[tuple[float, float]]], memory: Memory) -> list[float]:
     """Each rank's most bytes over a simulated step: the highest of ``track``'s samples (a search wants only
     these)."""
-    return [max(accumulate(delta for _, _, delta, _ in events), default=0.0)
-            for events in _changes(schedule, times, memory)]  # fmt: skip
+    return [
+        max(accumulate(delta for _, _, delta, _ in events), default=0.0) for events in _changes(schedule, times, memory)
+    ]
 
 
 def _changes(
@@ -195,9 +221,17 @@ def _sent_at(plans: list[list[_Step]], times: list[list[tuple[float, float]]], b
     return sent_at
 
 
-def _rank_changes(stream: tuple[Action, ...], plan: list[_Step], times: list[tuple[float, float]], mine: list[int],
-                  table: dict[str, list[float]], memory: Memory, local: list[bool], sent_at: dict[int, float],
-                  extra: dict[int, float]) -> list[tuple[float, int, float, Action | None]]:  # fmt: skip
+def _rank_changes(
+    stream: tuple[Action, ...],
+    plan: list[_Step],
+    times: list[tuple[float, float]],
+    mine: list[int],
+    table: dict[str, list[float]],
+    memory: Memory,
+    local: list[bool],
+    sent_at: dict[int, float],
+    extra: dict[int, float],
+) -> list[tuple[float, int, float, Action | None]]:
     """One rank's changes of bytes, unsorted: its state at time zero, then each action's (the module's docstring)."""
     boundary, gradient, activation = table["boundary"], table["gradient"], table["activation"]
     after_input, gathered, gathered_grads = table["after_input"], table["gathered"], table["gathered_grads"]
@@ -215,8 +249,7 @@ def _rank_changes(stream: tuple[Action, ...], plan: list[_Step], times: list[tup
             events.append((start, order, gradient[at] if is_gradient else boundary[at], action))
         if collective is not None:  # its flat buffers, to the step's end
             is_reduce, s, group = collective
-            flat = table["sync"][s] if is_reduce else (memory.tie_sync[group] if group < len(memory.tie_sync)
-                                                       else 0.0)  # fmt: skip
+            flat = table["sync"][s] if is_reduce else (memory.tie_sync[group] if group < len(memory.tie_sync) else 0.0)
             if flat:
                 events.append((start, order, flat, action))
             if is_reduce and s in sharded:  # FSDP: reduce-scattered, resharded; a unit's reduce-scatter input held
@@ -303,10 +336,15 @@ def _planned(schedule: object) -> tuple[list[list[_Step]], list[dict[tuple[Kind,
             elif isinstance(action, Instruction) and action.kind.is_compute:
                 done[(action.kind, action.stage, action.microbatch)] = index
                 needed, made = flow.consumes(action), flow.produces(action)
-                compute = (action.stage, action.microbatch, action.kind,
-                           None if needed is None else (needed.gradient, needed.boundary, flow.crosses(needed)),
-                           None if made is None or not made.gradient else
-                           (made.boundary, flow.crosses(made), flow.key(made), made.send()))  # fmt: skip
+                compute = (
+                    action.stage,
+                    action.microbatch,
+                    action.kind,
+                    None if needed is None else (needed.gradient, needed.boundary, flow.crosses(needed)),
+                    None
+                    if made is None or not made.gradient
+                    else (made.boundary, flow.crosses(made), flow.key(made), made.send()),
+                )
             plan.append((recvs, sends, collective, compute))
         plans.append(plan)
         computes.append(done)
@@ -314,7 +352,9 @@ def _planned(schedule: object) -> tuple[list[list[_Step]], list[dict[tuple[Kind,
 
 
 def _shared_boundaries(
-    done: dict[tuple[Kind, int, int], int], times: list[tuple[float, float]], table: dict[str, list[float]],
+    done: dict[tuple[Kind, int, int], int],
+    times: list[tuple[float, float]],
+    table: dict[str, list[float]],
     local: list[bool],
 ) -> dict[int, float]:
     """For each handed-over boundary tensor that the later stage holds after the earlier one let it go: its

@@ -26,9 +26,15 @@ COLOURS = {
     "wait": "#C8C8C8",
     "memory": "#2CA02C",
 }
-LABELS = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward (input)",
-          Kind.BACKWARD_WEIGHT: "backward (weight)", "post": "posting sends/recvs",
-          "wait": "waiting on a transfer", "memory": "memory held (under each rank; its peak labelled)"}  # fmt: skip
+LABELS = {
+    Kind.FORWARD: "forward",
+    Kind.BACKWARD: "backward",
+    Kind.BACKWARD_INPUT: "backward (input)",
+    Kind.BACKWARD_WEIGHT: "backward (weight)",
+    "post": "posting sends/recvs",
+    "wait": "waiting on a transfer",
+    "memory": "memory held (under each rank; its peak labelled)",
+}
 LATER_CHUNKS = 0.6  # the shade (alpha) of a rank's second and later chunks; its first chunk is drawn full
 CHUNK_LABELS = {"chunk-first": "a rank's first chunk (full shade)", "chunk-later": "its later chunks (lighter)"}
 
@@ -120,11 +126,26 @@ def _draw(axis: Axes, timeline: Timeline, scale: float, end: float) -> set[Kind 
         if chunk and span.is_compute:
             used.add("chunk-later")
         height = 0.5 if timeline.memory is not None else 0.8  # room for the memory track under the row
-        axis.barh(span.rank - (0.15 if timeline.memory is not None else 0.0), width, left=left, height=height,
-                  color=COLOURS[key], alpha=alpha, edgecolor="white", linewidth=0.4)  # fmt: skip
+        axis.barh(
+            span.rank - (0.15 if timeline.memory is not None else 0.0),
+            width,
+            left=left,
+            height=height,
+            color=COLOURS[key],
+            alpha=alpha,
+            edgecolor="white",
+            linewidth=0.4,
+        )
         if span.is_compute and isinstance(op, Instruction) and width > end / 90:
-            axis.text(left + width / 2, span.rank - (0.15 if timeline.memory is not None else 0.0),
-                      str(op.microbatch), ha="center", va="center", fontsize=7, color="white")  # fmt: skip
+            axis.text(
+                left + width / 2,
+                span.rank - (0.15 if timeline.memory is not None else 0.0),
+                str(op.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
     return used
 
 

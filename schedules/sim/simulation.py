@@ -223,8 +223,10 @@ def run(
     received: list[float | None] = [None] * flow.num_keys  # message -> when its recv was posted
     shapes, has_recv = skeletons(schedule, flow)  # lowered schedules wait for their recvs, compute-only do not
     charges = _charges(costs, S)
-    programs = [priced(skeleton, table, None if durations is None else iter(durations[rank]), charges)
-                for rank, skeleton in enumerate(shapes)]  # fmt: skip
+    programs = [
+        priced(skeleton, table, None if durations is None else iter(durations[rank]), charges)
+        for rank, skeleton in enumerate(shapes)
+    ]
     ready, done, post, stuck = _rules(schedule, (forward_end, input_end, made, sent, received), has_recv, message)
     if costs.processors is not None and costs.processors < p:  # the ranks share fewer processors than they are
         ended: dict[tuple[int, int], float] = {}  # the asynchronous collectives, run sharing them too
@@ -280,17 +282,28 @@ def _charges(costs: Costs, stages: int) -> Charges:
     for name, value in (("Costs.post", costs.post), ("Costs.post_message", costs.post_message)):
         if value < 0:
             raise ValueError(f"{name} must not be negative, got {value}")
-    return Charges(expand("Costs.all_reduce", costs.all_reduce, stages), expand("Costs.gather", costs.gather, stages),
-                   waits, float(costs.post), float(costs.post_message),
-                   expand("Costs.sync_host", costs.sync_host, stages), bool(costs.sync_blocking))  # fmt: skip
+    return Charges(
+        expand("Costs.all_reduce", costs.all_reduce, stages),
+        expand("Costs.gather", costs.gather, stages),
+        waits,
+        float(costs.post),
+        float(costs.post_message),
+        expand("Costs.sync_host", costs.sync_host, stages),
+        bool(costs.sync_blocking),
+    )
 
 
 def _rules(
     schedule: Schedule,
     ends: tuple[list[float | None], list[float | None], list[float | None], list[float | None], list[float | None]],
-    has_recv: list[bool], message: list[float],
-) -> tuple[Callable[[Entry, float], float | None], Callable[[Entry, float], None], Callable[[Entry, float], None],
-           Callable[[list[tuple[int, int]]], Exception]]:  # fmt: skip
+    has_recv: list[bool],
+    message: list[float],
+) -> tuple[
+    Callable[[Entry, float], float | None],
+    Callable[[Entry, float], None],
+    Callable[[Entry, float], None],
+    Callable[[list[tuple[int, int]]], Exception],
+]:
     """run()'s rules over its records (``ends``: when each F and B or I ended, each message was made, its send and
     its recv posted), for both replays: ``ready(entry, free)``, when a compute can start on a rank free since
     ``free`` (None while an input's time is unknown); ``done(entry, end)``, a compute ended; ``post(entry, at)``,
@@ -337,9 +350,14 @@ def _rules(
 
 
 def _collectives(
-    programs: list[list[Entry]], times: list[list[tuple[float, float]]], sent: list[float | None],
-    received: list[float | None], message: list[float], M: int, ended: dict[tuple[int, int], float] | None = None,
-) -> list[list[tuple[float, float]]]:  # fmt: skip
+    programs: list[list[Entry]],
+    times: list[list[tuple[float, float]]],
+    sent: list[float | None],
+    received: list[float | None],
+    message: list[float],
+    M: int,
+    ended: dict[tuple[int, int], float] | None = None,
+) -> list[list[tuple[float, float]]]:
     """Each communication's end: a message when it has arrived, a rank's collectives one at a time in program order
     from their post (asynchronous: no rank waits on them; a blocking one ended where the replay put it; ``ended``:
     where the shared-processor replay ran the asynchronous ones)."""
@@ -365,5 +383,3 @@ def _collectives(
 
 
 _F, _W = Kind.FORWARD, Kind.BACKWARD_WEIGHT
-
-

@@ -188,7 +188,9 @@ class Timeline:
             f"peak in-flight micro-batches per rank: {peaks}"
         )
         if self.memory is not None:
-            held = ", ".join(f"rank {r}: {b:g} after {a}" for r, (b, a) in enumerate(
-                zip(self.peak_memory, self.peak_actions, strict=True)))  # fmt: skip
+            held = ", ".join(
+                f"rank {r}: {b:g} after {a}"
+                for r, (b, a) in enumerate(zip(self.peak_memory, self.peak_actions, strict=True))
+            )
             text += f"\npeak memory per rank: {held}"
         return text

@@ -82,7 +82,7 @@ class Config:
 
 
 def outcome(config: Config) -> str:
-    """"runs", "refused" (a documented refusal: REFUSALS) or "impossible"."""
+    """ "runs", "refused" (a documented refusal: REFUSALS) or "impossible"."""
     return _outcome(dict(config.levels()))
 
 
@@ -134,8 +134,7 @@ def cost(config: Config | dict[str, object]) -> float:
     return world * (each + 0.3 * (tp > 1)) + 0.5 * (levels.get("after") in ("reload", "hf-export"))  # type: ignore[operator]
 
 
-def _complete(chosen: dict[str, object], uncovered: set[object], rng: random.Random, price: float
-              ) -> Config | None:  # fmt: skip
+def _complete(chosen: dict[str, object], uncovered: set[object], rng: random.Random, price: float) -> Config | None:
     """AETG's completion: the other factors in a random order, each the level covering the most uncovered pairs
     with those chosen so far (the cheaper on a tie); a completion that does not run is dropped."""
     order = [name for name in FACTORS if name not in chosen]
@@ -146,8 +145,9 @@ def _complete(chosen: dict[str, object], uncovered: set[object], rng: random.Ran
     return config if outcome(config) == "runs" else None
 
 
-def _gain(chosen: dict[str, object], name: str, level: object, uncovered: set[object], price: float,
-          rng: random.Random) -> tuple[bool, float, float]:  # fmt: skip
+def _gain(
+    chosen: dict[str, object], name: str, level: object, uncovered: set[object], price: float, rng: random.Random
+) -> tuple[bool, float, float]:
     """A level's worth to a partial configuration: whether it still runs, then the uncovered pairs it adds less its
     price (tests/composition: cost), then chance."""
     new = {_pair((name, level), item) for item in chosen.items()}
@@ -190,8 +190,10 @@ def matrix(seed: int = SEED, candidates: int = 40, price: float = PRICE) -> Matr
     uncovered, running = set(runnable), []
     while uncovered:
         pair = min(uncovered, key=str)  # the first uncovered pair, in a fixed order
-        best = max((_complete(dict(pair), uncovered, rng, price) for _ in range(candidates)),
-                   key=lambda c: len(_pairs(c) & uncovered) - price * cost(c) if c else -1e9)  # fmt: skip
+        best = max(
+            (_complete(dict(pair), uncovered, rng, price) for _ in range(candidates)),
+            key=lambda c: len(_pairs(c) & uncovered) - price * cost(c) if c else -1e9,
+        )
         if best is None:
             raise RuntimeError(f"no running configuration holds {pair}")
         running.append(best)

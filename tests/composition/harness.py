@@ -69,8 +69,17 @@ def _mlp(loss: str, tied: bool, seed: int) -> Model:
     """A batch norm, two column-then-row pairs (each inside a stage), the last Linear square: it can be the first's."""
     with SEEDED:
         torch.manual_seed(seed)
-        seq = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 16), nn.Linear(16, 8),
-                            nn.Tanh(), nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 8))  # fmt: skip
+        seq = nn.Sequential(
+            nn.Linear(8, 8),
+            nn.BatchNorm1d(8),
+            nn.Tanh(),
+            nn.Linear(8, 16),
+            nn.Linear(16, 8),
+            nn.Tanh(),
+            nn.Linear(8, 16),
+            nn.Linear(16, 8),
+            nn.Linear(8, 8),
+        )
         if tied:
             seq[8].weight = seq[0].weight
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -82,8 +91,16 @@ def _mlp(loss: str, tied: bool, seed: int) -> Model:
         return torch.randn(ROWS, 8, generator=generator), torch.randn(ROWS, 8, generator=generator)
 
     mean, summed = F.mse_loss, lambda out, y: ((out.float() - y) ** 2).sum()
-    return Model(seq, None, {2: [5, 4], 4: [3, 2, 1, 3]}, plan, mean if loss == "mean" else summed,
-                 None if loss == "mean" else lambda y: y.numel(), data, (3, 4, 6, 7))  # type: ignore[union-attr]  # fmt: skip
+    return Model(
+        seq,
+        None,
+        {2: [5, 4], 4: [3, 2, 1, 3]},
+        plan,
+        mean if loss == "mean" else summed,
+        None if loss == "mean" else lambda y: y.numel(),
+        data,
+        (3, 4, 6, 7),
+    )  # type: ignore[union-attr]
 
 
 def _gpt(loss: str, tied: bool, seed: int) -> Model:
@@ -97,9 +114,16 @@ def _gpt(loss: str, tied: bool, seed: int) -> Model:
         # a head sharded on the vocabulary (the tie's plan): a DTensor
         return gpt.one_process_loss(whole(logits), targets)
 
-    return Model(seq, None, {2: [2, 2], 4: [1, 1, 1, 1]}, gpt.tp_plan(tied),
-                 mean if loss == "mean" else gpt.whole_token_sum, None if loss == "mean" else gpt.count_tokens,
-                 lambda seed: gpt.tp_batch(ROWS, seed), (1, 2))  # fmt: skip
+    return Model(
+        seq,
+        None,
+        {2: [2, 2], 4: [1, 1, 1, 1]},
+        gpt.tp_plan(tied),
+        mean if loss == "mean" else gpt.whole_token_sum,
+        None if loss == "mean" else gpt.count_tokens,
+        lambda seed: gpt.tp_batch(ROWS, seed),
+        (1, 2),
+    )
 
 
 def _llama(loss: str, tied: bool, seed: int) -> Model:
@@ -112,9 +136,16 @@ def _llama(loss: str, tied: bool, seed: int) -> Model:
     def mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=hf.IGNORE)
 
-    return Model(hf.sequential(model), model, {2: [2, 2], 4: [1, 1, 1, 1]}, hf.tp_plan(model),
-                 mean if loss == "mean" else hf.causal_lm_loss, None if loss == "mean" else hf.count_labels,
-                 lambda seed: hf_models.batch(ROWS, seed), (1, 2))  # fmt: skip
+    return Model(
+        hf.sequential(model),
+        model,
+        {2: [2, 2], 4: [1, 1, 1, 1]},
+        hf.tp_plan(model),
+        mean if loss == "mean" else hf.causal_lm_loss,
+        None if loss == "mean" else hf.count_labels,
+        lambda seed: hf_models.batch(ROWS, seed),
+        (1, 2),
+    )
 
 
 def _reseed(model: nn.Module, seed: int) -> None:
@@ -160,22 +191,36 @@ def compare(config: Config, units: int = 4) -> parity.Compare:
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def one_step(one: OneProcess, config: Config, bounds: list[tuple[int, int]],
-             parts: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> float:  # fmt: skip
+def one_step(
+    one: OneProcess,
+    config: Config,
+    bounds: list[tuple[int, int]],
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> float:
     """The one process's step as the engine of ``config`` runs it: micro-batch by micro-batch, stage by stage."""
-    return one.step(parts, microbatches=M, count=one.model.count, bounds=bounds, dtype=DTYPES[config.precision],
-                    scale=scale)  # fmt: skip
+    return one.step(
+        parts, microbatches=M, count=one.model.count, bounds=bounds, dtype=DTYPES[config.precision], scale=scale
+    )
 
 
 def engine_for(config: Config, model: Model) -> PipelineEngine:
     stages = 4 if config.schedule in ("interleaved", "zb-v", "v-half", "v-min", "dualpipe-v") else 2
     return PipelineEngine(
-        model.seq, model.loss, num_microbatches=M, schedule=config.schedule, partition=model.partition[stages],
-        data_parallel=config.data_parallel, fsdp=config.data.startswith("fsdp"),
-        reshard_after_forward=config.data == "fsdp-reshard", tensor_parallel=config.tp,
-        tp_plan=model.plan if config.tp > 1 else None, loss_count=model.count,
-        precision=None if config.precision == "fp32" else config.precision, checkpoint=config.checkpoint,
-    )  # fmt: skip
+        model.seq,
+        model.loss,
+        num_microbatches=M,
+        schedule=config.schedule,
+        partition=model.partition[stages],
+        data_parallel=config.data_parallel,
+        fsdp=config.data.startswith("fsdp"),
+        reshard_after_forward=config.data == "fsdp-reshard",
+        tensor_parallel=config.tp,
+        tp_plan=model.plan if config.tp > 1 else None,
+        loss_count=model.count,
+        precision=None if config.precision == "fp32" else config.precision,
+        checkpoint=config.checkpoint,
+    )
 
 
 def compiled(model: Model) -> None:
@@ -205,9 +250,11 @@ class Once:
 
 
 def _state(seq: nn.Module, grads: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-    return {"grads": {n: p.grad.detach().clone() for n, p in seq.named_parameters() if p.grad is not None} if grads
-            else {}, "weights": {n: p.detach().clone() for n, p in seq.named_parameters()},
-            "buffers": {n: b.detach().clone() for n, b in seq.named_buffers()}}  # fmt: skip
+    return {
+        "grads": {n: p.grad.detach().clone() for n, p in seq.named_parameters() if p.grad is not None} if grads else {},
+        "weights": {n: p.detach().clone() for n, p in seq.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in seq.named_buffers()},
+    }
 
 
 def run(config: Config, directory: str) -> None:
@@ -270,8 +317,9 @@ def _reference(model: Model, config: Config) -> OneProcess:
     return one
 
 
-def _gradients(engine: PipelineEngine, state: dict[str, dict[str, torch.Tensor]], config: Config, what: str,
-               scale: float = 1.0) -> None:  # fmt: skip
+def _gradients(
+    engine: PipelineEngine, state: dict[str, dict[str, torch.Tensor]], config: Config, what: str, scale: float = 1.0
+) -> None:
     """Every gradient (fp16: the engine's still times the loss scale until the scaler unscales them)."""
     grads = {name: state["grads"].get(name) for name in state["weights"]}
     parity.check_grads(engine, grads, f"{config}\n{what}", scale=scale, compare=compare(config))
@@ -320,18 +368,38 @@ def _evaluated(engine: PipelineEngine, once: Once, one: OneProcess | None, model
         close(out, expected, config, "eval_step's output", units)
 
 
-def _reloaded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, once: Once, one: OneProcess | None,
-              theirs: torch.optim.Optimizer | None, config: Config, directory: str) -> None:  # fmt: skip
+def _reloaded(
+    engine: PipelineEngine,
+    optimizer: torch.optim.Optimizer,
+    once: Once,
+    one: OneProcess | None,
+    theirs: torch.optim.Optimizer | None,
+    config: Config,
+    directory: str,
+) -> None:
     """Saved in this layout, loaded into another of the same world (its replicas, two pipeline positions, no tensor
     parallelism nor sharding, another schedule and partition), in float32: the weights, SGD's momentum (the next
     step) and the buffers carry over."""
     engine.save(directory, optimizer)
     other = build(config, seed=11)  # other weights: the checkpoint replaces them
     replicas = ranks.size() // 2
-    layout = dataclasses.replace(config, schedule="gpipe" if config.schedule != "gpipe" else "1f1b", tp=1,
-                                 data="dp2" if replicas > 1 else "dp1", precision="fp32", checkpoint="never")
-    loaded = PipelineEngine(other.seq, other.loss, num_microbatches=M, schedule=layout.schedule,
-                            partition=[len(other.seq) - 1, 1], data_parallel=replicas, loss_count=other.count)
+    layout = dataclasses.replace(
+        config,
+        schedule="gpipe" if config.schedule != "gpipe" else "1f1b",
+        tp=1,
+        data="dp2" if replicas > 1 else "dp1",
+        precision="fp32",
+        checkpoint="never",
+    )
+    loaded = PipelineEngine(
+        other.seq,
+        other.loss,
+        num_microbatches=M,
+        schedule=layout.schedule,
+        partition=[len(other.seq) - 1, 1],
+        data_parallel=replicas,
+        loss_count=other.count,
+    )
     second = torch.optim.SGD(loaded.parameters(), lr=LR, momentum=0.9)
     loaded.load(directory, second)
     before = once(lambda: _state(one.seq, grads=False))  # type: ignore[union-attr]
@@ -356,8 +424,9 @@ def _reloaded(engine: PipelineEngine, optimizer: torch.optim.Optimizer, once: On
     _weights(loaded, expected[1], config, f"{where}: a step after loading (SGD's momentum loaded)")
 
 
-def _exported(engine: PipelineEngine, model: Model, once: Once, one: OneProcess | None, config: Config,
-              directory: str) -> None:  # fmt: skip
+def _exported(
+    engine: PipelineEngine, model: Model, once: Once, one: OneProcess | None, config: Config, directory: str
+) -> None:
     """hf.save_pretrained writes the trained weights of the user's model: from_pretrained computes the one process's
     logits."""
     import transformers

@@ -36,8 +36,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, d // HEADS).unbind(2)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)  # fmt: skip
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 
@@ -100,8 +101,9 @@ class HeadwiseBlock(Block):
         qkv = self.qkv(self.norm1(x))
         heads = qkv.shape[-1] // (3 * HEAD_DIM)  # this rank's heads
         q, k, v = qkv.view(b, t, heads, 3, HEAD_DIM).unbind(3)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)  # fmt: skip
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, heads * HEAD_DIM))
         return x + self.mlp(self.norm2(x))
 
@@ -118,8 +120,12 @@ def headwise_gpt(tied: bool = False, blocks: int = 4) -> nn.Sequential:
 def tp_plan(tied: bool = False) -> dict[str, object]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles: dict[str, object] = {"*.qkv": ColwiseParallel(), "*.proj": RowwiseParallel(),
-                                 "*.mlp.0": ColwiseParallel(), "*.mlp.2": RowwiseParallel()}  # fmt: skip
+    styles: dict[str, object] = {
+        "*.qkv": ColwiseParallel(),
+        "*.proj": RowwiseParallel(),
+        "*.mlp.0": ColwiseParallel(),
+        "*.mlp.2": RowwiseParallel(),
+    }
     if tied:  # the tie holds with one placement on both sides: the vocabulary dim, sharded
         from torch.distributed.tensor import Replicate
 

@@ -50,14 +50,30 @@ def build(family: str, layers: int = 2, tied: bool = True, **options: object) ->
 
     small = {"vocab_size": VOCAB, "tie_word_embeddings": tied}
     if family == "gpt2":
-        config = transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=LENGTH, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                                         **small, **options)  # fmt: skip
+        config = transformers.GPT2Config(
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=LENGTH,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            **small,
+            **options,
+        )
         kind = transformers.GPT2LMHeadModel
     else:
         config_name, model_name, own = FAMILIES[family]
-        sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "max_position_embeddings": LENGTH}  # fmt: skip
+        sizes = {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": LENGTH,
+        }
         config = getattr(transformers, config_name)(**{**sizes, **small, **own, **options})
         kind = getattr(transformers, model_name)
     with SEEDED:

@@ -41,8 +41,14 @@ def traced_peak(schedule: str, checkpoint: str, path: str) -> None:
     measured peaks, the simulator's fed the ledger's sizes, the state, the allocator's peaks and the simulator's fed
     the computes' transients as well."""
     m = 8
-    engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, num_microbatches=m, schedule=schedule,
-                            checkpoint=checkpoint, partition="uniform")  # fmt: skip
+    engine = PipelineEngine(
+        activation_heavy(),
+        nn.functional.mse_loss,
+        num_microbatches=m,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        partition="uniform",
+    )
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(256 * m, 16, generator=generator), torch.randn(256 * m, 16, generator=generator)
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
@@ -57,8 +63,9 @@ def traced_peak(schedule: str, checkpoint: str, path: str) -> None:
         full = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]  # transients too
         state = timeline.sizes.state
         with open(path, "wb") as out:
-            pickle.dump((timeline.peak_memory, predicted.peak_memory, state, timeline.allocated_peak,
-                         full.peak_memory), out)  # fmt: skip
+            pickle.dump(
+                (timeline.peak_memory, predicted.peak_memory, state, timeline.allocated_peak, full.peak_memory), out
+            )
 
 
 def step_then_trace(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

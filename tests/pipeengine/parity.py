@@ -106,8 +106,7 @@ class OneProcess:
                     param.grad = grad if param.grad is None else param.grad + grad
         return loss_sum
 
-    def forward(self, x: Any, bounds: Sequence[tuple[int, int]] | None = None, dtype: torch.dtype | None = None
-                ) -> Any:  # fmt: skip
+    def forward(self, x: Any, bounds: Sequence[tuple[int, int]] | None = None, dtype: torch.dtype | None = None) -> Any:
         """The output, without gradients (in the model's mode: eval() it first for eval_step's)."""
         with torch.no_grad():
             return self._forward(x, bounds, dtype)
@@ -129,8 +128,10 @@ class OneProcess:
                 for layer in self.seq[start:end]:  # type: ignore[index]
                     value = layer(value)
             if stage < len(bounds) - 1 and dtype is not None:
-                cast = [t.to(dtype) if t.is_floating_point() else t for t in (value if isinstance(value, tuple)
-                                                                              else (value,))]  # fmt: skip
+                cast = [
+                    t.to(dtype) if t.is_floating_point() else t
+                    for t in (value if isinstance(value, tuple) else (value,))
+                ]
                 value = tuple(cast) if isinstance(value, tuple) else cast[0]
         return value
 
@@ -155,8 +156,9 @@ def _module(reference: nn.Module | OneProcess) -> nn.Module:
     return reference.seq if isinstance(reference, OneProcess) else reference
 
 
-def close(actual: torch.Tensor | float, expected: torch.Tensor | float, what: str, rtol: float = RTOL,
-          atol: float = ATOL) -> None:  # fmt: skip
+def close(
+    actual: torch.Tensor | float, expected: torch.Tensor | float, what: str, rtol: float = RTOL, atol: float = ATOL
+) -> None:
     """Within the suite's float32 tolerance; a DTensor is compared whole (every rank of its mesh calls this)."""
     actual, expected = whole(torch.as_tensor(actual)).cpu(), whole(torch.as_tensor(expected)).cpu()
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
@@ -197,15 +199,21 @@ def check_grads(
     return count
 
 
-def check_weights(engine: PipelineEngine, reference: nn.Module | OneProcess | Mapping[str, torch.Tensor], what: str,
-                  *, compare: Compare = close) -> None:  # fmt: skip
+def check_weights(
+    engine: PipelineEngine,
+    reference: nn.Module | OneProcess | Mapping[str, torch.Tensor],
+    what: str,
+    *,
+    compare: Compare = close,
+) -> None:
     weights = dict(reference) if isinstance(reference, Mapping) else dict(_module(reference).named_parameters())
     for name, param in engine.named_parameters():
         compare(param.detach(), weights[name].detach(), f"{what}: {name}")
 
 
-def check_clipped(engine: PipelineEngine, reference: nn.Module | OneProcess, max_norm: float, what: str,
-                  norm_type: float = 2.0) -> None:  # fmt: skip
+def check_clipped(
+    engine: PipelineEngine, reference: nn.Module | OneProcess, max_norm: float, what: str, norm_type: float = 2.0
+) -> None:
     """clip_grad_norm_ across the engine's stages returns torch's total norm on the reference and clips alike."""
     total = engine.clip_grad_norm_(max_norm, norm_type=norm_type)
     expected = torch.nn.utils.clip_grad_norm_(_module(reference).parameters(), max_norm, norm_type=norm_type)
@@ -285,8 +293,9 @@ def model_parity(
     for m in microbatches:
         model = build()
         one = OneProcess(model, loss_fn)
-        engine = PipelineEngine(model, loss_fn, num_microbatches=m, schedule=schedule, chunks=chunks, device=device,
-                                checkpoint=checkpoint)  # fmt: skip
+        engine = PipelineEngine(
+            model, loss_fn, num_microbatches=m, schedule=schedule, chunks=chunks, device=device, checkpoint=checkpoint
+        )
         # eps=1e-6: the attention key bias has a mathematically zero gradient, i.e. ~1e-9 of rounding
         # noise that differs with summation order; AdamW's default eps=1e-8 would blow it up to ~lr
         # a rank may hold only parameter-free stages (e.g. 8 stages of an MLP with 5 Linear layers)
@@ -294,9 +303,13 @@ def model_parity(
         optimizer = torch.optim.AdamW(local, lr=1e-3, eps=1e-6) if local else None
         reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-3, eps=1e-6)
         checked = train_like_one_process(
-            engine, one, (optimizer, reference_optimizer), steps, f"{model_name} {schedule} m={m}",
+            engine,
+            one,
+            (optimizer, reference_optimizer),
+            steps,
+            f"{model_name} {schedule} m={m}",
             lambda step: [batch(model_name, sizes[step % len(sizes)], seed=step)],
-        )  # fmt: skip
+        )
         check_weights(engine, one, f"{model_name} {schedule} m={m} after {steps} steps")
         assert checked > 0 or not any(True for _ in engine.parameters())
 
@@ -313,9 +326,13 @@ def replicas_parity(model_name: str, schedule: str, data_parallel: int, m: int, 
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-3, eps=1e-6)
     what = f"{model_name} {schedule} dp={data_parallel}"
     train_like_one_process(
-        engine, one, (optimizer, reference_optimizer), steps, what,
+        engine,
+        one,
+        (optimizer, reference_optimizer),
+        steps,
+        what,
         lambda step: [batch(model_name, size, seed=100 * step + replica) for replica in range(data_parallel)],
-    )  # fmt: skip
+    )
     check_weights(engine, one, f"{what} after {steps} steps")
 
 

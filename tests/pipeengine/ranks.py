@@ -53,8 +53,9 @@ def on_ranks(n: int, *, timeout: float = 120.0, in_process: bool = False) -> Cal
         def test(*args: Any, **kwargs: Any) -> None:
             from pipeengine import launch
 
-            launch(_body, n, args=(body.__module__, body.__name__, args, kwargs), timeout=timeout,
-                   in_process=in_process)  # fmt: skip
+            launch(
+                _body, n, args=(body.__module__, body.__name__, args, kwargs), timeout=timeout, in_process=in_process
+            )
 
         return test  # type: ignore[return-value]
 

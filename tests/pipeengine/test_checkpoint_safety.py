@@ -40,8 +40,15 @@ def sharded_checkpoint(directory: Path, model: torch.nn.Sequential, extra: dict[
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save({**flat, **(extra or {})}, storage_writer=FileSystemWriter(str(target / "shards")), no_dist=True)
-    meta = {"format": 2, "layers": [name for name, _ in model.named_children()], "keys": keys, "tied": {},
-            "parts": {"shards/pp-0": keys}, "grid": [1, 1, 1], "extras": []}  # fmt: skip
+    meta = {
+        "format": 2,
+        "layers": [name for name, _ in model.named_children()],
+        "keys": keys,
+        "tied": {},
+        "parts": {"shards/pp-0": keys},
+        "grid": [1, 1, 1],
+        "extras": [],
+    }
     (target / "meta.json").write_text(json.dumps(meta))
     (directory / "latest").write_text("checkpoint-1")
     return target

@@ -28,14 +28,18 @@ def test_the_ring_fit_recovers_the_links_figures_from_times_priced_with_them() -
         assert bandwidth == pytest.approx(180e9, rel=1e-9) and latency == pytest.approx(7e-6, rel=1e-6)
 
 
-@pytest.mark.parametrize(("sizes", "seconds", "ranks", "said"), [
-    ([2**20, 2**20], [1e-3, 2e-3], 2, "give two distinct sizes or more"),
-    ([2**20, 2**22], [1e-3], 2, "a time each"),
-    ([2**20, 2**22], [1e-3, 1e-3], 2, "do not grow with the sizes"),
-    ([2**20, 2**22], [1e-3, 2e-3], 1, "over 2 ranks or more"),
-])  # fmt: skip
-def test_the_ring_fit_refuses_what_is_not_a_measurement_of_a_link(sizes: list[int], seconds: list[float],
-                                                                  ranks: int, said: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("sizes", "seconds", "ranks", "said"),
+    [
+        ([2**20, 2**20], [1e-3, 2e-3], 2, "give two distinct sizes or more"),
+        ([2**20, 2**22], [1e-3], 2, "a time each"),
+        ([2**20, 2**22], [1e-3, 1e-3], 2, "do not grow with the sizes"),
+        ([2**20, 2**22], [1e-3, 2e-3], 1, "over 2 ranks or more"),
+    ],
+)
+def test_the_ring_fit_refuses_what_is_not_a_measurement_of_a_link(
+    sizes: list[int], seconds: list[float], ranks: int, said: str
+) -> None:
     with pytest.raises(ValueError, match=said):
         fit_ring(sizes, seconds, ranks)
 
@@ -77,8 +81,17 @@ def test_two_ranks_measure_the_link_between_them_and_keep_the_presets_other() ->
     calibrate.dist.all_reduce = all_reduce
     base = load("a100-80gb")
     for per_node in (1, 2):
-        found = measure(base, dtype="fp32", shapes=[(32, 64, 16)], sizes=(2**12, 2**22), copy_bytes=2**20,
-                        repeats=3, device=torch.device("cpu"), per_node=per_node, squares=(64,))  # fmt: skip
+        found = measure(
+            base,
+            dtype="fp32",
+            shapes=[(32, 64, 16)],
+            sizes=(2**12, 2**22),
+            copy_bytes=2**20,
+            repeats=3,
+            device=torch.device("cpu"),
+            per_node=per_node,
+            squares=(64,),
+        )
         assert Hardware.from_json(found.to_json(), "measured") == found  # held to a file's rules
         assert found.peak_flops == base.peak_flops and found.memory_bytes == base.memory_bytes  # the datasheet's
         assert all_gather_object(found.to_json()) == [found.to_json()] * 2
@@ -100,8 +113,23 @@ def test_two_ranks_measure_the_link_between_them_and_keep_the_presets_other() ->
 
 def test_the_command_line_writes_a_description_the_planner_reads(tmp_path: Path) -> None:
     out = tmp_path / "mine.json"
-    code = main(["--calibrate", "--hardware", "h100-sxm", "--out", str(out), "--device", "cpu", "--repeats", "2",
-                 "--precision", "fp32", "--shapes", "16x32x8"])  # fmt: skip
+    code = main(
+        [
+            "--calibrate",
+            "--hardware",
+            "h100-sxm",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--repeats",
+            "2",
+            "--precision",
+            "fp32",
+            "--shapes",
+            "16x32x8",
+        ]
+    )
     assert code == 0
     found = load(out)
     assert found.name == f"{load('h100-sxm').name}, measured"
@@ -110,13 +138,17 @@ def test_the_command_line_writes_a_description_the_planner_reads(tmp_path: Path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
-@pytest.mark.parametrize(("extra", "said"), [
-    ([], r"measures GPUs and this machine has none .* --device cpu tries it here"),
-    (["--device", "cpu", "--shapes", "16x32"], r"--shapes: '16x32' is not m x k x n"),
-    (["--device", "cpu", "--hardware", "b300"], r"'b300' is neither a preset nor a hardware description file"),
-])  # fmt: skip
-def test_the_command_line_refuses_saying_why(extra: list[str], said: str, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ([], r"measures GPUs and this machine has none .* --device cpu tries it here"),
+        (["--device", "cpu", "--shapes", "16x32"], r"--shapes: '16x32' is not m x k x n"),
+        (["--device", "cpu", "--hardware", "b300"], r"'b300' is neither a preset nor a hardware description file"),
+    ],
+)
+def test_the_command_line_refuses_saying_why(
+    extra: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["--calibrate", "--hardware", "h100-sxm", "--out", str(tmp_path / "x.json"), *extra])
     assert code == 2
     assert re.search(said, capsys.readouterr().err)

@@ -63,8 +63,11 @@ def test_preset_figures_as_cited() -> None:
     assert (h100.memory_bandwidth, h200.memory_bandwidth) == (3.35e12, 4.8e12)  # datasheets: no measurement cited
     sweep = a100.intra.sweep  # nccl-tests all_reduce_perf on one 8x A100 node, 32 KiB to 16 GiB by doubling
     assert [size for size, _ in sweep] == [2**k for k in range(15, 35)]
-    assert (sweep[0][1], sweep[11][1], sweep[-1][1]) == (1.31e9, 171.54e9, 234.89e9) == (
-        sweep[0][1], sweep[11][1], a100.intra.bandwidth)  # fmt: skip
+    assert (
+        (sweep[0][1], sweep[11][1], sweep[-1][1])
+        == (1.31e9, 171.54e9, 234.89e9)
+        == (sweep[0][1], sweep[11][1], a100.intra.bandwidth)
+    )
     assert not (h100.intra.sweep or h200.intra.sweep or a100.inter.sweep)  # H200's published sweep runs NVLS
     assert h200.peak_flops == h100.peak_flops and h200.intra == h100.intra and h200.inter == h100.inter
 
@@ -157,8 +160,17 @@ def test_a_description_built_in_code_is_held_to_the_same_rules() -> None:
     with pytest.raises(ValueError, match="bandwidth = -1 is refused"):
         Link(bandwidth=-1, latency=1e-6)
     with pytest.raises(ValueError, match="Hardware 'x': peak_flops.tf32 is missing"):
-        Hardware("x", 8, 80e9, 2e12, {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0}, 0.5, FAST, SLOW,
-                 dict.fromkeys(FIGURES, "assumed"))  # fmt: skip
+        Hardware(
+            "x",
+            8,
+            80e9,
+            2e12,
+            {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0},
+            0.5,
+            FAST,
+            SLOW,
+            dict.fromkeys(FIGURES, "assumed"),
+        )
     assert hash(load("h200")) == hash(load("h200"))  # a cache key for the planner
 
 

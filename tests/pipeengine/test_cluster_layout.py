@@ -21,8 +21,12 @@ def model(layers: int = 4, ends: list[Op] | None = None) -> Transformer:
     op moving 1e9 bytes (1 ms at 1 TB/s) each way, whatever tp and the micro-batch (the pricing scales nothing)."""
 
     def block(tp: int, micro_batch: int) -> list[Op]:
-        return [Op("mm", "matmul", "forward", 10**12, 10**6), Op("gelu", "other", "forward", 0, 10**9),
-                Op("mm", "matmul", "backward", 2 * 10**12, 10**6), Op("gelu", "other", "backward", 0, 10**9)]
+        return [
+            Op("mm", "matmul", "forward", 10**12, 10**6),
+            Op("gelu", "other", "forward", 0, 10**9),
+            Op("mm", "matmul", "backward", 2 * 10**12, 10**6),
+            Op("gelu", "other", "backward", 0, 10**9),
+        ]
 
     def head(tp: int, micro_batch: int) -> list[Op]:
         return list(ends or [])
@@ -71,9 +75,11 @@ def test_a_layout_past_the_devices_memory_is_priced_and_refused_saying_how_much(
 def test_the_embedding_is_the_first_stages_and_the_head_and_loss_the_last() -> None:
     """The ends' ops by stage: the lookup (1 ms) and its backward on the first, the head's matmul (10 ms) on the
     last: the slowest stage, whose slot the estimate counts (m + p - 1) times, carries the head alone."""
-    ends = [Op("aten.embedding.default", "other", "forward", 0, 10**9),
-            Op("aten.embedding_dense_backward.default", "other", "backward", 0, 10**9),
-            Op("aten.mm.default", "matmul", "forward", 10**12, 0)]  # fmt: skip
+    ends = [
+        Op("aten.embedding.default", "other", "forward", 0, 10**9),
+        Op("aten.embedding_dense_backward.default", "other", "backward", 0, 10**9),
+        Op("aten.mm.default", "matmul", "forward", 10**12, 0),
+    ]
     layout = Layout(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=4, recompute=False)
     bare = Runtime(accumulate_bytes=0.0)
     without = estimate(model(), layout, machine(), runtime=bare).parts["pipeline"]
@@ -114,8 +120,9 @@ def test_fsdp_gathers_the_weights_once_a_step_reduce_scatters_the_gradients_and_
     sharded = Layout(tp=2, pp=1, dp=4, micro_batch=1, num_microbatches=2, recompute=False, fsdp=True)
     one, fsdp = price(model(), copied, hw, runtime=bare), price(model(), sharded, hw, runtime=bare)
     gradients = 1e9 / 2 * 2  # this rank's half of the parameters, fp16
-    assert fsdp.parts["data-parallel sync"] == pytest.approx(all_gather(gradients, 4, LINK) + reduce_scatter(
-        gradients, 4, LINK))  # fmt: skip
+    assert fsdp.parts["data-parallel sync"] == pytest.approx(
+        all_gather(gradients, 4, LINK) + reduce_scatter(gradients, 4, LINK)
+    )
     assert fsdp.parts["pipeline"] == one.parts["pipeline"]
     assert fsdp.parts["optimizer"] == pytest.approx(one.parts["optimizer"] / 4)
     assert one.peak_bytes - fsdp.peak_bytes == pytest.approx(1e9 / 2 * (16 - 4 - 12 / 4))
@@ -126,9 +133,13 @@ def split(layers: int = 4) -> Transformer:
     """model()'s block with its backward's matmul split: 1.2e12 FLOPs of I (12 ms), 0.8e12 of W (8 ms, marked)."""
 
     def block(tp: int, micro_batch: int) -> list[Op]:
-        return [Op("mm", "matmul", "forward", 10**12, 10**6), Op("gelu", "other", "forward", 0, 10**9),
-                Op("mm", "matmul", "backward", 12 * 10**11, 10**6), Op("gelu", "other", "backward", 0, 10**9),
-                Op("mm", "matmul", "backward", 8 * 10**11, 10**6, weight=True)]  # fmt: skip
+        return [
+            Op("mm", "matmul", "forward", 10**12, 10**6),
+            Op("gelu", "other", "forward", 0, 10**9),
+            Op("mm", "matmul", "backward", 12 * 10**11, 10**6),
+            Op("gelu", "other", "backward", 0, 10**9),
+            Op("mm", "matmul", "backward", 8 * 10**11, 10**6, weight=True),
+        ]
 
     return Transformer(layers, 1024, 8, 512, 1000, 1e9, block, lambda tp, micro_batch: [])
 

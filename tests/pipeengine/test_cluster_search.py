@@ -19,8 +19,15 @@ from pipeengine.planner.cluster.search import candidates, search
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}  # fmt: skip
+CONFIG = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+}
 
 
 def tiny() -> object:
@@ -44,45 +51,86 @@ def test_the_command_line_prints_the_rows_writes_them_and_prices_a_fixed_layout(
 ) -> None:
     config = tmp_path / "config.json"
     config.write_text(tiny().to_json_string())
-    common = ["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", "--plot",
-              str(tmp_path / "plan.png")]  # fmt: skip
+    common = [
+        "--model",
+        str(config),
+        "--devices",
+        "16",
+        "--global-batch",
+        "32",
+        "--seq",
+        "32",
+        "--plot",
+        str(tmp_path / "plan.png"),
+    ]
     assert main([*common, "--json", str(tmp_path / "rows.json")]) == 0
     printed = capsys.readouterr().out
     assert "16 devices (8 a node), 4 layers" in printed and "MFU" in printed and (tmp_path / "plan.png").exists()
     rows = json.loads((tmp_path / "rows.json").read_text())
-    fields = {"tp", "pp", "dp", "fsdp", "schedule", "chunks", "micro_batch", "num_microbatches", "recompute",
-              "step_time_s", "tokens_per_s", "mfu", "peak_bytes"}  # fmt: skip
+    fields = {
+        "tp",
+        "pp",
+        "dp",
+        "fsdp",
+        "schedule",
+        "chunks",
+        "micro_batch",
+        "num_microbatches",
+        "recompute",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "peak_bytes",
+    }
     assert rows and all(fields <= set(row) for row in rows)
     best = rows[0]
-    fix = (f"tp={best['tp']},pp={best['pp']},dp={best['dp']},micro_batch={best['micro_batch']},"
-           f"schedule={best['schedule']},chunks={best['chunks']},recompute={best['recompute']},"
-           f"fsdp={'always' if best['fsdp'] else 'never'}")  # fmt: skip
+    fix = (
+        f"tp={best['tp']},pp={best['pp']},dp={best['dp']},micro_batch={best['micro_batch']},"
+        f"schedule={best['schedule']},chunks={best['chunks']},recompute={best['recompute']},"
+        f"fsdp={'always' if best['fsdp'] else 'never'}"
+    )
     assert main([*common, "--fix", fix, "--json", str(tmp_path / "fixed.json")]) == 0
     assert json.loads((tmp_path / "fixed.json").read_text())[0]["step_time_s"] == best["step_time_s"]
 
 
-@pytest.mark.parametrize(("extra", "said"), [
-    (["--fix", "tp=2,pp=2,dp=2,micro_batch=1"], r"--fix lays out tp x pp x dp = 8 devices, --devices is 16"),
-    (["--fix", "tp=2,pp=2"], r"missing \['dp', 'micro_batch'\]"),
-    (["--hardware", "b300"], r"b300"),
-    (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,fsdp=yes"], r"fsdp='yes', not always or never"),
-    (["--fix", "tp=2,pp=2,dp=4,micro_batch=0"], r"--fix micro_batch='0': give a whole number, 1 or more"),
-    (["--fix", "tp=2,pp=2,dp=4,micro_batch=x"], r"--fix micro_batch='x': give a whole number"),
-    (["--fix", "tp=1,pp=16,dp=1,micro_batch=1"], r"pp=16 x chunks=1 does not divide the 4 layers"),
-    (["--fix", "tp=16,pp=1,dp=1,micro_batch=1"], r"tp=16: tensor parallelism stays inside a node of 8 devices"),
-    (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,schedule=gpipe"], r"schedule 'gpipe' is not priced on clusters"),
-    (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,schedule=zb-v"], r"zb-v runs 2 chunk\(s\) a rank, got chunks=1"),
-    (["--seq", "0"], r"--seq 0: give a whole number, 1 or more"),
-    (["--devices", "12"], r"--devices 12 is not whole nodes of 8 devices"),
-    (["--model", "nomodule_here:f"], r"--model nomodule_here:f: ModuleNotFoundError"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--fix", "tp=2,pp=2,dp=2,micro_batch=1"], r"--fix lays out tp x pp x dp = 8 devices, --devices is 16"),
+        (["--fix", "tp=2,pp=2"], r"missing \['dp', 'micro_batch'\]"),
+        (["--hardware", "b300"], r"b300"),
+        (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,fsdp=yes"], r"fsdp='yes', not always or never"),
+        (["--fix", "tp=2,pp=2,dp=4,micro_batch=0"], r"--fix micro_batch='0': give a whole number, 1 or more"),
+        (["--fix", "tp=2,pp=2,dp=4,micro_batch=x"], r"--fix micro_batch='x': give a whole number"),
+        (["--fix", "tp=1,pp=16,dp=1,micro_batch=1"], r"pp=16 x chunks=1 does not divide the 4 layers"),
+        (["--fix", "tp=16,pp=1,dp=1,micro_batch=1"], r"tp=16: tensor parallelism stays inside a node of 8 devices"),
+        (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,schedule=gpipe"], r"schedule 'gpipe' is not priced on clusters"),
+        (["--fix", "tp=2,pp=2,dp=4,micro_batch=1,schedule=zb-v"], r"zb-v runs 2 chunk\(s\) a rank, got chunks=1"),
+        (["--seq", "0"], r"--seq 0: give a whole number, 1 or more"),
+        (["--devices", "12"], r"--devices 12 is not whole nodes of 8 devices"),
+        (["--model", "nomodule_here:f"], r"--model nomodule_here:f: ModuleNotFoundError"),
+    ],
+)
 def test_the_command_line_refuses_what_cannot_be_planned_saying_why(
     tmp_path: Path, extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "config.json"
     config.write_text(tiny().to_json_string())
-    code = main(["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", *extra,
-                 "--plot", str(tmp_path / "plan.png")])  # fmt: skip
+    code = main(
+        [
+            "--model",
+            str(config),
+            "--devices",
+            "16",
+            "--global-batch",
+            "32",
+            "--seq",
+            "32",
+            *extra,
+            "--plot",
+            str(tmp_path / "plan.png"),
+        ]
+    )
     assert code == 2
     assert re.search(said, capsys.readouterr().err)
 
@@ -101,8 +149,9 @@ def test_the_search_shards_the_replicas_where_copies_would_not_fit() -> None:
     small = dataclasses.replace(hw, memory_bytes=(least("always") + least("never")) / 2)
     plan = search(model, 32, small, 32)
     assert plan.rows and all(row.layout.fsdp for row in plan.rows)
-    with pytest.raises(ValueError, match="no layout of the .* considered fits; the one needing the least memory, "
-                       ".*, needs"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="no layout of the .* considered fits; the one needing the least memory, .*, needs"
+    ):
         search(model, 32, small, 32, fsdp="never").best  # noqa: B018
     assert search(model, 32, hw, 32, fsdp="always").considered * 2 == search(model, 32, hw, 32).considered
 
@@ -126,8 +175,18 @@ def test_a_fixed_layout_follows_the_search_flags_and_nothing_that_fits_is_refuse
     is priced again as printed); a cluster too small for any layout exits 2 naming the smallest need."""
     config = tmp_path / "config.json"
     config.write_text(tiny().to_json_string())
-    common = ["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", "--plot",
-              str(tmp_path / "plan.png")]  # fmt: skip
+    common = [
+        "--model",
+        str(config),
+        "--devices",
+        "16",
+        "--global-batch",
+        "32",
+        "--seq",
+        "32",
+        "--plot",
+        str(tmp_path / "plan.png"),
+    ]
     fix = ["--fix", "tp=2,pp=2,dp=4,micro_batch=1", "--json", str(tmp_path / "fixed.json")]
     assert main([*common, *fix, "--fsdp", "always", "--recompute", "never"]) == 0
     (row,) = json.loads((tmp_path / "fixed.json").read_text())

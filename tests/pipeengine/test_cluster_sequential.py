@@ -127,9 +127,11 @@ def test_a_meta_model_of_billions_of_parameters_plans_without_allocating() -> No
     assert plan.best.peak_bytes <= 80e9 and all(p.device.type == "meta" for p in model.parameters())
 
 
-def test_the_command_line_plans_the_planners_own_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    (tmp_path / "problem_mlp.py").write_text(textwrap.dedent("""
+def test_the_command_line_plans_the_planners_own_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "problem_mlp.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
 
@@ -139,7 +141,8 @@ def test_the_command_line_plans_the_planners_own_problem(tmp_path: Path, monkeyp
 
         def with_plan():
             return (*problem(), {"*": None})
-    """))
+    """)
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     common = ["--devices", "8", "--global-batch", "64", "--seq", "1", "--plot", str(tmp_path / "plan.png")]
@@ -175,8 +178,10 @@ def test_a_model_that_fails_at_a_micro_batch_size_is_planned_at_the_others() -> 
     plan = search(Sequential(model, torch.zeros(1, 8), seq=1), 1, machine(), 8, dtype="bf16")
     assert plan.rows and all(row.layout.micro_batch > 1 for row in plan.rows)
     assert any("micro_batch=1: the model fails at this size" in why for why in plan.refused.values())
-    assert max(layout.micro_batch for layout in candidates(Sequential(model, torch.zeros(1, 8), seq=1), 1,
-                                                           machine(), 64)) == 64  # fmt: skip  # not capped at 16
+    assert (
+        max(layout.micro_batch for layout in candidates(Sequential(model, torch.zeros(1, 8), seq=1), 1, machine(), 64))
+        == 64
+    )  # not capped at 16
 
 
 def test_a_tied_weight_is_held_once_by_the_rank_that_holds_both_its_layers() -> None:
@@ -191,8 +196,10 @@ def test_a_tied_weight_is_held_once_by_the_rank_that_holds_both_its_layers() -> 
     tied, apart = (price(Sequential(model(t), tokens, seq=4), one_rank, machine(), "bf16") for t in (True, False))
     assert apart.peak_bytes - tied.peak_bytes == 16 * 100 * 32  # the state of one weight of 100 x 32
     two_ranks = dataclasses.replace(one_rank, pp=2)  # each rank its own copy, as the engine's tied ranks hold it
-    assert price(Sequential(model(True), tokens, seq=4), two_ranks, machine(), "bf16").peak_bytes == \
-        price(Sequential(model(False), tokens, seq=4), two_ranks, machine(), "bf16").peak_bytes  # fmt: skip
+    assert (
+        price(Sequential(model(True), tokens, seq=4), two_ranks, machine(), "bf16").peak_bytes
+        == price(Sequential(model(False), tokens, seq=4), two_ranks, machine(), "bf16").peak_bytes
+    )
 
 
 def test_when_nothing_fits_the_refusal_names_the_layout_needing_the_least() -> None:

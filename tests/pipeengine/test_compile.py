@@ -47,8 +47,14 @@ def compiled_blocks(model: nn.Sequential, **options: object) -> nn.Sequential:
     return model
 
 
-def parity(schedule: str, options: dict[str, object] | None = None, tied: bool = False, steps: int = 2,
-           summed: bool = False, trace: bool = False) -> None:  # fmt: skip
+def parity(
+    schedule: str,
+    options: dict[str, object] | None = None,
+    tied: bool = False,
+    steps: int = 2,
+    summed: bool = False,
+    trace: bool = False,
+) -> None:
     """Loss, every gradient and the weights after AdamW equal one process running the same compiled blocks."""
     options = options or {}
     model = compiled_blocks(gpt(tied))
@@ -57,8 +63,14 @@ def parity(schedule: str, options: dict[str, object] | None = None, tied: bool =
     one = OneProcess(model, token_sum if summed else one_process_loss)
     compiled_blocks(one.model)  # deepcopy keeps no compiled call: compile the copy too
     loss_options = {"loss_count": count_tokens} if summed else {}
-    engine = PipelineEngine(model, token_sum if summed else one_process_loss, num_microbatches=M, schedule=schedule,
-                            **loss_options, **options)  # type: ignore[arg-type]  # fmt: skip
+    engine = PipelineEngine(
+        model,
+        token_sum if summed else one_process_loss,
+        num_microbatches=M,
+        schedule=schedule,
+        **loss_options,
+        **options,
+    )  # type: ignore[arg-type]
     optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2)
     what = f"compiled blocks, {schedule} {options} tied={tied}"
     for step in range(steps):
@@ -110,8 +122,9 @@ def around_the_schedules() -> None:
     one = OneProcess(model, one_process_loss)
     every_layer_compiled(one.model)
     engine = PipelineEngine(model, one_process_loss, num_microbatches=M, schedule="zb-h1", compile=True)
-    assert all(getattr(layer, "_compiled_call_impl", None) is not None for stage in engine.stages.values()
-               for layer in stage)  # fmt: skip
+    assert all(
+        getattr(layer, "_compiled_call_impl", None) is not None for stage in engine.stages.values() for layer in stage
+    )
     x, y = padded_batch(2 * M, seed=6, microbatches=M)
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
     close(loss, one.step([(x, y)], microbatches=M), "compile=True: loss")
@@ -127,16 +140,26 @@ def with_tensor_parallel_and_fsdp() -> None:
         model = headwise_gpt(blocks=2)
         one = OneProcess(model, one_process_loss)  # the token mean
         every_layer_compiled(one.model, **backend)
-        engine = PipelineEngine(model, whole_token_sum, num_microbatches=2, loss_count=count_tokens, compile=backend,
-                                data_parallel=data_parallel, **options)  # type: ignore[arg-type]  # fmt: skip
-        optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2),
-                      torch.optim.AdamW(one.parameters(), lr=1e-2))  # fmt: skip
+        engine = PipelineEngine(
+            model,
+            whole_token_sum,
+            num_microbatches=2,
+            loss_count=count_tokens,
+            compile=backend,
+            data_parallel=data_parallel,
+            **options,
+        )  # type: ignore[arg-type]
+        optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2))
         what = f"compile={backend} {options} dp={data_parallel}"
         # micro-batches of 4 rows, the shapes compiled on both sides: one replica's batch is 8 rows
         train_like_one_process(
-            engine, one, optimizers, 1, what,
+            engine,
+            one,
+            optimizers,
+            1,
+            what,
             lambda step, d=data_parallel: [tp_batch(8, seed=10 * step + r) for r in range(d)],  # type: ignore[misc]
-        )  # fmt: skip
+        )
         check_weights(engine, one, what)
 
 
@@ -172,7 +195,8 @@ def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_lef
     (input_grad,), weight_pass = backward_input((out,), (grad,), (x,), params)
     assert all(p.grad is not None for p in block.parameters()) and all(p.grad is None for p in head.parameters())
     assert weight_pass.fallback is None and {id(p) for _, _, ps in weight_pass.roots for p in ps} == {
-        id(p) for p in head.parameters()}  # fmt: skip
+        id(p) for p in head.parameters()
+    }
     weight_pass.run()
     close(input_grad, one.input_gradient(x, grad), "the input gradient")  # type: ignore[arg-type]
     for (name, mine), theirs in zip(nn.Sequential(block, head).named_parameters(), one.parameters(), strict=True):
@@ -196,8 +220,9 @@ def test_shapes_are_inferred_from_the_uncompiled_layers_never_compiling_meta_ten
     wrapped, in_place = torch.compile(Block(), backend=backend), Block()
     in_place.compile(backend=backend)
     layers = [meta_copy(layer) for layer in (wrapped, in_place, nn.Linear(16, 4))]
-    boundaries = infer_boundaries(layers, [(0, 1), (1, 3)], Boundary((TensorSpec((2, 6, 16), torch.float32,
-                                                                                 False),), False))  # fmt: skip
+    boundaries = infer_boundaries(
+        layers, [(0, 1), (1, 3)], Boundary((TensorSpec((2, 6, 16), torch.float32, False),), False)
+    )
     assert [str(b) for b in boundaries] == ["float32[2, 6, 16], requires grad", "float32[2, 6, 4], requires grad"]
     assert seen == []  # the compiler was never called
     wrapped(torch.randn(2, 6, 16))  # and the layers themselves still run compiled
@@ -230,8 +255,14 @@ def test_importing_pipeengine_leaves_dynamo_unimported() -> None:
     """Disabling the ledger's hooks for dynamo imports dynamo (1.6 s of CPU on every ``import pipeengine``, in each
     rank): done once a region can be compiled (dynamo is imported), never at import."""
     code = "import sys, pipeengine, pipeengine.tune; print(sorted(m for m in sys.modules if m.startswith('torch._dy')))"
-    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           cwd=Path(__file__).parents[2], check=True)  # fmt: skip
+    found = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+        check=True,
+    )
     assert found.stdout.strip() == "[]", found.stdout + found.stderr
 
 
@@ -301,7 +332,8 @@ def test_compile_options_reach_torch_compile_the_users_backend_compiles_every_la
 
 
 def test_a_warm_profile_of_a_compiled_layer_warms_a_compiled_copy_with_its_own_weights(
-        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """profile_layers(warm=True, compile=...): the copy run before each timed compute is compiled as the layer is,
     and its compiled call runs its own weights (a copy made after compiling in place drops the compiled call)."""
     from pipeengine.planner import measure
@@ -316,8 +348,9 @@ def test_a_warm_profile_of_a_compiled_layer_warms_a_compiled_copy_with_its_own_w
     monkeypatch.setattr(measure, "_warming", kept)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
-    profile = measure.profile_layers(model, torch.randn(4, 4), 2, repeats=1, device=torch.device("cpu"),
-                                     compile={"backend": "eager"}, warm=True)  # fmt: skip
+    profile = measure.profile_layers(
+        model, torch.randn(4, 4), 2, repeats=1, device=torch.device("cpu"), compile={"backend": "eager"}, warm=True
+    )
     assert len(copies) == 2 and len(profile.forward) == 2
     for twin, layer in zip(copies, model, strict=True):
         assert getattr(twin, "_compiled_call_impl", None) is not None

@@ -43,17 +43,21 @@ def worlds() -> dict[str, tuple[bool, int, list[Config], list[tuple[Config, str]
 def ident(config: Config) -> str:
     """A configuration's name, from its levels alone: stable when others are added, removed or reordered."""
     c = config
-    return (f"{c.schedule}-{c.data}-tp{c.tp}-tie_{c.tie}-{c.loss}-acc{c.accumulate}-{c.precision}-ckpt_{c.checkpoint}"
-            f"-{c.after}-{c.model}-compile_{c.compile}")  # fmt: skip
+    return (
+        f"{c.schedule}-{c.data}-tp{c.tp}-tie_{c.tie}-{c.loss}-acc{c.accumulate}-{c.precision}-ckpt_{c.checkpoint}"
+        f"-{c.after}-{c.model}-compile_{c.compile}"
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Each configuration its own test id (its world's name, then its levels), the configurations of a world in one
     xdist group: the world starts once, on one worker, for all its configurations that were selected."""
     if metafunc.function is test_each_configuration_trains_like_one_process_or_is_refused_with_its_message:
-        params = [pytest.param(name, ident(config), id=f"{name}:{ident(config)}", marks=pytest.mark.xdist_group(name))
-                  for name, (_, _, configs, refusals) in sorted(worlds().items())
-                  for config in [*(c for c, _ in refusals), *configs]]  # fmt: skip
+        params = [
+            pytest.param(name, ident(config), id=f"{name}:{ident(config)}", marks=pytest.mark.xdist_group(name))
+            for name, (_, _, configs, refusals) in sorted(worlds().items())
+            for config in [*(c for c, _ in refusals), *configs]
+        ]
         metafunc.parametrize("world_name, config_id", params)
 
 
@@ -91,8 +95,11 @@ def outcomes(name: str, session: pytest.Session, directory: Path) -> dict[str, s
     found = _OUTCOMES.get(name)
     if found is not None:
         return found
-    selected = {item.callspec.params["config_id"] for item in session.items
-                if hasattr(item, "callspec") and item.callspec.params.get("world_name") == name}  # fmt: skip
+    selected = {
+        item.callspec.params["config_id"]
+        for item in session.items
+        if hasattr(item, "callspec") and item.callspec.params.get("world_name") == name
+    }
     processes, world, configs, refusals = worlds()[name]
     configs = [c for c in configs if ident(c) in selected]
     refusals = [(c, message) for c, message in refusals if ident(c) in selected]
@@ -107,8 +114,10 @@ def outcomes(name: str, session: pytest.Session, directory: Path) -> dict[str, s
     if stopped is None and error and order:  # every configuration done, the world failed after: not passed over
         stopped, error = order[-1], f"the world failed after its last configuration: {error}"
         done.discard(stopped)
-    found = {cid: "" if cid in done else error if cid == stopped else f"not run: {stopped} of this world failed first"
-             for cid in order}  # fmt: skip
+    found = {
+        cid: "" if cid in done else error if cid == stopped else f"not run: {stopped} of this world failed first"
+        for cid in order
+    }
     _OUTCOMES[name] = found
     return found
 
@@ -116,7 +125,7 @@ def outcomes(name: str, session: pytest.Session, directory: Path) -> dict[str, s
 @pytest.mark.timeout(400)
 def test_each_configuration_trains_like_one_process_or_is_refused_with_its_message(
     world_name: str, config_id: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> None:  # fmt: skip
+) -> None:
     """One configuration of the matrix against one process (or refused with its documented message). Its world
     runs every selected configuration of it in one launch, on the first of their tests: `pytest -k` one id and
     only that configuration runs."""

@@ -31,8 +31,15 @@ def accumulated(data_parallel: int, options: dict[str, object], summed: bool, ti
     one = OneProcess(model, one_process_loss)
     m = 2
     loss_options = {"loss_count": count_tokens} if summed else {}
-    engine = PipelineEngine(model, token_sum if summed else one_process_loss, num_microbatches=m, schedule="1f1b",
-                            data_parallel=data_parallel, **loss_options, **options)  # type: ignore[arg-type]  # fmt: skip
+    engine = PipelineEngine(
+        model,
+        token_sum if summed else one_process_loss,
+        num_microbatches=m,
+        schedule="1f1b",
+        data_parallel=data_parallel,
+        **loss_options,
+        **options,
+    )  # type: ignore[arg-type]
     what = f"dp={data_parallel} {options} summed={summed} tied={tied}"
     for step in range(steps):
         parts = [padded_batch(2 * m, seed=10 * step + r, microbatches=m) for r in range(data_parallel)]
@@ -74,8 +81,15 @@ def normed(seed: int = 0) -> nn.Sequential:
     """An MLP with batch norms: running statistics, buffers each replica updates from its own batch."""
     with SEEDED:
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16),
-                             nn.Tanh(), nn.Linear(16, 4))  # fmt: skip
+        return nn.Sequential(
+            nn.Linear(8, 16),
+            nn.BatchNorm1d(16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.BatchNorm1d(16),
+            nn.Tanh(),
+            nn.Linear(16, 4),
+        )
 
 
 def replicas_buffers(directory: str, fsdp: bool) -> None:
@@ -87,8 +101,9 @@ def replicas_buffers(directory: str, fsdp: bool) -> None:
     model = normed()
     one = OneProcess(model, nn.functional.mse_loss)  # replica 0's statistics: its micro-batches, in order, training
     m = 2
-    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=m, schedule="1f1b", data_parallel=2,
-                            fsdp=fsdp, partition=[2, 5])  # fmt: skip
+    engine = PipelineEngine(
+        model, nn.functional.mse_loss, num_microbatches=m, schedule="1f1b", data_parallel=2, fsdp=fsdp, partition=[2, 5]
+    )
     parts = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(r)), torch.randn(8, 4)) for r in range(2)]
     x, y = parts[engine.dp_rank]
     engine.train_step(x if engine.first else None, y if engine.last else None)
@@ -148,8 +163,9 @@ def eval_between_sharded_steps() -> None:
         if engine.last:
             close(out, expected, f"eval before step {step}")  # type: ignore[arg-type]
         sizes = {name: tuple(p.to_local().shape) for name, p in engine.named_parameters()}  # type: ignore[attr-defined]
-        assert all(shape[0] <= (dict(one.seq.named_parameters())[n].shape[0] + 1) // 2 for n, shape in sizes.items()
-                   ), f"eval left parameters gathered: {sizes}"  # fmt: skip
+        assert all(shape[0] <= (dict(one.seq.named_parameters())[n].shape[0] + 1) // 2 for n, shape in sizes.items()), (
+            f"eval left parameters gathered: {sizes}"
+        )
         loss = engine.train_step(x if engine.first else None, y if engine.last else None)
         close(loss, one.step([(x, y)], microbatches=2), f"step {step} after eval: loss")
         check_grads(engine, one, f"step {step} after eval")
@@ -163,8 +179,7 @@ def fp16_sharded() -> None:
     model[-1].out.weight = nn.Parameter(model[-1].out.weight.detach().clone())
     one = OneProcess(model, one_process_loss)
     m = 2
-    engine = PipelineEngine(model, one_process_loss, num_microbatches=m, data_parallel=2, fsdp=True,
-                            precision="fp16")  # fmt: skip
+    engine = PipelineEngine(model, one_process_loss, num_microbatches=m, data_parallel=2, fsdp=True, precision="fp16")
     parts = [padded_batch(4, seed=20 + r, microbatches=m) for r in range(2)]
     x, y = parts[engine.dp_rank]
     engine.scaler.scale = scale = 2.0**8  # 2**16 overflows this model's fp16 logits' gradients (on any layout)
@@ -191,8 +206,15 @@ def rowwise_mlp(seed: int = 0) -> nn.Sequential:
     asynchronous collective's tensor)."""
     with SEEDED:
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Linear(8, 16), nn.Tanh(),
-                             nn.Linear(16, 8), nn.Linear(8, 4))  # fmt: skip
+        return nn.Sequential(
+            nn.Linear(8, 16),
+            nn.Tanh(),
+            nn.Linear(16, 8),
+            nn.Linear(8, 16),
+            nn.Tanh(),
+            nn.Linear(16, 8),
+            nn.Linear(8, 4),
+        )
 
 
 def rowwise_plan() -> dict[str, object]:
@@ -208,8 +230,7 @@ def around_tensor_parallel() -> None:
     x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
     model = rowwise_mlp()
     one = OneProcess(model, mse)
-    engine = PipelineEngine(model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(),
-                            partition=[3, 4])  # fmt: skip
+    engine = PipelineEngine(model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(), partition=[3, 4])
     optimizers = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2)
     for traced in (False, True):
         with engine.tracing(optimizers[0]) if traced else contextlib.nullcontext():
@@ -224,8 +245,9 @@ def around_tensor_parallel() -> None:
         assert min(timeline.peak_memory) > 0 and timeline.allocated_peak is not None
     model = rowwise_mlp()
     one = OneProcess(model, mse)
-    engine = PipelineEngine(model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(),
-                            partition=[3, 4], precision="fp16")  # fmt: skip
+    engine = PipelineEngine(
+        model, mse, num_microbatches=2, tensor_parallel=2, tp_plan=rowwise_plan(), partition=[3, 4], precision="fp16"
+    )
     scale = engine.scaler.scale
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
     expected = one.step([(x, y)], microbatches=2, bounds=engine.bounds, dtype=torch.float16, scale=scale)
@@ -238,12 +260,20 @@ def around_tensor_parallel() -> None:
     engine.scaler.update()
     expected_grads = dict(one.seq.named_parameters())
     for name, param in engine.named_parameters():
-        torch.testing.assert_close(whole(param.grad), expected_grads[name].grad, **fp16,
-                                   msg=lambda m, n=name: f"fp16 tp=2, {n}'s unscaled gradient: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            whole(param.grad),
+            expected_grads[name].grad,
+            **fp16,
+            msg=lambda m, n=name: f"fp16 tp=2, {n}'s unscaled gradient: {m}",
+        )
     optimizers[1].step()
     for name, param in engine.named_parameters():  # SGD: the weights move by lr times those gradients
-        torch.testing.assert_close(whole(param.detach()), expected_grads[name].detach(), **fp16,
-                                   msg=lambda m, n=name: f"fp16 tp=2, {n} after the scaler's step: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            whole(param.detach()),
+            expected_grads[name].detach(),
+            **fp16,
+            msg=lambda m, n=name: f"fp16 tp=2, {n} after the scaler's step: {m}",
+        )
 
 
 @pytest.mark.timeout(180)
@@ -258,8 +288,11 @@ def under_the_users_profiler(directory: str) -> None:
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule="1f1b")
     x, y = torch.randn(4, 16), torch.randn(4, 4)
     engine.train_step(x if engine.first else None, y if engine.last else None)  # warm: sizes measured unwatched
-    cases = {"inside": lambda: (profile(), engine.tracing()), "around": lambda: (engine.tracing(), profile()),
-             "untraced": lambda: (profile(), contextlib.nullcontext())}  # fmt: skip
+    cases = {
+        "inside": lambda: (profile(), engine.tracing()),
+        "around": lambda: (engine.tracing(), profile()),
+        "untraced": lambda: (profile(), contextlib.nullcontext()),
+    }
     said: list[str] = []
     for case, contexts in cases.items():
         outer, inner = contexts()
@@ -269,8 +302,11 @@ def under_the_users_profiler(directory: str) -> None:
         said += [str(w.message) for w in caught]
         prof = first if case != "around" else second
         names = {event.name for event in prof.events()}
-        mine = {f"pipeengine/{op}" for op in engine.last_program.instructions[engine.rank]  # type: ignore[union-attr]
-                if isinstance(op, Instruction)}  # fmt: skip
+        mine = {
+            f"pipeengine/{op}"
+            for op in engine.last_program.instructions[engine.rank]  # type: ignore[union-attr]
+            if isinstance(op, Instruction)
+        }
         assert mine <= names, f"{case}: the instructions {sorted(mine - names)} are not in the user's trace"
         assert len(names) > len(mine), f"{case}: the user's profiler recorded only our ranges: {sorted(names)}"
         prof.export_chrome_trace(f"{directory}/{case}-{ranks.rank()}.json")
@@ -321,8 +357,9 @@ def under_a_profiler_with_stacks() -> None:
             imported.append(str(args[0]))
 
     sys.addaudithook(imports)  # for the rest of this rank's process
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
-                                with_stack=True) as prof:  # fmt: skip
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, with_stack=True
+    ) as prof:
         recording = True
         engine.train_step(x if engine.first else None, y if engine.last else None)
         recording = False
@@ -330,8 +367,11 @@ def under_a_profiler_with_stacks() -> None:
     junk = [b"\xff" * size for size in range(1, 256) for _ in range(64)]  # reuses what was freed: never UTF-8
     names = {event.name for event in prof.events()}  # UnicodeDecodeError before
     del junk
-    mine = {f"pipeengine/{op}" for op in engine.last_program.instructions[engine.rank]  # type: ignore[union-attr]
-            if isinstance(op, Instruction)}  # fmt: skip
+    mine = {
+        f"pipeengine/{op}"
+        for op in engine.last_program.instructions[engine.rank]  # type: ignore[union-attr]
+        if isinstance(op, Instruction)
+    }
     assert mine <= names, f"the instructions {sorted(mine - names)} are not in the user's trace"
 
 

@@ -88,12 +88,20 @@ def test_one_gpu_measures_a_hardware_description_the_planner_reads(tmp_path) -> 
     from pipeengine.planner.cluster import load
 
     out = tmp_path / "gpu.json"
-    assert main(["--calibrate", "--hardware", "h100-sxm", "--out", str(out), "--shapes", "2048x8192x4096",
-                 "--repeats", "5"]) == 0  # fmt: skip
+    assert (
+        main(
+            ["--calibrate", "--hardware", "h100-sxm", "--out", str(out), "--shapes", "2048x8192x4096", "--repeats", "5"]
+        )
+        == 0
+    )
     found = load(out)
-    assert found.sources["matmul_efficiency"].startswith("measured on ") and "2048x8192x4096" in found.sources[
-        "matmul_efficiency"]  # fmt: skip
+    assert (
+        found.sources["matmul_efficiency"].startswith("measured on ")
+        and "2048x8192x4096" in found.sources["matmul_efficiency"]
+    )
     assert found.sources["memory_bandwidth"].startswith("measured on ")
     assert found.sources["intra.bandwidth"].startswith("the preset's, not measured")
-    print(f"\n{found.name}: matmul efficiency {found.matmul_efficiency:.3f}, "
-          f"copy {found.memory_bandwidth / 1e9:.0f} GB/s\n{found.sources['matmul_efficiency']}")
+    print(
+        f"\n{found.name}: matmul efficiency {found.matmul_efficiency:.3f}, "
+        f"copy {found.memory_bandwidth / 1e9:.0f} GB/s\n{found.sources['matmul_efficiency']}"
+    )

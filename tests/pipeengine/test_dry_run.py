@@ -26,8 +26,9 @@ WIDTH = 16
 
 def mlp(width: int = WIDTH) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                           for _ in range(4)])  # fmt: skip
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(4)]
+    )
 
 
 def batch(width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,13 +36,21 @@ def batch(width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, width, generator=generator), torch.randn(8, width, generator=generator)
 
 
-def train(out: str | None, dp: int, tp: int, steps: int = 2, checkpoints: str | None = None, width: int = WIDTH
-          ) -> None:  # fmt: skip
+def train(
+    out: str | None, dp: int, tp: int, steps: int = 2, checkpoints: str | None = None, width: int = WIDTH
+) -> None:
     """The user's main, the same for the dry run and the real run: an MLP of blocks on dp x pp x tp, SGD steps;
     ``checkpoints``: resume from the latest there, if any, and save there after the steps."""
     plan = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()} if tp > 1 else None
-    engine = PipelineEngine(mlp(width), nn.functional.mse_loss, num_microbatches=2, partition="uniform",
-                            data_parallel=dp, tensor_parallel=tp, tp_plan=plan)  # fmt: skip
+    engine = PipelineEngine(
+        mlp(width),
+        nn.functional.mse_loss,
+        num_microbatches=2,
+        partition="uniform",
+        data_parallel=dp,
+        tensor_parallel=tp,
+        tp_plan=plan,
+    )
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
     if checkpoints is not None and pipeengine.latest_checkpoint(checkpoints) is not None:
         engine.load(checkpoints, optimizer)
@@ -56,9 +65,15 @@ def train(out: str | None, dp: int, tp: int, steps: int = 2, checkpoints: str | 
     if checkpoints is not None:
         engine.save(checkpoints, optimizer)
     if out is not None:
-        torch.save({"losses": losses, "state": {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-                                               for k, v in engine.state_dict().items()}},
-                   Path(out) / f"rank{dist.get_rank()}.pt")  # fmt: skip
+        torch.save(
+            {
+                "losses": losses,
+                "state": {
+                    k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in engine.state_dict().items()
+                },
+            },
+            Path(out) / f"rank{dist.get_rank()}.pt",
+        )
 
 
 def test_ranks_of_a_grid_are_built_and_stepped_with_a_report() -> None:
@@ -107,8 +122,11 @@ def test_the_same_main_runs_for_real_on_four_gloo_ranks_equal_to_one_process(tmp
     with _loads_no_data():
         pipeengine.dry_run(train, 8, ranks=[0, 7], args=(None, 2, 2, 1, str(tmp_path / "checkpoints")))
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == before
-    with pytest.raises(ValueError, match=r"^rank 0: .*part-0.pt: '0.0.weight' is \[64, 16\] there, \[128, 32\] in "
-                                         "this model: it is a checkpoint of another model"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^rank 0: .*part-0.pt: '0.0.weight' is \[64, 16\] there, \[128, 32\] in "
+        "this model: it is a checkpoint of another model",
+    ):
         pipeengine.dry_run(train, 4, ranks=[3], args=(None, 2, 1, 1, str(tmp_path / "checkpoints"), 2 * WIDTH))
     one = OneProcess(mlp(), nn.functional.mse_loss)
     optimizer = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)
@@ -151,12 +169,25 @@ def test_a_1024_rank_llama_shaped_world_builds_and_steps_the_first_last_stage_an
     transformers = pytest.importorskip("transformers")
 
     def main(tp: int, dp: int) -> None:
-        config = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                          num_attention_heads=64, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+        config = transformers.LlamaConfig(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=32000,
+        )
         model = transformers.LlamaForCausalLM(config)
-        engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=16,
-                                loss_count=hf.count_labels, partition="parameters", data_parallel=dp,
-                                tensor_parallel=tp, tp_plan=hf.tp_plan(model))  # fmt: skip
+        engine = PipelineEngine(
+            hf.sequential(model),
+            hf.causal_lm_loss,
+            num_microbatches=16,
+            loss_count=hf.count_labels,
+            partition="parameters",
+            data_parallel=dp,
+            tensor_parallel=tp,
+            tp_plan=hf.tp_plan(model),
+        )
         optimizer = torch.optim.AdamW(engine.parameters())
         tokens = torch.randint(0, config.vocab_size, (16, 4096))
         engine.train_step(tokens if engine.first else None, tokens if engine.last else None)
@@ -171,12 +202,22 @@ def test_a_1024_rank_llama_shaped_world_builds_and_steps_the_first_last_stage_an
     assert last.groups["data"] == tuple(range(127, 1024, 128))
     assert all(r.steps == 1 for r in report.reports)
     with torch.device("meta"):
-        whole = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-            num_key_value_heads=8, vocab_size=32000))  # fmt: skip
+        whole = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                hidden_size=8192,
+                intermediate_size=28672,
+                num_hidden_layers=80,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                vocab_size=32000,
+            )
+        )
     assert first.parameters_whole == sum(p.numel() for p in whole.parameters())
-    sharded = sum(p.numel() // 8 if name.endswith(("proj.weight",)) else p.numel()
-                  for i in range(5) for name, p in whole.model.layers[i].named_parameters())  # fmt: skip
+    sharded = sum(
+        p.numel() // 8 if name.endswith(("proj.weight",)) else p.numel()
+        for i in range(5)
+        for name, p in whole.model.layers[i].named_parameters()
+    )
     assert first.parameters == whole.model.embed_tokens.weight.numel() + sharded
 
 
@@ -188,11 +229,16 @@ def main_interleaved() -> None:
 
 
 def main_cut_on_a_shard() -> None:
-    model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH), nn.Linear(WIDTH, 4 * WIDTH),
-                          nn.Linear(4 * WIDTH, WIDTH))  # fmt: skip
+    model = nn.Sequential(
+        nn.Linear(WIDTH, 4 * WIDTH),
+        nn.Linear(4 * WIDTH, WIDTH),
+        nn.Linear(WIDTH, 4 * WIDTH),
+        nn.Linear(4 * WIDTH, WIDTH),
+    )
     plan = {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": ColwiseParallel(), "3": RowwiseParallel()}
-    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, partition=[1, 3], tensor_parallel=2,
-                            tp_plan=plan)  # fmt: skip
+    engine = PipelineEngine(
+        model, nn.functional.mse_loss, num_microbatches=2, partition=[1, 3], tensor_parallel=2, tp_plan=plan
+    )
     x, y = batch()
     engine.train_step(x if engine.first else None, y if engine.last else None)
 
@@ -213,11 +259,18 @@ def test_a_tensor_parallel_degree_not_dividing_the_key_value_heads_is_refused_as
     transformers = pytest.importorskip("transformers")
 
     def main() -> None:
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                          num_attention_heads=8, num_key_value_heads=2, vocab_size=100)  # fmt: skip
+        config = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=100,
+        )
         model = transformers.LlamaForCausalLM(config)
-        PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=4,
-                       tp_plan=hf.tp_plan(model))  # fmt: skip
+        PipelineEngine(
+            hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=4, tp_plan=hf.tp_plan(model)
+        )
 
     with pytest.raises(ValueError, match="its 8 attention heads and 2 key-value heads do not both divide by 4") as e:
         pipeengine.dry_run(main, 8, ranks=[7])
@@ -243,8 +296,9 @@ def test_a_model_copied_in_main_is_on_the_meta_device() -> None:
     assert seen == [torch.device("meta")] * 2  # rank 0 for the record, then rank 1
 
 
-def test_launch_runs_the_dry_run_its_environment_asks_for(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_launch_runs_the_dry_run_its_environment_asks_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """PIPEENGINE_DRY_RUN_WORLD=8 PIPEENGINE_DRY_RUN_RANKS=3 python train.py: launch(main, 4, args) runs no rank and
     prints the dry run of rank 3 of 8, 4 a node (as torchrun --nproc-per-node 4 on 2 nodes would run it)."""
     monkeypatch.setenv("PIPEENGINE_DRY_RUN_WORLD", "8")
@@ -291,8 +345,15 @@ def test_a_rank_s_peak_counts_the_activations_its_program_holds_measured_on_the_
 
 def main_checkpointed(schedule: str = "1f1b") -> None:
     x, y = batch()
-    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=4, partition="uniform", sample=x,
-                            checkpoint="always", schedule=schedule)  # fmt: skip
+    engine = PipelineEngine(
+        mlp(),
+        nn.functional.mse_loss,
+        num_microbatches=4,
+        partition="uniform",
+        sample=x,
+        checkpoint="always",
+        schedule=schedule,
+    )
     engine.train_step(x if engine.first else None, y if engine.last else None)
 
 
@@ -310,8 +371,7 @@ def test_a_checkpointed_stage_holds_its_inputs_and_one_recomputation_at_its_peak
 
 def main_features(directory: str) -> None:
     """bf16, a background save and a load of it in the same run."""
-    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, partition="uniform",
-                            precision="bf16")  # fmt: skip
+    engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, partition="uniform", precision="bf16")
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     x, y = batch()
     engine.train_step(x if engine.first else None, y if engine.last else None)

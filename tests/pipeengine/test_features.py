@@ -150,8 +150,14 @@ def test_fp16_overflow_skips_the_step_on_every_rank() -> None:
 def scaler(growth_interval: int) -> tuple[GradScaler, nn.Parameter]:
     """An fp16 scaler of one parameter on one rank (agreeing with itself)."""
     param = nn.Parameter(torch.ones(3))
-    return GradScaler(lambda: iter([param]), True, torch.device("cpu"), lambda found: None, init_scale=8.0,
-                      growth_interval=growth_interval), param  # fmt: skip
+    return GradScaler(
+        lambda: iter([param]),
+        True,
+        torch.device("cpu"),
+        lambda found: None,
+        init_scale=8.0,
+        growth_interval=growth_interval,
+    ), param
 
 
 def good_step(scale: GradScaler, param: nn.Parameter, finite: bool = True) -> bool:
@@ -164,9 +170,19 @@ def good_step(scale: GradScaler, param: nn.Parameter, finite: bool = True) -> bo
 def test_fp16_scale_grows_after_exactly_growth_interval_good_steps_and_an_overflow_restarts_the_count() -> None:
     scale, param = scaler(growth_interval=3)
     seen = [(good_step(scale, param, finite), scale.scale) for finite in [True] * 6 + [True, False] + [True] * 3]
-    assert seen == [(True, 8.0), (True, 8.0), (True, 16.0), (True, 16.0), (True, 16.0), (True, 32.0),  # every 3rd
-                    (True, 32.0), (False, 16.0),  # an overflow halves it and the count starts again
-                    (True, 16.0), (True, 16.0), (True, 32.0)]  # fmt: skip
+    assert seen == [
+        (True, 8.0),
+        (True, 8.0),
+        (True, 16.0),
+        (True, 16.0),
+        (True, 16.0),
+        (True, 32.0),  # every 3rd
+        (True, 32.0),
+        (False, 16.0),  # an overflow halves it and the count starts again
+        (True, 16.0),
+        (True, 16.0),
+        (True, 32.0),
+    ]
 
 
 def test_fp16_scale_resumes_its_growth_count() -> None:

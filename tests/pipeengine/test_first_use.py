@@ -206,9 +206,15 @@ def test_ctrl_c_on_an_in_process_launch_stops_every_rank(caller: str, tmp_path: 
     # Ctrl-C as at a terminal: SIGINT at its default in the child (Python installs KeyboardInterrupt only then), even
     # where this test runs with it ignored (a shell's background job, `pytest ... &`, ignores SIGINT; its children
     # inherit that, and a Ctrl-C never arrives)
-    child = subprocess.Popen([sys.executable, str(script), caller], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""},
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, str(script), caller],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert child.stdout is not None and child.stdout.readline() == "training\n"
         child.send_signal(signal.SIGINT)
@@ -241,8 +247,9 @@ def failing_count(how: str) -> None:
             raise KeyError("the user's own failure in loss_count")
         return "abc"
 
-    engine = PipelineEngine(mlp(), lambda out, y: F.mse_loss(out, y, reduction="sum"), num_microbatches=2,
-                            loss_count=count)  # fmt: skip
+    engine = PipelineEngine(
+        mlp(), lambda out, y: F.mse_loss(out, y, reduction="sum"), num_microbatches=2, loss_count=count
+    )
     x, y = batch("mlp", 4, seed=0)
     engine.train_step(x if engine.first else None, y if engine.last else None)
 
@@ -271,9 +278,11 @@ def frozen_by_the_schedule() -> None:
     schedule = build_schedule("1f1b", 2, 2).without_gradient({0})  # a file's 'no-gradient 0', compute only
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule=schedule)
     x, y = batch("mlp", 4, seed=0)
-    refused_on_this_rank(lambda: engine.train_step(x if engine.first else None, y if engine.last else None),
-                         r"the schedule says boundary 0 \(between stages 0 and 1\) carries no gradient .* stages up "
-                         r"to 0 would never get a gradient")  # fmt: skip
+    refused_on_this_rank(
+        lambda: engine.train_step(x if engine.first else None, y if engine.last else None),
+        r"the schedule says boundary 0 \(between stages 0 and 1\) carries no gradient .* stages up "
+        r"to 0 would never get a gradient",
+    )
 
 
 @pytest.mark.timeout(60)
@@ -285,8 +294,11 @@ def test_options_nothing_would_read_are_refused() -> None:
     with pytest.raises(ValueError, match=r"chunks=2, but the schedule given runs 1 chunk\(s\) per rank"):
         EngineConfig(num_microbatches=2, schedule=build_schedule("1f1b", 2, 2), chunks=2)
     assert EngineConfig(num_microbatches=2, schedule=build_schedule("1f1b", 2, 2), chunks=1).chunks == 1
-    with pytest.raises(ValueError, match=r"memory_limit= is the bound schedule='auto' plans under; with "
-                                         r"schedule='1f1b' nothing reads it"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"memory_limit= is the bound schedule='auto' plans under; with "
+        r"schedule='1f1b' nothing reads it",
+    ):
         EngineConfig(num_microbatches=2, schedule="1f1b", memory_limit=2**30)
 
 
@@ -297,8 +309,11 @@ def test_the_planner_names_why_there_is_no_candidate() -> None:
     from pipeengine.tune import tune
 
     x = torch.randn(8, 16)
-    with pytest.raises(ValueError, match=r"no layout of 16 ranks .* dp1 x pp16 x tp1: 16 pipeline stages need at least "
-                                         r"16 layers, one per stage; the model has 11: use at most 11 pipeline ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"no layout of 16 ranks .* dp1 x pp16 x tp1: 16 pipeline stages need at least "
+        r"16 layers, one per stage; the model has 11: use at most 11 pipeline ranks",
+    ):
         tune(mlp(), mse, x, 16, data_parallel=1)
     with pytest.raises(ValueError, match=r"dp1 x pp2 x tp1: 2 pipeline stages need at least 2 layers.* model has 1"):
         tune(nn.Sequential(nn.Linear(16, 4)), mse, x, 2, data_parallel=1)
@@ -398,15 +413,27 @@ def test_small_sizes_print_in_units_that_show_them() -> None:
     assert [_mb(x) for x in (100, 3 * 2**10, 20.1 * 2**20, 3 * 2**30)] == ["100 B", "3.0 KiB", "20.1 MiB", "3.00 GiB"]
 
 
-
 def test_sizes_are_read_as_their_units_say_binary_or_si(capsys: pytest.CaptureFixture[str]) -> None:
     from argparse import ArgumentTypeError
 
     from pipeengine.planner.cli import SIZE_UNITS, main, parse_bytes
 
-    sizes = {"64MiB": 64 * 2**20, "64mib": 64 * 2**20, "64M": 64 * 2**20, "64 MB": 64e6, "1.5KiB": 1536, "3KB": 3000,
-             "2GiB": 2 * 2**30, "2GB": 2e9, "1T": 2**40, "1TiB": 2**40, "1TB": 1e12, "512B": 512, "512": 512,
-             "1.5e9": 1.5e9}  # fmt: skip
+    sizes = {
+        "64MiB": 64 * 2**20,
+        "64mib": 64 * 2**20,
+        "64M": 64 * 2**20,
+        "64 MB": 64e6,
+        "1.5KiB": 1536,
+        "3KB": 3000,
+        "2GiB": 2 * 2**30,
+        "2GB": 2e9,
+        "1T": 2**40,
+        "1TiB": 2**40,
+        "1TB": 1e12,
+        "512B": 512,
+        "512": 512,
+        "1.5e9": 1.5e9,
+    }
     assert {text: parse_bytes(text) for text in sizes} == sizes
     rule = "KiB, MiB, GiB and TiB (or K, M, G and T) are powers of 1024, KB, MB, GB and TB powers of 1000"
     for text in ("64MiBs", "64Mi", "64 iB", "lots"):

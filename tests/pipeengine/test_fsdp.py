@@ -44,8 +44,9 @@ def sharded_parity(schedule: str, steps: int = 2, **options: object) -> Pipeline
     build, loss_fn = MODELS["mlp"]
     model = build()
     one = OneProcess(model, loss_fn)
-    engine = PipelineEngine(model, loss_fn, num_microbatches=4, schedule=schedule, data_parallel=DP, fsdp=True,
-                            **options)  # type: ignore[arg-type]  # fmt: skip
+    engine = PipelineEngine(
+        model, loss_fn, num_microbatches=4, schedule=schedule, data_parallel=DP, fsdp=True, **options
+    )  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
     what = f"fsdp {schedule} {options}"
@@ -87,8 +88,9 @@ def reduce_scatters_once_per_step() -> None:
     try:
         for schedule in ("1f1b", "zb-h1"):
             build, loss_fn = MODELS["mlp"]
-            engine = PipelineEngine(build(), loss_fn, num_microbatches=4, schedule=schedule, data_parallel=DP,
-                                    fsdp=True)  # fmt: skip
+            engine = PipelineEngine(
+                build(), loss_fn, num_microbatches=4, schedule=schedule, data_parallel=DP, fsdp=True
+            )
             units = sum(1 for module in engine.stages.values() for layer in module if [*layer.parameters()])
             for step in range(2):
                 calls.clear()
@@ -150,8 +152,14 @@ def trained(directory: str, steps: int = 2, **options: object) -> PipelineEngine
     engine = PipelineEngine(model, loss_fn, num_microbatches=4, **options)  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
-    train_like_one_process(engine, one, (optimizer, reference_optimizer), steps, f"before saving {options}",
-                           lambda step: replica_batches(step)[: engine.data_parallel])  # fmt: skip
+    train_like_one_process(
+        engine,
+        one,
+        (optimizer, reference_optimizer),
+        steps,
+        f"before saving {options}",
+        lambda step: replica_batches(step)[: engine.data_parallel],
+    )
     engine.save(directory, optimizer)
     save_reference(directory, one, reference_optimizer)
     return engine
@@ -169,8 +177,14 @@ def continues(directory: str, **options: object) -> None:
     load_reference(directory, one, reference_optimizer)
     what = f"loaded into {options}"
     check_weights(engine, one, what)
-    train_like_one_process(engine, one, (optimizer, reference_optimizer), 1, what,
-                           lambda step: replica_batches(50 + step)[:engine.data_parallel])  # fmt: skip
+    train_like_one_process(
+        engine,
+        one,
+        (optimizer, reference_optimizer),
+        1,
+        what,
+        lambda step: replica_batches(50 + step)[: engine.data_parallel],
+    )
     check_weights(engine, one, f"{what}, one step on")
 
 
@@ -209,8 +223,12 @@ def memory() -> None:
         optimizer.zero_grad()
         with engine.tracing(optimizer):
             engine.train_step(x if engine.first else None, x if engine.last else None)
-        held[str(options)] += sum(local(v).numel() * v.element_size() for p in engine.parameters()
-                                  for v in optimizer.state[p].values() if v.dim())  # fmt: skip  # the moments
+        held[str(options)] += sum(
+            local(v).numel() * v.element_size()
+            for p in engine.parameters()
+            for v in optimizer.state[p].values()
+            if v.dim()
+        )  # the moments
         timeline = engine.timeline()
         if timeline is not None:  # the ledger's peaks: deterministic (the allocator's, in benchmarks/memory.py)
             costs = Costs.from_timeline(timeline)
@@ -225,8 +243,18 @@ def memory() -> None:
                 assert table["reduce_held"] == [unit] * 2 and table["reduce_transient"] == [rise] * 2, table
                 assert table["gather_transient"] == table["gathered"] == [4 * unit] * 2, table
             if options == {"fsdp": True}:  # the planner, from each layer measured alone, against the traced step
-                planned = tune(untouched, nn.functional.mse_loss, x, 4, target=x, data_parallel=DP,
-                               fsdp=True, schedules=["1f1b"], microbatches=[4], methods=("uniform",)).best  # fmt: skip
+                planned = tune(
+                    untouched,
+                    nn.functional.mse_loss,
+                    x,
+                    4,
+                    target=x,
+                    data_parallel=DP,
+                    fsdp=True,
+                    schedules=["1f1b"],
+                    microbatches=[4],
+                    methods=("uniform",),
+                ).best
                 traced = simulate(engine.last_program, costs).required_memory  # type: ignore[arg-type]
                 ratios = [p / t for p, t in zip(planned.peak_memory, traced, strict=True)]
                 assert planned.partition == (4, 4) and all(0.9 <= r <= 1.1 for r in ratios), (planned, traced)
@@ -275,9 +303,22 @@ def test_the_planner_prices_the_sharded_state_and_builds_it() -> None:
 
     model, x = mlp(width=64), torch.randn(32, 64)
     y = torch.randn(32, 4)
-    plain, sharded = (tune(model, mse, x, 4, target=y, data_parallel=4, fsdp=fsdp, schedules=["1f1b", "zb-h1"],
-                           microbatches=[4], methods=("uniform",), checkpoint=["never"])
-                      for fsdp in (False, True))  # fmt: skip
+    plain, sharded = (
+        tune(
+            model,
+            mse,
+            x,
+            4,
+            target=y,
+            data_parallel=4,
+            fsdp=fsdp,
+            schedules=["1f1b", "zb-h1"],
+            microbatches=[4],
+            methods=("uniform",),
+            checkpoint=["never"],
+        )
+        for fsdp in (False, True)
+    )
     assert len(plain.rows) == len(sharded.rows) == 2
     for mine in sharded.rows:
         theirs = next(c for c in plain.rows if c.schedule == mine.schedule)

@@ -32,17 +32,28 @@ def tied_parity(
     model = tied_gpt()
     one = OneProcess(model, one_process_loss)
     m = 2 * (ranks.size() // data_parallel)
-    engine = PipelineEngine(model, token_sum, num_microbatches=m, schedule=schedule, loss_count=count_tokens,
-                            data_parallel=data_parallel, **options)  # type: ignore[arg-type]  # fmt: skip
+    engine = PipelineEngine(
+        model,
+        token_sum,
+        num_microbatches=m,
+        schedule=schedule,
+        loss_count=count_tokens,
+        data_parallel=data_parallel,
+        **options,
+    )  # type: ignore[arg-type]
     names = [name for name, _ in engine.named_parameters()]
     if engine.first or engine.last:  # every holding rank lists the tie under the model's first name
         assert "0.tokens.weight" in names and f"{len(model) - 1}.out.weight" not in names, names
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(one.parameters(), lr=1e-2)
     train_like_one_process(
-        engine, one, (optimizer, reference_optimizer), steps, f"tied {schedule} dp={data_parallel} {options}",
+        engine,
+        one,
+        (optimizer, reference_optimizer),
+        steps,
+        f"tied {schedule} dp={data_parallel} {options}",
         lambda step: [padded_batch(2 * m, seed=10 * step + r, microbatches=m) for r in range(data_parallel)],
-    )  # fmt: skip
+    )
     check_weights(engine, one, f"tied {schedule} after {steps} steps")
     tied = dict(engine.named_parameters()).get("0.tokens.weight")
     if tied is not None and engine.last:  # the head and the embedding are one tensor on this rank
@@ -110,8 +121,9 @@ def tied_save(directory: str, schedule: str) -> None:
 
 def tied_load(directory: str, schedule: str) -> None:
     """Another partition and schedule loads it: the tie holds, and training goes on exactly as one process."""
-    engine = PipelineEngine(tied_gpt(seed=5), token_sum, num_microbatches=ranks.size(), schedule=schedule,
-                            loss_count=count_tokens)  # fmt: skip
+    engine = PipelineEngine(
+        tied_gpt(seed=5), token_sum, num_microbatches=ranks.size(), schedule=schedule, loss_count=count_tokens
+    )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
     engine.load(directory, optimizer)
     one = OneProcess(tied_gpt(), one_process_loss)

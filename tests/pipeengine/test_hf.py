@@ -38,8 +38,9 @@ def left_padded(size: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor]
     return (ids, (~padding).long()), labels
 
 
-def hf_loss(model: nn.Module, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
-            ) -> torch.Tensor:  # fmt: skip
+def hf_loss(
+    model: nn.Module, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
     """HF's own loss of a whole batch: ``model(ids, labels=labels)``; left-padded (ids, mask): with its attention
     mask."""
     if isinstance(x, tuple):
@@ -48,9 +49,17 @@ def hf_loss(model: nn.Module, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor
     return model(x, labels=labels).loss  # type: ignore[no-any-return]
 
 
-def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: int = 1,
-           options: dict[str, object] | None = None, tied: bool = True, padding: str = "right",
-           config: dict[str, object] | None = None, accumulate: int = 1) -> None:  # fmt: skip
+def parity(
+    family: str,
+    schedules: list[str],
+    layers: int = 2,
+    data_parallel: int = 1,
+    options: dict[str, object] | None = None,
+    tied: bool = True,
+    padding: str = "right",
+    config: dict[str, object] | None = None,
+    accumulate: int = 1,
+) -> None:
     """Two AdamW steps: the engine's loss and every gradient equal HF's token mean over the whole global batch
     (``model(ids, labels=labels)``; left padding: ``model(ids, attention_mask=mask, labels=labels)``, the engine given
     (ids, mask); "packed": rows of documents, a row a micro-batch, the engine given (ids, position_ids) and equal to
@@ -61,12 +70,19 @@ def parity(family: str, schedules: list[str], layers: int = 2, data_parallel: in
     for schedule in schedules:
         model = build(family, layers, tied, **(config or {}))
         # seq: the engine's names, on the copy's parameters
-        one = OneProcess(model, seq=lambda m: hf.sequential(m, packed=packing),
-                         run=separate_documents if packing else hf_loss)  # fmt: skip
+        one = OneProcess(
+            model, seq=lambda m: hf.sequential(m, packed=packing), run=separate_documents if packing else hf_loss
+        )
         m = 2 * ranks.size() // data_parallel
-        engine = PipelineEngine(hf.sequential(model, packed=packing), hf.causal_lm_loss, num_microbatches=m,
-                                schedule=schedule, loss_count=hf.count_labels, data_parallel=data_parallel,
-                                **(options or {}))  # type: ignore[arg-type]  # fmt: skip
+        engine = PipelineEngine(
+            hf.sequential(model, packed=packing),
+            hf.causal_lm_loss,
+            num_microbatches=m,
+            schedule=schedule,
+            loss_count=hf.count_labels,
+            data_parallel=data_parallel,
+            **(options or {}),
+        )  # type: ignore[arg-type]
         # eps=1e-6 (as the other parity tests): a gradient near zero differs by rounding between any two summation
         # orders, and AdamW's default 1e-8 would turn that noise into steps of about lr
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3, eps=1e-6)
@@ -134,8 +150,9 @@ def train_and_export(directory: str, family: str, via_checkpoint: bool) -> None:
         with torch.no_grad():
             for param in model.parameters():
                 param.normal_(generator=other)
-        engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2,
-                                loss_count=hf.count_labels, partition=[2, 2])  # fmt: skip
+        engine = PipelineEngine(
+            hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, loss_count=hf.count_labels, partition=[2, 2]
+        )
         engine.load(f"{directory}/pipeengine")
     written = hf.save_pretrained(engine, model, f"{directory}/hf")
     if engine.last:
@@ -163,8 +180,11 @@ def test_an_architecture_it_does_not_know_is_refused_naming_what_is_missing() ->
             super().__init__()
             self.encoder, self.pooler = nn.Linear(2, 2), nn.Linear(2, 2)
 
-    with pytest.raises(ValueError, match=r"knows causal LMs laid out as Llama's .* Encoder has children \['encoder', "
-                                         r"'pooler'\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"knows causal LMs laid out as Llama's .* Encoder has children \['encoder', "
+        r"'pooler'\]",
+    ):
         hf.sequential(Encoder())
 
 
@@ -172,8 +192,16 @@ def test_the_planner_plans_an_hf_model_like_any_sequential() -> None:
     from pipeengine.tune import tune
 
     ids, labels = batch(8, seed=0)
-    result = tune(hf.sequential(build("llama", layers=4)), hf.causal_lm_loss, ids, 2, target=labels,
-                  schedules=["1f1b", "zb-v"], microbatches=[2, 4], repeats=1)  # fmt: skip
+    result = tune(
+        hf.sequential(build("llama", layers=4)),
+        hf.causal_lm_loss,
+        ids,
+        2,
+        target=labels,
+        schedules=["1f1b", "zb-v"],
+        microbatches=[2, 4],
+        repeats=1,
+    )
     assert result.rows and {c.schedule for c in result.rows} == {"1f1b", "zb-v"}
     assert all(sum(c.partition) == 6 for c in result.rows)  # the embedding, 4 decoders, the head
 
@@ -181,8 +209,14 @@ def test_the_planner_plans_an_hf_model_like_any_sequential() -> None:
 def with_tensor_parallel() -> None:
     model = build("llama", layers=2, tied=False)
     one = OneProcess(model, seq=hf.sequential, run=hf_loss)
-    engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, loss_count=hf.count_labels,
-                            tensor_parallel=2, tp_plan=hf.tp_plan(model))  # fmt: skip
+    engine = PipelineEngine(
+        hf.sequential(model),
+        hf.causal_lm_loss,
+        num_microbatches=2,
+        loss_count=hf.count_labels,
+        tensor_parallel=2,
+        tp_plan=hf.tp_plan(model),
+    )
     assert engine.mesh.shape == (1, ranks.size() // 2, 2)  # type: ignore[union-attr]
     ids, labels = batch(4, seed=0)
     loss = engine.train_step(ids if engine.first else None, labels if engine.last else None)
@@ -191,8 +225,14 @@ def with_tensor_parallel() -> None:
     # the mask (left padding) across tensor-parallel ranks, the position ids (packed rows) across sharded replicas
     tensor = {"tensor_parallel": 2, "tp_plan": hf.tp_plan(model)}
     parity("llama", ["1f1b"], options=tensor, tied=False, padding="left", config={"pad_token_id": PAD})
-    parity("llama", ["1f1b"], data_parallel=2, options={"fsdp": True}, padding="packed",
-           config={"attn_implementation": "sdpa"})  # fmt: skip
+    parity(
+        "llama",
+        ["1f1b"],
+        data_parallel=2,
+        options={"fsdp": True},
+        padding="packed",
+        config={"attn_implementation": "sdpa"},
+    )
 
 
 @pytest.mark.timeout(180)
@@ -208,8 +248,10 @@ def test_the_models_own_tensor_parallel_plan_translates_to_the_sequential() -> N
 # on each rank, as Phi-3's), Cohere's per-head weights (heads, head_dim) as Command R+ sets them (each rank its heads'
 # rows)
 QK_NORMS: list[tuple[str, dict[str, object], int]] = [
-    ("qwen3", {"attn_implementation": "sdpa"}, 2), ("gemma3", {"attn_implementation": "eager"}, 1),
-    ("olmo2", {"attn_implementation": "sdpa"}, 1), ("phi3", {"attn_implementation": "sdpa"}, 1),
+    ("qwen3", {"attn_implementation": "sdpa"}, 2),
+    ("gemma3", {"attn_implementation": "eager"}, 1),
+    ("olmo2", {"attn_implementation": "sdpa"}, 1),
+    ("phi3", {"attn_implementation": "sdpa"}, 1),
     ("cohere", {"attn_implementation": "eager", "use_qk_norm": True}, 1),
 ]
 
@@ -233,14 +275,31 @@ def test_a_parameter_of_attention_split_by_heads_that_the_plan_leaves_out_is_ref
     model = build("qwen3")
     config: Any = model.config
     config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items() if "norm" not in k}
-    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM's tp plan splits self_attn by heads \(a column-wise "
-                                         r"projection\) and says nothing of self_attn.q_norm "
-                                         r"\(parameters \[\(8,\)\]\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Qwen3ForCausalLM's tp plan splits self_attn by heads \(a column-wise "
+        r"projection\) and says nothing of self_attn.q_norm "
+        r"\(parameters \[\(8,\)\]\)",
+    ):
         hf.tp_plan(model)
 
 
-EXACT = ["llama", "qwen2-window", "qwen3", "mistral", "phi3", "starcoder2", "gemma", "mixtral", "qwen2_moe", "olmo2",
-         "gemma2", "cohere", "granite", "gemma3"]
+EXACT = [
+    "llama",
+    "qwen2-window",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "starcoder2",
+    "gemma",
+    "mixtral",
+    "qwen2_moe",
+    "olmo2",
+    "gemma2",
+    "cohere",
+    "granite",
+    "gemma3",
+]
 
 
 def every_family() -> None:
@@ -248,8 +307,12 @@ def every_family() -> None:
     by eager in turn."""
     for index, family in enumerate(EXACT):
         attention = "eager" if family == "gemma2" else ("sdpa", "eager")[index % 2]  # Gemma 2: eager alone
-        parity(family, [SCHEDULES[index % len(SCHEDULES)]], config={"attn_implementation": attention},
-               tied=family not in ("qwen2_moe", "olmo2"))  # fmt: skip
+        parity(
+            family,
+            [SCHEDULES[index % len(SCHEDULES)]],
+            config={"attn_implementation": attention},
+            tied=family not in ("qwen2_moe", "olmo2"),
+        )
 
 
 @pytest.mark.timeout(240)
@@ -333,9 +396,12 @@ def left_padded_without_mask() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_left_padded_batch_without_its_mask_is_refused_saying_how_to_pass_it() -> None:
-    with pytest.raises(Exception, match=r"starts with the pad token \(pad_token_id=0\) and has tokens after it: a "
-                                        r"left-padded batch needs its attention mask. Pass the inputs as \(input_ids, "
-                                        r"attention_mask\)"):  # fmt: skip
+    with pytest.raises(
+        Exception,
+        match=r"starts with the pad token \(pad_token_id=0\) and has tokens after it: a "
+        r"left-padded batch needs its attention mask. Pass the inputs as \(input_ids, "
+        r"attention_mask\)",
+    ):
         launch(left_padded_without_mask, 2, timeout=30, in_process=True)
 
 
@@ -350,15 +416,19 @@ def test_gradients_accumulated_over_steps_equal_hf_with_the_head_tied_across_ran
 
 def heads_refused(kv_heads: int, heads: int) -> None:
     model = build("llama", num_key_value_heads=kv_heads, num_attention_heads=heads, hidden_size=8 * heads)
-    PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=2,
-                   tp_plan=hf.tp_plan(model))  # fmt: skip
+    PipelineEngine(
+        hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=2, tp_plan=hf.tp_plan(model)
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kv_heads, heads", [(1, 4), (3, 3)])
 def test_a_tensor_parallel_degree_that_splits_a_head_is_refused_naming_the_heads(kv_heads: int, heads: int) -> None:
-    with pytest.raises(ValueError, match=rf"tensor_parallel=2 splits LlamaForCausalLM's attention by heads, and its "
-                                         rf"{heads} attention heads and {kv_heads} key-value heads do not both divide"):
+    with pytest.raises(
+        ValueError,
+        match=rf"tensor_parallel=2 splits LlamaForCausalLM's attention by heads, and its "
+        rf"{heads} attention heads and {kv_heads} key-value heads do not both divide",
+    ):
         launch(heads_refused, 2, args=(kv_heads, heads), timeout=30, in_process=True)
 
 
@@ -370,8 +440,9 @@ def export_parallel(directory: str) -> None:
     for index, (family, options) in enumerate(cases):
         model = build(family, tied=family == "gpt2")
         plan = {"tp_plan": hf.tp_plan(model)} if "tensor_parallel" in options else {}
-        engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2,
-                                loss_count=hf.count_labels, **options, **plan)  # type: ignore[arg-type]  # fmt: skip
+        engine = PipelineEngine(
+            hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, loss_count=hf.count_labels, **options, **plan
+        )  # type: ignore[arg-type]
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
         ids, labels = batch(4, seed=index)
         engine.train_step(ids if engine.first else None, labels if engine.last else None)

@@ -175,8 +175,17 @@ def test_under_torchrun_launch_joins_its_group_and_max_restarts_resumes(tmp_path
         f"    launch(resume_or_crash, 2, args=({str(tmp_path)!r},))\n"
         f"    launch(report_world, 2, args=({str(tmp_path / 'world')!r},))\n"
     )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", str(script)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(script),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = tmp_path / "torchrun.log"
     with log.open("w") as out:
@@ -209,8 +218,14 @@ def test_each_torchrun_attempt_joins_on_keys_of_its_own(monkeypatch: pytest.Monk
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
     monkeypatch.setattr(torchrun.atexit, "register", lambda fn: fn)
     for attempt in ("1", "2", "3"):
-        env = {"TORCHELASTIC_RESTART_COUNT": attempt, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # fmt: skip
+        env = {
+            "TORCHELASTIC_RESTART_COUNT": attempt,
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1",
+        }
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         torchrun.join(lambda: None, 2, (), "cpu", 5.0)
@@ -225,17 +240,19 @@ def fails_each_time(path: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_fails_every_time_stops_after_max_restarts_with_its_cause(tmp_path: Path,
-                                                                               capfd: pytest.CaptureFixture[str]
-                                                                               ) -> None:  # fmt: skip
+def test_a_rank_that_fails_every_time_stops_after_max_restarts_with_its_cause(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(RuntimeError, match=r"the same fault again") as raised:
         launch(fails_each_time, 2, args=(str(tmp_path / "runs"),), max_restarts=2, timeout=30)
     assert "in the last of 3 runs (max_restarts=2 spent)" in "\n".join(raised.value.__notes__)
     assert [(tmp_path / f"runs.{r}").read_text().count("started") for r in range(2)] == [3, 3]
     said = capfd.readouterr().err
     for restart in (1, 2):
-        assert (f"rank 1 raised RuntimeError: the same fault again (planted); every rank stopped, starting all 2 "
-                f"again (restart {restart} of max_restarts=2)") in said, said  # fmt: skip
+        assert (
+            f"rank 1 raised RuntimeError: the same fault again (planted); every rank stopped, starting all 2 "
+            f"again (restart {restart} of max_restarts=2)"
+        ) in said, said
     with pytest.raises(ValueError, match="max_restarts needs processes"):
         launch(fails_each_time, 2, args=("x",), max_restarts=1, in_process=True)
 
@@ -243,8 +260,10 @@ def test_a_rank_that_fails_every_time_stops_after_max_restarts_with_its_cause(tm
 @pytest.mark.timeout(120)
 def test_a_script_without_a_main_guard_gets_multiprocessings_own_explanation(tmp_path: Path) -> None:
     script = tmp_path / "unguarded.py"
-    script.write_text("from pipeengine import launch\nfrom tests.pipeengine.test_launch import report_world\n"
-                      "launch(report_world, 2, args=('x',))\n")  # fmt: skip
+    script.write_text(
+        "from pipeengine import launch\nfrom tests.pipeengine.test_launch import report_world\n"
+        "launch(report_world, 2, args=('x',))\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
     assert result.returncode != 0
@@ -260,8 +279,7 @@ def test_on_ranks_runs_a_tests_own_body_on_each_rank_with_its_fixtures(value: in
     assert seen == [(0, 3, str(tmp_path)), (1, 3, str(tmp_path))]
 
 
-def test_the_attempt_is_read_from_the_rendezvous_only_where_the_agent_runs_one(monkeypatch: pytest.MonkeyPatch
-                                                                               ) -> None:  # fmt: skip
+def test_the_attempt_is_read_from_the_rendezvous_only_where_the_agent_runs_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent's command line names its c10d rendezvous in either spelling; without one (or outside torchrun) the
     rendezvous gives no round and the restart count serves; the state is unpickled with its own classes only."""
     import pickle

@@ -39,8 +39,9 @@ LAYOUTS = {(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
 def blocks(count: int = 4, width: int = WIDTH) -> nn.Sequential:
     with SEEDED:
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-                               for _ in range(count)])  # fmt: skip
+        return nn.Sequential(
+            *[nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(count)]
+        )
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +52,20 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def planned():  # type: ignore[no-untyped-def]
     x, y = data()
-    return tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, schedules=["1f1b", "gpipe"], microbatches=[2],
-                methods=("uniform",), checkpoint=["never", "always"], repeats=1, allocator=False)  # fmt: skip
+    return tune(
+        blocks(),
+        mse,
+        x,
+        4,
+        target=y,
+        tp_plan=PLAN,
+        schedules=["1f1b", "gpipe"],
+        microbatches=[2],
+        methods=("uniform",),
+        checkpoint=["never", "always"],
+        repeats=1,
+        allocator=False,
+    )
 
 
 def test_every_factorisation_of_4_ranks_is_priced_with_fsdp_both_ways(planned) -> None:  # type: ignore[no-untyped-def]
@@ -74,8 +87,13 @@ def test_every_layout_row_builds_and_trains_like_one_process_on_4_gloo_ranks(pla
     chosen[(0, 0, 0, False)] = next(c for c in planned.rows if c.checkpoint == "always").engine_kwargs()
     assert len(chosen) == 10
     # and schedule="auto" with tensor parallelism (at the kept prices: measuring them first is tested below)
-    chosen[(-1, 0, 0, False)] = {"schedule": "auto", "tensor_parallel": 2, "tp_plan": PLAN, "data_parallel": 1,
-                                 "num_microbatches": 2}  # one size to measure (in a spawned process: TP on ranks)
+    chosen[(-1, 0, 0, False)] = {
+        "schedule": "auto",
+        "tensor_parallel": 2,
+        "tp_plan": PLAN,
+        "data_parallel": 1,
+        "num_microbatches": 2,
+    }  # one size to measure (in a spawned process: TP on ranks)
     launch(train_each, 4, args=(list(chosen.values()),), timeout=240)
 
 
@@ -99,8 +117,9 @@ def auto_without_prices(prices: str, fixture: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_schedule_auto_with_no_prices_kept_measures_them_on_every_rank_and_rank_0_keeps_them(tmp_path: Path) -> None:
-    launch(auto_without_prices, 2, args=(str(tmp_path / "prices.json"), os.environ["PIPEENGINE_CALIBRATION"]),
-           timeout=60)  # fmt: skip
+    launch(
+        auto_without_prices, 2, args=(str(tmp_path / "prices.json"), os.environ["PIPEENGINE_CALIBRATION"]), timeout=60
+    )
 
 
 def train_each(rows: list[dict[str, object]]) -> None:
@@ -114,7 +133,7 @@ def train_each(rows: list[dict[str, object]]) -> None:
         engine = PipelineEngine(model, mse, **kwargs)  # type: ignore[arg-type]
         optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
         share = BATCH // dp
-        parts = [(x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]) for r in range(dp)]
+        parts = [(x[r * share : (r + 1) * share], y[r * share : (r + 1) * share]) for r in range(dp)]
         train_like_one_process(engine, one, optimizers, 2, f"layout {kwargs}", lambda step, parts=parts: parts)  # type: ignore[misc]
 
 
@@ -123,8 +142,9 @@ def tied_v():  # type: ignore[no-untyped-def]
     """A GPT whose head is its embedding's weight, ZB-V on 2 ranks: the layouts searched (8 sequences a step), and dp2
     fixed (a replica's 4); the layers' times injected, so that both price from alike measurements."""
     x, y = padded_batch(8, 0, 2)
-    options: dict[str, object] = dict(schedules=["zb-v"], microbatches=[1, 2], methods=("uniform",),
-                                      checkpoint=["never"], repeats=1)  # fmt: skip
+    options: dict[str, object] = dict(
+        schedules=["zb-v"], microbatches=[1, 2], methods=("uniform",), checkpoint=["never"], repeats=1
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(measure, "time_layer", lambda *args: (1e-4, 2e-4, 1e-4, 1e-4))
         searched = tune(tied_gpt(blocks=2), one_process_loss, x, 2, target=y, **options)  # type: ignore[arg-type]
@@ -153,21 +173,43 @@ def test_a_layout_is_priced_alike_found_by_the_search_or_fixed(tied_v) -> None: 
     block an earlier watch saw at that address (torch's stale record), or not at all: the peaks hung on what the
     process had measured before (observe.allocator: AllocatorWatches): measured again here, the same layers differed."""
     x, y = padded_batch(8, 0, 2)
-    again = [profile_layers(tied_gpt(blocks=2), x, 4, device=torch.device("cpu"), loss=one_process_loss, target=y,
-                            allocator=True, timed=False).allocations for _ in range(2)]  # fmt: skip
+    again = [
+        profile_layers(
+            tied_gpt(blocks=2),
+            x,
+            4,
+            device=torch.device("cpu"),
+            loss=one_process_loss,
+            target=y,
+            allocator=True,
+            timed=False,
+        ).allocations
+        for _ in range(2)
+    ]
     assert again[0] == again[1]
     searched, fixed = tied_v
 
     def prices(result):  # type: ignore[no-untyped-def]
-        return {(c.fsdp, c.num_microbatches, c.partition): (c.step_time, c.peak_memory)
-                for c in result.rows if c.data_parallel == 2}  # fmt: skip
+        return {
+            (c.fsdp, c.num_microbatches, c.partition): (c.step_time, c.peak_memory)
+            for c in result.rows
+            if c.data_parallel == 2
+        }
 
     assert prices(searched) == prices(fixed) and {m for _, m, _ in prices(fixed)} == {1, 2}
 
 
-PRICES = Prices(0.0, Link(0.0, 0.0), {"all_reduce": {2: Link(1.0, 1e-3)}, "all_gather": {2: Link(0.5, 0.0)},
-                                      "reduce_scatter": {2: Link(0.25, 0.0)}}, "injected", frame={}, post=0.0,
-                post_message=0.0, copy=0.0, fsdp={})  # fmt: skip
+PRICES = Prices(
+    0.0,
+    Link(0.0, 0.0),
+    {"all_reduce": {2: Link(1.0, 1e-3)}, "all_gather": {2: Link(0.5, 0.0)}, "reduce_scatter": {2: Link(0.25, 0.0)}},
+    "injected",
+    frame={},
+    post=0.0,
+    post_message=0.0,
+    copy=0.0,
+    fsdp={},
+)
 
 
 def test_the_replicas_collectives_sit_on_the_timeline_where_the_runtime_runs_them() -> None:
@@ -178,8 +220,9 @@ def test_the_replicas_collectives_sit_on_the_timeline_where_the_runtime_runs_the
     free = simulate(program, Costs(forward=1.0, backward=1.0))
     assert free.makespan == 6.0  # rank 0: F0 F1, B0 at 3-4 (after rank 1's F0 B0), B1 at 5-6
     sizes = [100.0, 300.0]  # each stage's gradient bytes
-    synced = simulate(program, Costs(forward=1.0, backward=1.0,
-                                     all_reduce=[PRICES.collective("all_reduce", 2, s) for s in sizes]))  # fmt: skip
+    synced = simulate(
+        program, Costs(forward=1.0, backward=1.0, all_reduce=[PRICES.collective("all_reduce", 2, s) for s in sizes])
+    )
     # rank 0's AR (stage 0) starts after its last B at 6 and takes 1 + 0.1; rank 1's (stage 1) after its last B at 5
     assert synced.makespan == pytest.approx(7.1)
     spans = [s for s in synced.spans if isinstance(s.action, Instruction) and s.action.kind is Kind.ALL_REDUCE]
@@ -200,8 +243,19 @@ def test_no_candidate_ends_a_stage_on_a_tensor_parallel_shard() -> None:
     x, y = data()
     profile = profile_layers(flat, x, 4, repeats=0, device=torch.device("cpu"), tensor_parallel=2, tp_plan=plan)
     assert profile.shards_output == (True, True, False, True, True, False)
-    result = tune(flat, mse, x, 4, target=y, tp_plan=plan, schedules=["1f1b", "interleaved"], microbatches=[2],
-                  repeats=1, allocator=False, methods=("uniform", "time"))  # fmt: skip
+    result = tune(
+        flat,
+        mse,
+        x,
+        4,
+        target=y,
+        tp_plan=plan,
+        schedules=["1f1b", "interleaved"],
+        microbatches=[2],
+        repeats=1,
+        allocator=False,
+        methods=("uniform", "time"),
+    )
     tensor_parallel = [row for row in result.rows if row.tensor_parallel > 1]
     assert tensor_parallel and all(row.partition in ((6,), (3, 3)) for row in tensor_parallel), tensor_parallel
     assert any(len(row.partition) == 4 for row in result.rows if row.tensor_parallel == 1)  # 4 stages: tp=1 only
@@ -260,7 +314,8 @@ def test_each_timed_run_of_a_layer_starts_with_the_caches_flushed() -> None:
 
 
 def test_a_layout_of_one_pipeline_rank_is_priced_from_layers_timed_with_the_host_path_warm(
-        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """warm=True: each timed compute follows the flush and a forward and backward of a copy of the layer (its own
     weights: the layer's stay cold). tune measures the layouts of one pipeline rank (dp=2 of 2 ranks) so, and only
     them, and prices them from those times."""
@@ -284,8 +339,19 @@ def test_a_layout_of_one_pipeline_rank_is_priced_from_layers_timed_with_the_host
 
     monkeypatch.setattr(planner_measure, "profile_layers", measured)
     x, y = data()
-    result = tune(blocks(2), mse, x, 2, target=y, schedules=["1f1b"], microbatches=[2], methods=("uniform",),
-                  checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip
+    result = tune(
+        blocks(2),
+        mse,
+        x,
+        2,
+        target=y,
+        schedules=["1f1b"],
+        microbatches=[2],
+        methods=("uniform",),
+        checkpoint=["never"],
+        repeats=1,
+        allocator=False,
+    )
     assert sorted(calls) == [(BATCH // 4, 1, True), (BATCH // 2, 1, False)]
     alone = [c.step_time for c in result.rows if c.data_parallel == 2]
     piped = [c.step_time for c in result.rows if c.data_parallel == 1]
@@ -298,8 +364,18 @@ def test_shards_measured_in_a_fresh_process_share_one_inside_one_process() -> No
     spawns and imports for a 2-rank auto build)."""
     from pipeengine.planner import elsewhere as isolated
 
-    arguments = dict(repeats=1, device=torch.device("cpu"), threads=1, loss=None, target=None, timed=True,
-                     allocator=False, compile=False, tensor_parallel=2, tp_plan=PLAN)  # fmt: skip
+    arguments = dict(
+        repeats=1,
+        device=torch.device("cpu"),
+        threads=1,
+        loss=None,
+        target=None,
+        timed=True,
+        allocator=False,
+        compile=False,
+        tensor_parallel=2,
+        tp_plan=PLAN,
+    )
     model, x = blocks(2, 16), torch.randn(BATCH, 16)
     with isolated.one_process():
         first = isolated.elsewhere(profile_layers, model, x, 4, arguments)
@@ -312,22 +388,46 @@ def test_shards_measured_in_a_fresh_process_share_one_inside_one_process() -> No
 def test_a_refused_layout_says_why() -> None:
     x, y = data()
     narrow = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}
-    result = tune(blocks(2, 5), mse, x[:, :5].contiguous(), 4, target=y[:, :5].contiguous(), tp_plan=narrow,
-                  schedules=["1f1b"], microbatches=[2], methods=("uniform",), checkpoint=["never"], repeats=1,
-                  allocator=False)  # fmt: skip
+    result = tune(
+        blocks(2, 5),
+        mse,
+        x[:, :5].contiguous(),
+        4,
+        target=y[:, :5].contiguous(),
+        tp_plan=narrow,
+        schedules=["1f1b"],
+        microbatches=[2],
+        methods=("uniform",),
+        checkpoint=["never"],
+        repeats=1,
+        allocator=False,
+    )
     assert "cannot share equally" in result.refused["dp1 x pp1 x tp4"], result.refused  # 10 features over 4 ranks
     assert "the model has 2: use at most 2 pipeline ranks" in result.refused["dp1 x pp4 x tp1"]
     assert "refused dp1 x pp4 x tp1: 4 pipeline stages" in str(result)
     assert {c.tensor_parallel for c in result.rows} == {1, 2}
     with pytest.raises(ValueError, match=r"tensor parallelism runs DTensor collectives, which in-process ranks"):
         tune(blocks(), mse, x, 2, target=y, tp_plan=PLAN, data_parallel=1, tensor_parallel=2, backend="loopback")
-    odd = tune(blocks(), mse, x[:6], 4, target=y[:6], data_parallel=None, tp_plan=None, schedules=["1f1b"],
-               microbatches=[1], checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip
+    odd = tune(
+        blocks(),
+        mse,
+        x[:6],
+        4,
+        target=y[:6],
+        data_parallel=None,
+        tp_plan=None,
+        schedules=["1f1b"],
+        microbatches=[1],
+        checkpoint=["never"],
+        repeats=1,
+        allocator=False,
+    )
     assert odd.refused["dp4 x pp1 x tp1"] == "the batch of 6 rows does not split equally into 4 replicas"
 
 
-def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     x, y = data()
     with pytest.raises(ValueError, match=r"product must divide world_size=4"):  # was "...this model: " and nothing
         tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, tensor_parallel=3)
@@ -335,8 +435,11 @@ def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: 
         with pytest.raises(ValueError, match=r"memory_limit must be a positive number of bytes per rank"):
             tune(blocks(), mse, x, 2, target=y, memory_limit=limit)  # type: ignore[arg-type]
     record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
-    for key, value, said in (("processors", 0, "processors is 0: "), ("overhead", -1e-3, "overhead is -0.001"),
-                             ("overhead", float("nan"), "overhead is nan")):  # fmt: skip
+    for key, value, said in (
+        ("processors", 0, "processors is 0: "),
+        ("overhead", -1e-3, "overhead is -0.001"),
+        ("overhead", float("nan"), "overhead is nan"),
+    ):
         path = tmp_path / f"{key}.json"
         path.write_text(json.dumps({**record, key: value}))
         with pytest.raises(ValueError, match=rf"{path.name} is refused: {said}.*--world-size N .* again"):
@@ -348,17 +451,30 @@ def test_mistaken_prices_limits_and_sizes_are_refused_with_what_to_do(tmp_path: 
     with pytest.raises(SystemExit):  # one line, not two tracebacks from the launched rank
         main(["--calibrate", "--world-size", "1"], PipelineEngine)
     assert "error: --calibrate times messages and collectives between ranks: --world-size 2 or more, got 1" in (
-        capsys.readouterr().err)  # fmt: skip
+        capsys.readouterr().err
+    )
     # a file measured on 4 ranks, a plan for 2: tune says so, and how to measure for 2 (the tests' fixed prices
     # name no world size)
     (tmp_path / "four.json").write_text(json.dumps({**record, "world_size": 4}))
     with pytest.warns(UserWarning, match=r"prices measured on 4 .* --calibrate --world-size 2"):
-        tune(blocks(2), mse, x, 2, target=y, schedules=["1f1b"], microbatches=[2], checkpoint=["never"], repeats=1,
-             allocator=False, prices=tmp_path / "four.json")  # fmt: skip
+        tune(
+            blocks(2),
+            mse,
+            x,
+            2,
+            target=y,
+            schedules=["1f1b"],
+            microbatches=[2],
+            checkpoint=["never"],
+            repeats=1,
+            allocator=False,
+            prices=tmp_path / "four.json",
+        )
 
 
 def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Injected prices: a step's frame by the layout's pipeline and replica sizes (unmeasured sizes scaled by their
     ranks less one); each post's host time; a sync's copies (an AR flattens before, copies back and divides after;
     FSDP copies in and out, holds its rank through its reduce-scatters and copies its gathered parameters)."""
@@ -377,10 +493,15 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     assert sharded.sync_blocking and sharded.sync_host == [pytest.approx(1e-3 * params[0] * 1.5)]
     assert sharded.gather == [pytest.approx(2 * 0.5 + 1e-3 * params[0])]
     # FSDP2's first backward of a step makes every unit's whole gradient before it ends: at least that on top
-    watched = profile_layers(blocks(2, 16), torch.randn(BATCH, 16), 4, repeats=1, device=torch.device("cpu"),
-                             allocator=True)  # fmt: skip
-    firsts = [watched.stage_costs([(0, 2)], prices=PRICES, data_parallel=2, fsdp=sharding).memory.per_stage(1)[  # type: ignore[union-attr]
-        "first_transient"][0] for sharding in (False, True)]  # fmt: skip
+    watched = profile_layers(
+        blocks(2, 16), torch.randn(BATCH, 16), 4, repeats=1, device=torch.device("cpu"), allocator=True
+    )
+    firsts = [
+        watched.stage_costs([(0, 2)], prices=PRICES, data_parallel=2, fsdp=sharding).memory.per_stage(1)[  # type: ignore[union-attr]
+            "first_transient"
+        ][0]
+        for sharding in (False, True)
+    ]
     assert firsts[1] == max(firsts[0], float(sum(watched.parameter_bytes))) > firsts[0]
     # what FSDP2 adds per unit (2 here): its hooks on each compute, and beyond each raw gather and reduce-scatter
     plain = profile.stage_costs([(0, 2)], prices=PRICES, data_parallel=2, fsdp=True)
@@ -409,15 +530,32 @@ def test_a_step_frame_posting_and_copying_are_priced_as_the_runtime_spends_them(
     x, y = data()
 
     measured = {}
-    monkeypatch.setattr(planner_measure, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
-        (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
+    monkeypatch.setattr(
+        planner_measure,
+        "profile_layers",
+        lambda model, sample, rows, **kw: measured.setdefault(
+            (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)
+        ),
+    )
     record = json.loads((Path(__file__).parents[1] / "calibration.json").read_text())
     steps = []
     for pipeline in ({}, {"2": 7.0}):
         (tmp_path / "priced.json").write_text(json.dumps({**record, "frame": {"pipeline": pipeline}}))
-        result = tune(blocks(2), mse, x, 2, target=y, prices=tmp_path / "priced.json", schedules=["1f1b"],
-                      microbatches=[2], data_parallel=1, methods=("uniform",), checkpoint=["never"], repeats=1,
-                      allocator=False)  # fmt: skip
+        result = tune(
+            blocks(2),
+            mse,
+            x,
+            2,
+            target=y,
+            prices=tmp_path / "priced.json",
+            schedules=["1f1b"],
+            microbatches=[2],
+            data_parallel=1,
+            methods=("uniform",),
+            checkpoint=["never"],
+            repeats=1,
+            allocator=False,
+        )
         steps.append([c.step_time for c in result.rows])
     assert len(steps[0]) == 1 and steps[1] == [pytest.approx(t + 7.0) for t in steps[0]]
     # a file from an earlier pipeengine (no frame, posting or copying: format 1) is refused, saying so
@@ -450,12 +588,30 @@ def test_candidates_are_priced_on_forked_workers_in_order_and_as_here(monkeypatc
         pricing.in_parallel(pricing.WORTH * 2, broken, workers=2)
 
     measured: dict[tuple[int, int, bool], object] = {}
-    monkeypatch.setattr(planner_measure, "profile_layers", lambda model, sample, rows, **kw: measured.setdefault(
-        (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)))  # fmt: skip
+    monkeypatch.setattr(
+        planner_measure,
+        "profile_layers",
+        lambda model, sample, rows, **kw: measured.setdefault(
+            (rows, kw["tensor_parallel"], kw["warm"]), profile_layers(model, sample, rows, **kw)
+        ),
+    )
     monkeypatch.setattr(pricing, "WORTH", 8)
     x, y = data()
-    rows = [tune(blocks(), mse, x, 4, target=y, tp_plan=PLAN, microbatches=[1, 2], repeats=1, allocator=False,
-                 workers=workers).rows for workers in (1, 2)]  # fmt: skip
+    rows = [
+        tune(
+            blocks(),
+            mse,
+            x,
+            4,
+            target=y,
+            tp_plan=PLAN,
+            microbatches=[1, 2],
+            repeats=1,
+            allocator=False,
+            workers=workers,
+        ).rows
+        for workers in (1, 2)
+    ]
     assert len(rows[0]) > 16 and rows[0] == rows[1]
 
 
@@ -502,36 +658,88 @@ CURVE = [[1024, 1e-4], [4096, 2e-4]]
 # (name, what the file holds instead, the field's path in the JSON and its value as the message shows them, the rule)
 ODD = [
     ("a list", lambda r: [r], "it holds [{'host': ", "not a JSON object of prices"),
-    ("measured twice", lambda r: {**r, "collectives": {"all_reduce": {"2": [[1024, 1e-4], [1024, 2e-4]]}}},
-     'collectives["all_reduce"]["2"] is measured twice at 1024 bytes', "each size measured once"),
-    ("unsorted", lambda r: {**r, "crowded": {"all_gather": {"2": [[4096, 2e-4], [1024, 1e-4]]}}},
-     'crowded["all_gather"]["2"] has 1024 bytes after 4096', "sizes ascend"),
-    ("zero bytes", lambda r: {**r, "collectives": {"all_reduce": {"2": [[0, 1e-4], [4096, 2e-4]]}}},
-     'collectives["all_reduce"]["2"][0][0] is 0', "not a positive number of bytes"),
-    ("nan bytes", lambda r: {**r, "collectives": {"all_reduce": {"2": [[float("nan"), 1e-4]]}}},
-     'collectives["all_reduce"]["2"][0][0] is nan', "not a positive number of bytes"),
-    ("inf seconds", lambda r: {**r, "collectives": {"all_reduce": {"2": [[1024, float("inf")]]}}},
-     'collectives["all_reduce"]["2"][0][1] is inf', "not a number of seconds >= 0"),
-    ("negative seconds", lambda r: {**r, "collectives": {"all_gather": {"2": [[1024, 1e-4], [4096, -2e-4]]}}},
-     'collectives["all_gather"]["2"][1][1] is -0.0002', "not a number of seconds >= 0"),
-    ("no points", lambda r: {**r, "collectives": {"all_reduce": {"2": []}}},
-     'collectives["all_reduce"]["2"] is []', "not a [latency, seconds per byte] pair or a list of"),
-    ("one rank", lambda r: {**r, "collectives": {"all_reduce": {"1": CURVE}}},
-     'collectives["all_reduce"] has the group size \'1\'', "2 or more ranks"),
-    ("frame of one", lambda r: {**r, "frame": {"pipeline": {"1": 1e-3}}},
-     'frame["pipeline"] has the group size \'1\'', "2 or more ranks"),
-    ("named group", lambda r: {**r, "frame": {"replicas": {"two": 1e-3}}},
-     'frame["replicas"] has the group size \'two\'', "a whole number"),
-    ("padded group", lambda r: {**r, "fsdp": {**r["fsdp"], "gather": {"02": 1e-3}}},
-     'fsdp["gather"] has the group size \'02\'', "written as \"2\""),
-    ("unknown op", lambda r: {**r, "collectives": {"broadcast": {"2": CURVE}}},
-     'collectives has \'broadcast\'', "all_reduce, all_gather, reduce_scatter"),
+    (
+        "measured twice",
+        lambda r: {**r, "collectives": {"all_reduce": {"2": [[1024, 1e-4], [1024, 2e-4]]}}},
+        'collectives["all_reduce"]["2"] is measured twice at 1024 bytes',
+        "each size measured once",
+    ),
+    (
+        "unsorted",
+        lambda r: {**r, "crowded": {"all_gather": {"2": [[4096, 2e-4], [1024, 1e-4]]}}},
+        'crowded["all_gather"]["2"] has 1024 bytes after 4096',
+        "sizes ascend",
+    ),
+    (
+        "zero bytes",
+        lambda r: {**r, "collectives": {"all_reduce": {"2": [[0, 1e-4], [4096, 2e-4]]}}},
+        'collectives["all_reduce"]["2"][0][0] is 0',
+        "not a positive number of bytes",
+    ),
+    (
+        "nan bytes",
+        lambda r: {**r, "collectives": {"all_reduce": {"2": [[float("nan"), 1e-4]]}}},
+        'collectives["all_reduce"]["2"][0][0] is nan',
+        "not a positive number of bytes",
+    ),
+    (
+        "inf seconds",
+        lambda r: {**r, "collectives": {"all_reduce": {"2": [[1024, float("inf")]]}}},
+        'collectives["all_reduce"]["2"][0][1] is inf',
+        "not a number of seconds >= 0",
+    ),
+    (
+        "negative seconds",
+        lambda r: {**r, "collectives": {"all_gather": {"2": [[1024, 1e-4], [4096, -2e-4]]}}},
+        'collectives["all_gather"]["2"][1][1] is -0.0002',
+        "not a number of seconds >= 0",
+    ),
+    (
+        "no points",
+        lambda r: {**r, "collectives": {"all_reduce": {"2": []}}},
+        'collectives["all_reduce"]["2"] is []',
+        "not a [latency, seconds per byte] pair or a list of",
+    ),
+    (
+        "one rank",
+        lambda r: {**r, "collectives": {"all_reduce": {"1": CURVE}}},
+        "collectives[\"all_reduce\"] has the group size '1'",
+        "2 or more ranks",
+    ),
+    (
+        "frame of one",
+        lambda r: {**r, "frame": {"pipeline": {"1": 1e-3}}},
+        "frame[\"pipeline\"] has the group size '1'",
+        "2 or more ranks",
+    ),
+    (
+        "named group",
+        lambda r: {**r, "frame": {"replicas": {"two": 1e-3}}},
+        "frame[\"replicas\"] has the group size 'two'",
+        "a whole number",
+    ),
+    (
+        "padded group",
+        lambda r: {**r, "fsdp": {**r["fsdp"], "gather": {"02": 1e-3}}},
+        "fsdp[\"gather\"] has the group size '02'",
+        'written as "2"',
+    ),
+    (
+        "unknown op",
+        lambda r: {**r, "collectives": {"broadcast": {"2": CURVE}}},
+        "collectives has 'broadcast'",
+        "all_reduce, all_gather, reduce_scatter",
+    ),
     ("world of 0", lambda r: {**r, "world_size": 0}, "world_size is 0", "a whole number of ranks, 2 or more"),
     ("processors as text", lambda r: {**r, "processors": "2"}, "processors is '2'", "not a positive number of ranks"),
     ("processors as true", lambda r: {**r, "processors": True}, "processors is True", "not a positive number"),
     ("huge", lambda r: {**r, "copy": 10**400}, "copy is 1000", "not a number of seconds >= 0"),
-    ("one hook", lambda r: {**r, "fsdp": {**r["fsdp"], "hooks": [1e-4]}}, 'fsdp["hooks"] is [0.0001]',
-     "not a [forward seconds, backward seconds] pair"),
+    (
+        "one hook",
+        lambda r: {**r, "fsdp": {**r["fsdp"], "hooks": [1e-4]}},
+        'fsdp["hooks"] is [0.0001]',
+        "not a [forward seconds, backward seconds] pair",
+    ),
     ("no overhead", lambda r: {k: v for k, v in r.items() if k != "overhead"}, "overhead is missing", "seconds"),
     ("no host", lambda r: {k: v for k, v in r.items() if k != "host"}, "host is missing", "the machine"),
     ("later format", lambda r: {**r, "format": 3}, "it is of format 3, written by a later pipeengine", "reads 2"),
@@ -540,15 +748,19 @@ ODD = [
 
 @pytest.mark.parametrize(("holds", "said", "rule"), [odd[1:] for odd in ODD], ids=[odd[0] for odd in ODD])
 def test_an_odd_calibration_file_is_refused_naming_the_field_its_value_and_the_rule(
-        tmp_path: Path, holds: object, said: str, rule: str) -> None:  # fmt: skip
+    tmp_path: Path, holds: object, said: str, rule: str
+) -> None:
     """Well-formed JSON the planner cannot price with (a curve measured twice at one size divided by zero, a
     collective or frame over one rank, a number as text) is refused as it is read, not as a ZeroDivisionError when a
     layout is priced: the file, the field's path in the JSON, its value, the rule, and what to do."""
     path = tmp_path / "odd.json"
     path.write_text(json.dumps(holds(FIXED)))  # type: ignore[operator]
-    with pytest.raises(ValueError, match=rf"calibration file {re.escape(str(path))} is refused: {re.escape(said)}"
-                                         rf".*{re.escape(rule)}.*; delete it or run python -m pipeengine\.tune "
-                                         r"--calibrate --world-size N .* again"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"calibration file {re.escape(str(path))} is refused: {re.escape(said)}"
+        rf".*{re.escape(rule)}.*; delete it or run python -m pipeengine\.tune "
+        r"--calibrate --world-size N .* again",
+    ):
         calibration.load(path)
 
 
@@ -606,7 +818,7 @@ def test_a_collective_is_priced_by_what_it_adds_to_the_compute_before_it() -> No
 
     probes.dist = types.SimpleNamespace(**{name: getattr(real, name) for name in dir(real) if not name.startswith("_")})
     probes.dist.all_reduce = all_reduce
-    probes.busy = lambda device: (lambda: clock.sleep(0.02))  # type: ignore[assignment]
+    probes.busy = lambda device: lambda: clock.sleep(0.02)  # type: ignore[assignment]
     price = probes.collective("all_reduce", 256, None, 2, 3, torch.device("cpu"), rounds=2)
     assert price == pytest.approx(0.003, rel=1e-9), price
 
@@ -659,8 +871,19 @@ def test_calibration_keeps_its_file_and_the_planner_reads_it(tmp_path: Path, mon
     shared = calibration.save(dataclasses.replace(prices, processors=1.25), tmp_path / "shared.json")
     assert calibration.load(shared).processors == 1.25
     x, y = data()
-    result = tune(blocks(2), mse, x, 2, target=y, prices=kept, schedules=["1f1b"], microbatches=[2],
-                  checkpoint=["never"], repeats=1, allocator=False)  # fmt: skip
+    result = tune(
+        blocks(2),
+        mse,
+        x,
+        2,
+        target=y,
+        prices=kept,
+        schedules=["1f1b"],
+        microbatches=[2],
+        checkpoint=["never"],
+        repeats=1,
+        allocator=False,
+    )
     assert result.prices == prices.source and str(kept) in str(result)
     monkeypatch.setenv("PIPEENGINE_CALIBRATION", str(tmp_path / "none.json"))  # none kept: the built-in constants
     assert not calibration.load().calibrated and calibration.load().source.startswith("built-in constants")

@@ -75,8 +75,9 @@ def state_heavy(schedules: list[str], path: str) -> None:
         with SEEDED:
             torch.manual_seed(0)
             model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)])
-        engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=4, schedule=schedule,
-                                partition="uniform")  # fmt: skip
+        engine = PipelineEngine(
+            model, nn.functional.mse_loss, num_microbatches=4, schedule=schedule, partition="uniform"
+        )
         x, y = torch.randn(64, 256), torch.randn(64, 256)
         optimizer = torch.optim.AdamW(engine.parameters())
         step_then_trace(engine, x, y, optimizer)
@@ -85,8 +86,13 @@ def state_heavy(schedules: list[str], path: str) -> None:
         if timeline is not None:
             assert timeline.allocated_peak is not None
             predicted = simulate(engine.last_program, Costs.from_timeline(timeline))  # type: ignore[arg-type]
-            rows.append(([max(a, b) for a, b in zip(timeline.allocated_peak, stepped, strict=True)],
-                         predicted.required_memory, timeline.sizes.state))  # type: ignore[union-attr]  # fmt: skip
+            rows.append(
+                (
+                    [max(a, b) for a, b in zip(timeline.allocated_peak, stepped, strict=True)],
+                    predicted.required_memory,
+                    timeline.sizes.state,
+                )
+            )  # type: ignore[union-attr]
     if ranks.rank() == 0:
         Path(path).write_bytes(pickle.dumps(rows))
 

@@ -65,8 +65,15 @@ def resume_or_kill(directory: str, kill: bool) -> None:
         engine.save(directory, optimizer, step=step + 1)
 
 
-def agents(tmp_path: Path, script: str, nnodes: str, extra: list[str], per_node: int = 1, new_session: bool = False,
-           conf: str = "") -> list[subprocess.Popen[bytes]]:  # fmt: skip
+def agents(
+    tmp_path: Path,
+    script: str,
+    nnodes: str,
+    extra: list[str],
+    per_node: int = 1,
+    new_session: bool = False,
+    conf: str = "",
+) -> list[subprocess.Popen[bytes]]:
     """Two torchrun agents on this machine, ``per_node`` processes each, on a c10d rendezvous of their own, the first
     hosting its store (``conf``: more of its --rdzv-conf). The second starts first and waits for the store, so both
     join the first round together. ``new_session``: each agent leads a process group of its own, which a test can
@@ -78,11 +85,28 @@ def agents(tmp_path: Path, script: str, nnodes: str, extra: list[str], per_node:
     for node in (1, 0):
         log = (tmp_path / f"node{node}.log").open("w")
         hosting = ",".join(filter(None, [conf, f"is_host={'true' if node == 0 else 'false'}"]))
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(per_node),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run, "--rdzv-conf", hosting,
-                   *extra, str(tmp_path / "train.py")]  # fmt: skip
-        started[node] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                         start_new_session=new_session)  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            str(per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run,
+            "--rdzv-conf",
+            hosting,
+            *extra,
+            str(tmp_path / "train.py"),
+        ]
+        started[node] = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=new_session
+        )
         log.close()
     return [started[0], started[1]]
 
@@ -113,9 +137,10 @@ def test_two_torchrun_nodes_restart_together_after_a_rank_is_killed_and_resume(t
 
     from pipeengine import consolidate, launch
 
-    script = (f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import resume_or_kill\n"
-              f"if __name__ == '__main__':\n    launch(resume_or_kill, 1, args=({str(tmp_path)!r}, True))\n"
-              )  # fmt: skip
+    script = (
+        f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import resume_or_kill\n"
+        f"if __name__ == '__main__':\n    launch(resume_or_kill, 1, args=({str(tmp_path)!r}, True))\n"
+    )
     codes, output = finished(agents(tmp_path, script, "2", ["--max-restarts", "2"]), tmp_path)
     assert codes == [0, 0], output
     assert [(tmp_path / f"starts.{r}").read_text().split() for r in range(2)] == [["0", "2"], ["0", "2"]], output
@@ -170,8 +195,10 @@ def test_with_elastic_nodes_the_job_goes_on_from_the_last_checkpoint_on_the_node
 
     from pipeengine import consolidate, launch
 
-    script = (f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import elastic\n"
-              f"if __name__ == '__main__':\n    launch(elastic, 2, args=({str(tmp_path)!r}, 6))\n")  # fmt: skip
+    script = (
+        f"from pipeengine import launch\nfrom tests.pipeengine.test_multinode import elastic\n"
+        f"if __name__ == '__main__':\n    launch(elastic, 2, args=({str(tmp_path)!r}, 6))\n"
+    )
     fast = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"  # a dead node seen
     nodes = agents(tmp_path, script, "1:2", ["--max-restarts", "2"], per_node=2, new_session=True, conf=fast)
     try:

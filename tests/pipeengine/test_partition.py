@@ -66,8 +66,10 @@ def test_joined_layers_stay_in_one_stage_and_the_rest_is_optimal(seed: int) -> N
     bounds = solve(costs, stages, joined)
     assert check_bounds(bounds, n) == bounds and len(bounds) == stages
     assert all(not joined[b - 1] for _, b in bounds[:-1]), (joined, bounds)
-    best = min(max(sum(costs[a:b]) for a, b in itertools.pairwise([0, *cuts, n]))
-               for cuts in itertools.combinations(allowed, stages - 1))  # fmt: skip
+    best = min(
+        max(sum(costs[a:b]) for a, b in itertools.pairwise([0, *cuts, n]))
+        for cuts in itertools.combinations(allowed, stages - 1)
+    )
     assert max(sum(costs[a:b]) for a, b in bounds) == pytest.approx(best, rel=1e-12)
 
 
@@ -142,10 +144,19 @@ def ten_x_widths() -> nn.Sequential:
     torch.manual_seed(0)
     narrow, wide = 64, 640
     return nn.Sequential(
-        nn.Linear(narrow, narrow), nn.ReLU(), nn.Linear(narrow, narrow), nn.ReLU(), nn.Linear(narrow, narrow),
-        nn.ReLU(), nn.Linear(narrow, wide), nn.Linear(wide, wide), nn.Linear(wide, wide), nn.Linear(wide, narrow),
-        nn.ReLU(), nn.Linear(narrow, narrow),
-    )  # fmt: skip
+        nn.Linear(narrow, narrow),
+        nn.ReLU(),
+        nn.Linear(narrow, narrow),
+        nn.ReLU(),
+        nn.Linear(narrow, narrow),
+        nn.ReLU(),
+        nn.Linear(narrow, wide),
+        nn.Linear(wide, wide),
+        nn.Linear(wide, wide),
+        nn.Linear(wide, narrow),
+        nn.ReLU(),
+        nn.Linear(narrow, narrow),
+    )
 
 
 def simulated_makespan(partition: Partition, forward: tuple[float, ...], backward: tuple[float, ...]) -> float:
@@ -201,17 +212,20 @@ def test_the_report_names_each_stages_world_ranks_and_under_tensor_parallelism_a
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256), nn.Linear(256, 4))
     costs = measure(model, None)  # parameters: 262,656, 0, 131,328, 1,028
     partition = Partition("explicit", [(0, 2), (2, 4)], costs, placement=(0, 1))
-    table = ["partition by explicit: 2 stages, imbalance 1.00 (max / mean of layers)",
-             "stage  rank  layers   params    time ms  memory MiB",
-             "    0     0  0-1      262,656          -        4.01",  # weights, gradients, AdamW's two: 16 bytes each
-             "    1     1  2-3      132,356          -        2.02"]  # fmt: skip
+    table = [
+        "partition by explicit: 2 stages, imbalance 1.00 (max / mean of layers)",
+        "stage  rank  layers   params    time ms  memory MiB",
+        "    0     0  0-1      262,656          -        4.01",  # weights, gradients, AdamW's two: 16 bytes each
+        "    1     1  2-3      132,356          -        2.02",
+    ]
     assert str(partition).splitlines() == table
     assert str(dataclasses.replace(partition, grid=Grid(1, 2))).splitlines() == table  # no TP, one replica: as it was
     replicas = str(dataclasses.replace(partition, grid=Grid(2, 2))).splitlines()
     assert replicas == [*table, "rank of replica 0; replica r's are these + r x 2"]
     # tp=2: the first Linear split by columns (half its weight and bias), the second by rows (its bias whole)
-    shards = dataclasses.replace(costs, params=(131_328, 0, 65_792, 1_028),
-                                 param_bytes=(4 * 131_328, 0, 4 * 65_792, 4 * 1_028))  # fmt: skip
+    shards = dataclasses.replace(
+        costs, params=(131_328, 0, 65_792, 1_028), param_bytes=(4 * 131_328, 0, 4 * 65_792, 4 * 1_028)
+    )
     sharded = dataclasses.replace(partition, grid=Grid(2, 2, 2), shards=shards, tp_rank=1)
     assert str(sharded).splitlines() == [
         table[0],

@@ -186,8 +186,11 @@ def test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training(tmp_p
             deadline = time.monotonic() + 10  # the kernel signals each rank as its parent exits
             while any(alive(pid) for pid in helpers[index]) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            left = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in helpers[index]
-                    if alive(pid)}  # fmt: skip
+            left = {
+                pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80]
+                for pid in helpers[index]
+                if alive(pid)
+            }
             assert not left, f"outlived their {runner} killed by {sig.name}: {left}"
     finally:
         for launcher in launchers:
@@ -255,9 +258,14 @@ def dies_between_steps(how: str, timeout: float) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how, fate", [("exit 1", "exited with code 1 without a report"),
-                                       ("exit 0", "exited with code 0 without a report"),
-                                       ("hang", "was still running")])  # fmt: skip
+@pytest.mark.parametrize(
+    "how, fate",
+    [
+        ("exit 1", "exited with code 1 without a report"),
+        ("exit 0", "exited with code 0 without a report"),
+        ("hang", "was still running"),
+    ],
+)
 def test_a_rank_that_leaves_between_steps_is_the_cause_and_every_wait_is_bounded(how: str, fate: str) -> None:
     started = time.monotonic()
     # a hung rank 1 is the only one left once rank 0 gives up: no need to wait long for it

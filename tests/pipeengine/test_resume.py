@@ -43,8 +43,15 @@ def dataset() -> TensorDataset:
 Run = tuple[list[float], list[list[int]], dict[str, torch.Tensor]]
 
 
-def run(directory: str, options: dict[str, Any], *, resume: bool = False, dropout: float = 0.1,
-        background: bool = False, reseed: bool = False) -> Run:  # fmt: skip
+def run(
+    directory: str,
+    options: dict[str, Any],
+    *,
+    resume: bool = False,
+    dropout: float = 0.1,
+    background: bool = False,
+    reseed: bool = False,
+) -> Run:
     """STEPS steps of AdamW under a StepLR, saving at SAVED_AT (or resuming there): the losses, the global samples
     each step read (every replica's together) and this rank's final parameters (a shard: its local part). fp16: the
     loss scale doubles after every good step (the scaler is an extra: a small gradient's fp16 rounding depends on
@@ -73,8 +80,15 @@ def run(directory: str, options: dict[str, Any], *, resume: bool = False, dropou
         shares = dict(ranks.all_gather_object((engine.dp_rank, index.tolist())))  # every rank of a replica reads its
         read.append(sorted(i for share in shares.values() for i in share))  # replica's share: once each
         if step + 1 == SAVED_AT and not resume:
-            pending = engine.save(directory, optimizer, background=background, scheduler=scheduler, data=data,
-                                  scaler=engine.scaler, step=step + 1)  # fmt: skip
+            pending = engine.save(
+                directory,
+                optimizer,
+                background=background,
+                scheduler=scheduler,
+                data=data,
+                scaler=engine.scaler,
+                step=step + 1,
+            )
     if background:
         assert pending is not None and pending.result() == latest_checkpoint(directory)  # type: ignore[union-attr]
     weights = {name: local(p).detach().clone() for name, p in engine.named_parameters()}
@@ -120,11 +134,14 @@ def replicas_shards_and_layouts(directory: str) -> None:
     """On 4 ranks: dp=2 x pp=2, fsdp=True (the sharded format, in the background and not), tensor_parallel=2 x
     pp=2. Then saved on dp=2 x pp=2, resumed on dp=1 x pp=4 and dp=4 x pp=1: the same global samples, the same
     losses within float32's tolerance (no dropout: another layout draws otherwise)."""
-    for index, (options, background) in enumerate([
-        ({**DP2, "schedule": "1f1b"}, True), ({**DP2, "schedule": "1f1b", "fsdp": True}, True),
-        ({**DP2, "schedule": "zb-h1", "fsdp": True}, False),
-        ({"schedule": "1f1b", "tensor_parallel": 2, "tp_plan": tp_plan()}, True),
-    ]):  # fmt: skip
+    for index, (options, background) in enumerate(
+        [
+            ({**DP2, "schedule": "1f1b"}, True),
+            ({**DP2, "schedule": "1f1b", "fsdp": True}, True),
+            ({**DP2, "schedule": "zb-h1", "fsdp": True}, False),
+            ({"schedule": "1f1b", "tensor_parallel": 2, "tp_plan": tp_plan()}, True),
+        ]
+    ):
         equal_resume(f"{directory}/{index}", options, background)
     losses, read, _ = run(f"{directory}/layouts", {**DP2, "schedule": "1f1b"}, dropout=0.0)
     for options in ({"schedule": "1f1b"}, {"data_parallel": 4, "schedule": "gpipe", "num_microbatches": 2}):
@@ -144,14 +161,18 @@ def failing_write(directory: str) -> None:
     engine.save(directory, optimizer, step=1)
     kept = extras.write_atomically
     if ranks.rank() == 1:
+
         def broken(path: Path, write: Any) -> None:
             raise OSError("disk full (planted)")
 
         extras.write_atomically = broken  # type: ignore[assignment]
     try:
         engine.save(directory, optimizer, background=True, step=2)  # returns: the write fails in its thread
-        with pytest.raises(OSError, match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\).*"
-                                          r"'latest' still points at checkpoint-1"):  # fmt: skip
+        with pytest.raises(
+            OSError,
+            match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\).*"
+            r"'latest' still points at checkpoint-1",
+        ):
             engine.load(directory, optimizer)
         engine.save(directory, optimizer, background=True, step=2)  # fails again; the next save raises it
         with pytest.raises(OSError, match=r"checkpoint-2 failed \(rank 1: OSError: disk full \(planted\)\)"):
@@ -170,8 +191,10 @@ def refused(directory: str) -> None:
 
     engine = PipelineEngine(model(0.1), F.mse_loss, num_microbatches=2, schedule="1f1b")
     first = {id(p) for p in engine.stages[min(engine.stages)].parameters()} if ranks.rank() == 0 else set()
-    groups = [{"params": [p for p in engine.parameters() if id(p) in first], "lr": 0.01},
-              {"params": [p for p in engine.parameters() if id(p) not in first]}]  # fmt: skip
+    groups = [
+        {"params": [p for p in engine.parameters() if id(p) in first], "lr": 0.01},
+        {"params": [p for p in engine.parameters() if id(p) not in first]},
+    ]
     optimizer = torch.optim.SGD(groups, lr=0.1)  # rank 1's first group holds nothing
     for value, kind in ((threading.Lock(), "a lock"), (Path("x"), "a PosixPath")):
         with pytest.raises(TypeError, match=rf"extra 'odd' is {kind}, which a resume could not load"):

@@ -39,21 +39,35 @@ from tests.pipeengine.parity import (
 )
 
 
-def parity(schedule: str, data_parallel: int = 1, options: dict[str, object] | None = None, tied: bool = False,
-           steps: int = 2) -> None:  # fmt: skip
+def parity(
+    schedule: str, data_parallel: int = 1, options: dict[str, object] | None = None, tied: bool = False, steps: int = 2
+) -> None:
     """Loss, every gradient (gathered whole) and the weights after AdamW steps equal one process's token mean."""
     options = options or {}
     model = gpt(tied)
     one = OneProcess(model, token_mean)
-    engine = PipelineEngine(model, token_sum, num_microbatches=4, schedule=schedule, data_parallel=data_parallel,
-                            tensor_parallel=2, tp_plan=plan(tied), loss_count=count, **options)  # type: ignore[arg-type]  # fmt: skip
+    engine = PipelineEngine(
+        model,
+        token_sum,
+        num_microbatches=4,
+        schedule=schedule,
+        data_parallel=data_parallel,
+        tensor_parallel=2,
+        tp_plan=plan(tied),
+        loss_count=count,
+        **options,
+    )  # type: ignore[arg-type]
     assert engine.mesh is not None and engine.mesh.mesh_dim_names == ("dp", "pp", "tp")  # type: ignore[attr-defined]
     optimizers = (torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(one.parameters(), lr=1e-2))
     what = f"tp=2 {schedule} dp={data_parallel} {options} tied={tied}"
     train_like_one_process(
-        engine, one, optimizers, steps, what,
+        engine,
+        one,
+        optimizers,
+        steps,
+        what,
         lambda step: [batch(8, seed=10 * step + r) for r in range(data_parallel)],
-    )  # fmt: skip
+    )
     check_weights(engine, one, f"{what} after {steps} steps")
 
 
@@ -102,9 +116,12 @@ def around_the_engine(plain: str, sharded: str) -> None:
     every_schedule()
     collectives_in_a_watch()
     apart = {**plan(tied=True), "0.tokens": ColwiseParallel(), "*.out": ColwiseParallel(use_local_output=False)}
-    with pytest.raises(ValueError, match=r"the weight tied as '0.tokens.weight' \(with \['5.out.weight'\]\) was "
-                                         r"parallelized differently on the ranks that hold it: "
-                                         r"\['\(Shard\(dim=0\),\)', '\(Shard\(dim=1\),\)'\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"the weight tied as '0.tokens.weight' \(with \['5.out.weight'\]\) was "
+        r"parallelized differently on the ranks that hold it: "
+        r"\['\(Shard\(dim=0\),\)', '\(Shard\(dim=1\),\)'\]",
+    ):
         PipelineEngine(gpt(tied=True), token_sum, num_microbatches=2, tensor_parallel=2, tp_plan=apart)
     engine = PipelineEngine(gpt(), token_sum, num_microbatches=4, tensor_parallel=2, tp_plan=plan(), loss_count=count)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
@@ -172,9 +189,16 @@ def traced_checkpointed_split_backward() -> None:
         with SEEDED:
             torch.manual_seed(5)
             model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Linear(8, 4))
-        return PipelineEngine(model, F.mse_loss, num_microbatches=2, schedule="zb-h1", checkpoint="always",
-                              tensor_parallel=2, tp_plan={"1": ColwiseParallel(), "3": RowwiseParallel()},
-                              partition=[1, 4])  # fmt: skip
+        return PipelineEngine(
+            model,
+            F.mse_loss,
+            num_microbatches=2,
+            schedule="zb-h1",
+            checkpoint="always",
+            tensor_parallel=2,
+            tp_plan={"1": ColwiseParallel(), "3": RowwiseParallel()},
+            partition=[1, 4],
+        )
 
     x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(6)), torch.randn(8, 4)
     plain, traced = build(), build()
@@ -199,8 +223,7 @@ def traced_row_then_column() -> None:
         layers = [nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)]
         model = nn.Sequential(*layers, nn.Linear(8, 8), nn.Linear(8, 1))
     styles = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
-    engine = PipelineEngine(model, F.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=styles,
-                            partition=[6, 2])  # fmt: skip
+    engine = PipelineEngine(model, F.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=styles, partition=[6, 2])
     # the report: each stage's world ranks (tp innermost) and a tensor-parallel rank's parameters: stage 0's four
     # Linears hold half their weights and column-split biases (72 each of 144 and 136), stage 1's are whole
     text = str(engine.partition)
@@ -257,8 +280,14 @@ def refused(case: str) -> None:
     else:  # stage 0 ends in a column shard: its output is this rank's part of what one process computes
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4))
-        engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, tensor_parallel=2,
-                                tp_plan={"1": ColwiseParallel()}, partition=[2, 2])  # fmt: skip
+        engine = PipelineEngine(
+            model,
+            nn.functional.mse_loss,
+            num_microbatches=2,
+            tensor_parallel=2,
+            tp_plan={"1": ColwiseParallel()},
+            partition=[2, 2],
+        )
         x, y = torch.randn(4, 16), torch.randn(4, 4)
         engine.train_step(x if engine.first else None, y if engine.last else None)
 
@@ -284,8 +313,9 @@ def flat_model_and_plan() -> tuple[nn.Sequential, dict[str, object]]:
 
     with SEEDED:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 32), nn.Tanh(),
-                              nn.Linear(32, 64))  # fmt: skip
+        model = nn.Sequential(
+            nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 64)
+        )
     return model, {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
 
 
@@ -299,8 +329,12 @@ def default_partition_around_shards() -> None:
     optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
     generator = torch.Generator().manual_seed(0)
     data = [(torch.randn(4, 16, generator=generator), torch.randn(4, 64, generator=generator)) for _ in range(2)]
-    assert train_like_one_process(engine, one, optimizers, 2, "the default partition around shards",
-                                  lambda step: [data[step]]) > 0  # fmt: skip
+    assert (
+        train_like_one_process(
+            engine, one, optimizers, 2, "the default partition around shards", lambda step: [data[step]]
+        )
+        > 0
+    )
 
 
 def test_the_engines_own_partition_reads_which_layers_end_in_a_shard() -> None:
@@ -320,8 +354,10 @@ def test_the_engines_own_partition_reads_which_layers_end_in_a_shard() -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 
-    said = {"0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "2": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())}  # fmt: skip
+    said = {
+        "0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "2": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+    }
     assert shards_output(model, said) == [True, True, False, False, False, False]
     with pytest.raises(ValueError, match="3 stages, but the model can be cut into 2 at most"):
         solve([1.0] * 6, 3, flags[:-1])
@@ -334,8 +370,11 @@ def test_the_engines_own_partition_never_ends_a_stage_on_a_shard() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_stage_that_ends_in_a_shard_is_refused_before_it_is_sent() -> None:
-    with pytest.raises(Exception, match=r"stage 0 produced float32\[2, 8\].*expects float32\[2, 16\].*looks like "
-                                        r"this rank's shard of the output"):  # fmt: skip
+    with pytest.raises(
+        Exception,
+        match=r"stage 0 produced float32\[2, 8\].*expects float32\[2, 16\].*looks like "
+        r"this rank's shard of the output",
+    ):
         launch(refused, 4, args=("shard",), timeout=60)
 
 

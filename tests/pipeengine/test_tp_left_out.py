@@ -51,11 +51,15 @@ def left_out() -> None:
     from pipeengine.parallel.styles import ReplicatedGradSum
 
     model = build("qwen3", layers=1)
-    engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=2,
-                            tp_plan=attention_plan())  # fmt: skip
+    engine = PipelineEngine(
+        hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, tensor_parallel=2, tp_plan=attention_plan()
+    )
     ids, labels = batch(4, seed=0)
-    with pytest.raises(ValueError, match=r"1\.layer\.self_attn\.q_norm\.weight \(by up to .*"
-                                         r"1\.layer\.self_attn\.k_norm\.weight .*ReplicatedGradSum\(\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"1\.layer\.self_attn\.q_norm\.weight \(by up to .*"
+        r"1\.layer\.self_attn\.k_norm\.weight .*ReplicatedGradSum\(\)",
+    ):
         engine.train_step(ids, labels)
     plan: dict[str, object] = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     engine = PipelineEngine(scaled_mlp(), nn.functional.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=plan)
@@ -63,16 +67,20 @@ def left_out() -> None:
     with pytest.raises(ValueError, match=r"differ across the tensor-parallel ranks of their stage: 1\.weight "):
         engine.train_step(x, y)
     one = OneProcess(scaled_mlp(), nn.functional.mse_loss)
-    engine = PipelineEngine(scaled_mlp(), nn.functional.mse_loss, num_microbatches=2, tensor_parallel=2,
-                            tp_plan={**plan, "1": ReplicatedGradSum()})  # fmt: skip
+    engine = PipelineEngine(
+        scaled_mlp(),
+        nn.functional.mse_loss,
+        num_microbatches=2,
+        tensor_parallel=2,
+        tp_plan={**plan, "1": ReplicatedGradSum()},
+    )
     engine.train_step(x, y)
     one.step([(x, y)])
     check_grads(engine, one, "a per-group weight marked ReplicatedGradSum")
 
 
 @pytest.mark.timeout(90)
-def test_a_whole_parameter_whose_gradient_differs_over_the_tensor_parallel_ranks_is_refused_at_the_first_step(
-) -> None:  # fmt: skip
+def test_a_whole_parameter_whose_gradient_differs_over_the_tensor_parallel_ranks_is_refused_at_the_first_step() -> None:
     launch(left_out, 2, timeout=60)
 
 
@@ -82,8 +90,11 @@ def test_a_weight_with_a_row_per_head_beside_a_column_wise_projection_is_refused
     from pipeengine.parallel.tensor import plan_matches
 
     model = build("cohere", layers=1, use_qk_norm=True)
-    with pytest.raises(ValueError, match=r"q_norm\.weight \(4, 8\) beside q_proj \(out_features 32\) in "
-                                         r"1\.layer\.self_attn; k_norm\.weight \(2, 8\) beside "
-                                         r"k_proj \(out_features 16\) in .*HeadRows\(\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"q_norm\.weight \(4, 8\) beside q_proj \(out_features 32\) in "
+        r"1\.layer\.self_attn; k_norm\.weight \(2, 8\) beside "
+        r"k_proj \(out_features 16\) in .*HeadRows\(\)",
+    ):
         plan_matches(hf.sequential(model), attention_plan(), 2)
     plan_matches(hf.sequential(model), hf.tp_plan(model), 2)

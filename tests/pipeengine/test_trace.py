@@ -31,8 +31,9 @@ def traced_steps(path: str, schedule: str, microbatches: int) -> None:
     """A warm-up step, then one traced train step and one traced eval step; rank 0 pickles the timelines."""
     torch.manual_seed(0)  # compute (~2 ms a stage per micro-batch) well above per-message overheads
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(8)])
-    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule,
-                            partition="uniform")  # fmt: skip
+    engine = PipelineEngine(
+        model, nn.functional.mse_loss, num_microbatches=microbatches, schedule=schedule, partition="uniform"
+    )
     x, y = torch.randn(64 * microbatches, 512), torch.randn(64 * microbatches, 512)
     engine.train_step(x, y)
     assert engine.timeline() is None  # not traced
@@ -158,9 +159,15 @@ def test_plot_and_chrome_trace_of_a_measured_step(traced: tuple, tmp_path: Path)
 def test_costs_from_a_timeline_are_medians_per_kind_and_stage() -> None:
     from schedules import parse
 
-    spans = [Span(0, parse("0F0"), 0, 1), Span(0, parse("0F1"), 1, 4), Span(0, parse("0F2"), 4, 6),
-             Span(1, parse("1F0"), 2, 4), Span(1, parse("1B0"), 4, 9), Span(0, parse("0B0"), 9, 12),
-             Span(0, parse("0RB0"), 6, 9, wait=True)]  # fmt: skip
+    spans = [
+        Span(0, parse("0F0"), 0, 1),
+        Span(0, parse("0F1"), 1, 4),
+        Span(0, parse("0F2"), 4, 6),
+        Span(1, parse("1F0"), 2, 4),
+        Span(1, parse("1B0"), 4, 9),
+        Span(0, parse("0B0"), 9, 12),
+        Span(0, parse("0RB0"), 6, 9, wait=True),
+    ]
     costs = Costs.from_timeline(Timeline(2, spans))
     assert costs.forward == [2, 2] and costs.backward == [3, 5]
 
@@ -171,8 +178,12 @@ SETUP_ENDS: dict[int, float] = {}  # rank -> when its traced step's setup ended 
 def a_late_rank_traced(path: str) -> None:
     """The first traced step, rank 1 slow to set its tracing up: each rank's clock zero, and when the setups ended."""
     torch.manual_seed(0)
-    engine = PipelineEngine(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), nn.functional.mse_loss,
-                            num_microbatches=2, schedule="1f1b")  # fmt: skip
+    engine = PipelineEngine(
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+        nn.functional.mse_loss,
+        num_microbatches=2,
+        schedule="1f1b",
+    )
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     engine.train_step(x, y)
     with engine.tracing():

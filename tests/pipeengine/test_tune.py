@@ -86,8 +86,9 @@ def auto(path: str) -> None:
     model = mlp()
     one = OneProcess(model, mse)
     x, y = batch("mlp", 16, seed=1)
-    engine = PipelineEngine(model, mse, schedule="auto", sample=x if ranks.rank() == 0 else None,
-                            memory_limit=2**30)  # the limit was refused once the choice replaced "auto"
+    engine = PipelineEngine(
+        model, mse, schedule="auto", sample=x if ranks.rank() == 0 else None, memory_limit=2**30
+    )  # the limit was refused once the choice replaced "auto"
     everyone = ranks.all_gather_object((engine.tuned, engine.num_microbatches, engine.partition.bounds))
     assert all(view == everyone[0] for view in everyone), everyone  # every rank built the same choice
     close(engine.train_step(x if engine.first else None, y if engine.last else None), one.step([(x, y)]), "loss")
@@ -124,15 +125,25 @@ def traced_step(kwargs: dict[str, object], path: str, weights: bool = False) -> 
     from pipeengine.observe.allocator import AllocatorWatch, optimizer_step_peak
 
     shared = ranks.world().shared_clock  # in-process ranks share one process: the allocator cannot tell them apart
-    stepped = None if not AllocatorWatch.available(torch.device("cpu"), shared) else (
-        optimizer_step_peak(optimizer, engine.parameters()))  # fmt: skip
+    stepped = (
+        None
+        if not AllocatorWatch.available(torch.device("cpu"), shared)
+        else (optimizer_step_peak(optimizer, engine.parameters()))
+    )
     stepped_everywhere = ranks.all_gather_object(stepped)
     timeline = engine.timeline()
     if timeline is not None:
         costs = Costs.from_timeline(timeline)
         Path(path).write_bytes(
-            pickle.dumps((timeline.peak_memory, simulate(engine.last_program, costs).peak_memory, costs.memory,
-                          timeline.allocated_peak, stepped_everywhere))
+            pickle.dumps(
+                (
+                    timeline.peak_memory,
+                    simulate(engine.last_program, costs).peak_memory,
+                    costs.memory,
+                    timeline.allocated_peak,
+                    stepped_everywhere,
+                )
+            )
         )
 
 
@@ -153,11 +164,17 @@ def test_each_layers_bytes_compose_into_what_the_engine_measures_per_stage(tmp_p
     (each layer's Tanh output at the top of a stage, the loss's input), so after I a stage holds less than before."""
     x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
     partition = [1, 2, 3, 2]
-    launch(traced_step, 2, args=({"schedule": "zb-v", "num_microbatches": 8, "partition": partition},
-                                 str(tmp_path / "sizes.pickle")), timeout=60, in_process=True)  # fmt: skip
+    launch(
+        traced_step,
+        2,
+        args=({"schedule": "zb-v", "num_microbatches": 8, "partition": partition}, str(tmp_path / "sizes.pickle")),
+        timeout=60,
+        in_process=True,
+    )
     _, _, measured, *_ = pickle.loads((tmp_path / "sizes.pickle").read_bytes())
-    profile = profile_layers(activation_heavy(), x, 256, repeats=1, device=torch.device("cpu"),
-                             loss=nn.functional.mse_loss, target=y)  # fmt: skip
+    profile = profile_layers(
+        activation_heavy(), x, 256, repeats=1, device=torch.device("cpu"), loss=nn.functional.mse_loss, target=y
+    )
     cuts = [0, 1, 3, 6, 8]
     composed = profile.stage_costs(list(zip(cuts, cuts[1:], strict=False)), buffered_sends=True).memory
     assert composed is not None
@@ -208,8 +225,19 @@ def test_a_checkpointed_weight_pass_holds_its_stages_gradients_and_the_planner_c
     (it was 13% under, counting one layer's)."""
     x, y = data(True)
     for checkpoint in ("always", "never"):
-        planned = tune(weight_heavy(), nn.functional.mse_loss, x, 2, target=y, data_parallel=1, schedules=["zb-h1"],
-                       microbatches=[4], checkpoint=[checkpoint], methods=["uniform"], repeats=1)  # fmt: skip
+        planned = tune(
+            weight_heavy(),
+            nn.functional.mse_loss,
+            x,
+            2,
+            target=y,
+            data_parallel=1,
+            schedules=["zb-h1"],
+            microbatches=[4],
+            checkpoint=[checkpoint],
+            methods=["uniform"],
+            repeats=1,
+        )
         (choice,) = planned.rows
         path = tmp_path / f"{checkpoint}.pickle"
         launch(traced_steps, 2, args=([choice.engine_kwargs()], [str(path)], True), timeout=60)
@@ -225,8 +253,19 @@ def test_a_checkpointed_forward_keeps_the_rng_state_and_the_planner_counts_it(tm
     memory the allocator watches) until its backward: a DualPipeV rank of one small layer a stage holds about 9
     micro-batches' at its peak, 6.5% of the rank's figure, which the planner missed. Within 1% now."""
     x, y = data(True)
-    planned = tune(weight_heavy(), nn.functional.mse_loss, x, 4, target=y, data_parallel=1, schedules=["dualpipe-v"],
-                   microbatches=[8], checkpoint=["always"], methods=["uniform"], repeats=1)  # fmt: skip
+    planned = tune(
+        weight_heavy(),
+        nn.functional.mse_loss,
+        x,
+        4,
+        target=y,
+        data_parallel=1,
+        schedules=["dualpipe-v"],
+        microbatches=[8],
+        checkpoint=["always"],
+        methods=["uniform"],
+        repeats=1,
+    )
     (choice,) = planned.rows
     path = tmp_path / "peaks.pickle"
     launch(traced_steps, 4, args=([choice.engine_kwargs()], [str(path)], True), timeout=60)
@@ -239,9 +278,24 @@ def test_a_checkpointed_forward_keeps_the_rng_state_and_the_planner_counts_it(tm
 @pytest.mark.timeout(120)
 def test_the_cli_plans_a_model_given_as_module_function() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "pipeengine.tune", "tests.pipeengine.models:planning",
-                             "--world-size", "2", "--schedules", "1f1b", "zb-v"], capture_output=True, text=True,
-                            timeout=100, env=env, cwd=ROOT)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeengine.tune",
+            "tests.pipeengine.models:planning",
+            "--world-size",
+            "2",
+            "--schedules",
+            "1f1b",
+            "zb-v",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr, result.stderr  # e.g. runpy's, were pipeengine to import the module first
     assert "Memory block" not in result.stderr, result.stderr  # torch's allocator, under the planner's watches
@@ -259,8 +313,9 @@ def test_the_first_stages_weight_pass_holds_every_gradient_of_the_stage_at_once(
     largest layer's does."""
     from pipeengine.planner.transients import Allocation, optimizer, stage
 
-    layer = Allocation(peak=(0.0, 10.0, 3.0, 4.0), end=(0.0, 0.0, 0.0, 0.0), first_peak=(10.0, 4.0), grads=4.0,
-                       optimizer=8.0)  # fmt: skip
+    layer = Allocation(
+        peak=(0.0, 10.0, 3.0, 4.0), end=(0.0, 0.0, 0.0, 0.0), first_peak=(10.0, 4.0), grads=4.0, optimizer=8.0
+    )
     first, later = stage([layer] * 3, 0, 3), stage([layer] * 4, 1, 4)
     assert first["weight_transient"] == 2 * 4.0 + 10.0 and first["input_transient"] == 0.0
     assert later["weight_transient"] == 4.0 and later["input_transient"] == 3.0
@@ -326,8 +381,17 @@ def test_tune_says_how_far_the_measuring_is_and_no_profiler_line_reaches_the_use
     _LogsWhileProfiled.line = said.encode()
     calls: list[tuple[int, int, int]] = []
     model = nn.Sequential(_LogsWhileProfiled(), nn.ReLU(), nn.Linear(4, 2))
-    tune(model, mse, torch.randn(4, 4), 2, data_parallel=1, schedules=["1f1b"], microbatches=[1, 2], repeats=1,
-         progress=lambda *done: (calls.append(done), progress_printer()(*done)))  # fmt: skip
+    tune(
+        model,
+        mse,
+        torch.randn(4, 4),
+        2,
+        data_parallel=1,
+        schedules=["1f1b"],
+        microbatches=[1, 2],
+        repeats=1,
+        progress=lambda *done: (calls.append(done), progress_printer()(*done)),
+    )
     assert calls == [(done, 3, 2) for done in range(7)]  # 3 layers at 2 settings (micro-batch sizes), a call after each
     err = capfd.readouterr().err
     assert UNKNOWN_FREE.decode() not in err, err

@@ -21,10 +21,12 @@ def test_the_delay_is_the_mean_woken_transit_with_work_beside_less_that_with_non
     ms = 1e-3
     first = (0.5 * ms, ([0.1 * ms, 0.1 * ms], [0.1 * ms, 0.5 * ms, 0.3 * ms]))  # idle mean 0.1, loaded 0.3
     second = (2.0 * ms, ([0.2 * ms], [0.1 * ms]))  # faster with work beside: 0
-    everyone = [("a", [(0.4 * ms, ([], [])), (1.8 * ms, ([], []))]),  # rank 0 receives nothing
-                ("a", [first, second]),
-                ("a", [(0.6 * ms, ([0.1 * ms], [0.3 * ms])), (2.2 * ms, ([0.2 * ms], [0.1 * ms]))]),
-                ("b", [(0.5 * ms, ([9 * ms], [9 * ms])), (2.0 * ms, ([9 * ms], [9 * ms]))])]  # fmt: skip
+    everyone = [
+        ("a", [(0.4 * ms, ([], [])), (1.8 * ms, ([], []))]),  # rank 0 receives nothing
+        ("a", [first, second]),
+        ("a", [(0.6 * ms, ([0.1 * ms], [0.3 * ms])), (2.2 * ms, ([0.2 * ms], [0.1 * ms]))]),
+        ("b", [(0.5 * ms, ([9 * ms], [9 * ms])), (2.0 * ms, ([9 * ms], [9 * ms]))]),
+    ]
     points = wakes.delays(everyone)
     assert points == (pytest.approx((0.5 * ms, 0.2 * ms)), pytest.approx((2.0 * ms, 0.0)))
     assert wakes.delays([("a", [(ms, ([], []))]), ("a", [(ms, ([], [ms]))])]) == ()

@@ -151,8 +151,12 @@ def test_a_bad_schedule_file_names_the_line(text: str, error: str) -> None:
 
 def test_every_action_of_a_lowered_stream_is_an_instruction_or_a_post() -> None:
     schedule = build_schedule("interleaved", 2, 4)
-    assert all(isinstance(op, Instruction) for rank in range(2) for action in schedule.instructions[rank]
-               for op in ops_of(action))  # fmt: skip
+    assert all(
+        isinstance(op, Instruction)
+        for rank in range(2)
+        for action in schedule.instructions[rank]
+        for op in ops_of(action)
+    )
 
 
 @pytest.mark.parametrize(

@@ -19,14 +19,47 @@ def test_the_order_of_two_ranks_and_four_micro_batches_phase_by_phase() -> None:
     assert schedule.placement == (0, 1, 1, 0)
     # rank 0: F0 F0 | F0 F1 | I1 W F1 | F0 B1 F1 B0 | B1 F1 B0 | B1 I0 | W I0 | W
     assert grid(schedule.instructions[0]) == [
-        "0F0", "0F1", "0F2", "3F0", "3I0", "3W0", "3F1", "0F3", "3B1", "3F2", "0B0", "3B2", "3F3", "0B1",
-        "3B3", "0I2", "0W2", "0I3", "0W3",
-    ]  # fmt: skip
+        "0F0",
+        "0F1",
+        "0F2",
+        "3F0",
+        "3I0",
+        "3W0",
+        "3F1",
+        "0F3",
+        "3B1",
+        "3F2",
+        "0B0",
+        "3B2",
+        "3F3",
+        "0B1",
+        "3B3",
+        "0I2",
+        "0W2",
+        "0I3",
+        "0W3",
+    ]
     # rank 1: (F0 F1) x2 | (F0 B1 F1 B0) x2 | B1 B0, I1 I0 | W W
     assert grid(schedule.instructions[1]) == [
-        "1F0", "2F0", "1F1", "2F1", "1F2", "2B0", "2F2", "1B0", "1F3", "2B1", "2F3", "1B1",
-        "2B2", "1B2", "2I3", "1I3", "2W3", "1W3",
-    ]  # fmt: skip
+        "1F0",
+        "2F0",
+        "1F1",
+        "2F1",
+        "1F2",
+        "2B0",
+        "2F2",
+        "1B0",
+        "1F3",
+        "2B1",
+        "2F3",
+        "1B1",
+        "2B2",
+        "1B2",
+        "2I3",
+        "1I3",
+        "2W3",
+        "1W3",
+    ]
 
 
 def test_every_size_validates_and_fewer_than_2p_micro_batches_are_refused() -> None:
@@ -45,8 +78,9 @@ def test_the_published_activations_and_bubble(p: int) -> None:
         unit = simulate(build_schedule("dualpipe-v", p, m), Costs(memory=Memory(activation=1)))
         assert unit.peak_memory == [2 * p + 1] * p  # PP + 1 chunks on every rank
         for f, i, w in ((1, 1, 1), (1, 2, 1), (1, 1, 0.5), (2, 1, 1)):
-            timeline = simulate(build_schedule("dualpipe-v", p, m), Costs(forward=f, backward_input=i,
-                                                                          backward_weight=w))  # fmt: skip
+            timeline = simulate(
+                build_schedule("dualpipe-v", p, m), Costs(forward=f, backward_input=i, backward_weight=w)
+            )
             idle = max(timeline.makespan - timeline.busy(r) for r in range(p))
             b = i + w
             assert idle <= (p - 1) * ((f + b) + b - 3 * w) + 1e-9, (p, m, (f, i, w), idle)

@@ -85,8 +85,12 @@ def test_a_memory_track_is_drawn_under_each_rank(tmp_path: Path) -> None:
 
 
 def test_the_cli_prints_each_ranks_peak() -> None:
-    result = subprocess.run([sys.executable, "-m", "schedules", "simulate", "1f1b", "-p", "4", "-m", "8", "--memory"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "schedules", "simulate", "1f1b", "-p", "4", "-m", "8", "--memory"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0
     assert "peak memory per rank: rank 0: 4 after 0F3, rank 1: 3 after 1F2, rank 2: 2 after 2F1, rank 3: 1" in (
         result.stdout
@@ -107,8 +111,9 @@ def test_what_the_allocator_sees_beyond_the_ledger_is_counted() -> None:
     late = simulate(schedule, Costs(memory=Memory(state=4.0, activation=1.0, grads_late=1.0)))
     assert [s[0][1] for s in late.memory] == [3.0, 3.0]  # the gradients are not there yet when the step starts
     assert [s[-1][1] for s in late.memory] == [s[-1][1] for s in plain.memory] == [4.0, 4.0]  # after the first B
-    peaky = simulate(schedule, Costs(memory=Memory(state=4.0, activation=1.0, backward_transient=10.0,
-                                                   first_transient=20.0)))  # fmt: skip
+    peaky = simulate(
+        schedule, Costs(memory=Memory(state=4.0, activation=1.0, backward_transient=10.0, first_transient=20.0))
+    )
     assert peaky.peak_memory == [max(plain.peak_memory[r], 4.0 + 1.0 * (2 - r) + 20.0) for r in range(2)]
     synced = simulate(with_gradient_sync(schedule), Costs(memory=Memory(state=4.0, activation=1.0, sync=5.0)))
     assert [s[-1][1] for s in synced.memory] == [9.0, 9.0]  # each stage's flat buffer, to the step's end
@@ -125,19 +130,52 @@ def test_each_computes_transient_counts_once_over_its_own_run_by_hand() -> None:
     gpipe:  F0 100+1000, then +10 | F1 110+1000, +10 | B0 (first) 120+5000, -10 | B1 110+3000, -10
     zb-h1:  F0 100+1000, +10 | I0 110+300, 10->4 | W0 (first) 104+5000, -4 | F1 ... | W1 104+30, -4
     """
-    memory = Memory(state=100, activation=10, after_input=4, transient=1000, backward_transient=3000,
-                    input_transient=300, weight_transient=30, first_transient=5000)  # fmt: skip
+    memory = Memory(
+        state=100,
+        activation=10,
+        after_input=4,
+        transient=1000,
+        backward_transient=3000,
+        input_transient=300,
+        weight_transient=30,
+        first_transient=5000,
+    )
     gpipe = simulate(build_schedule("gpipe", 1, 2), Costs(memory=memory))
     assert [(str(a), b) for _, b, a in gpipe.memory[0]][1:] == [  # type: ignore[index]
-        ("0F0", 1100), ("0F0", 100), ("0F0", 110), ("0F1", 1110), ("0F1", 110), ("0F1", 120),
-        ("0B0", 5120), ("0B0", 120), ("0B0", 110), ("0B1", 3110), ("0B1", 110), ("0B1", 100),
-    ]  # fmt: skip
+        ("0F0", 1100),
+        ("0F0", 100),
+        ("0F0", 110),
+        ("0F1", 1110),
+        ("0F1", 110),
+        ("0F1", 120),
+        ("0B0", 5120),
+        ("0B0", 120),
+        ("0B0", 110),
+        ("0B1", 3110),
+        ("0B1", 110),
+        ("0B1", 100),
+    ]
     zb = simulate(build_schedule("zb-h1", 1, 2), Costs(memory=memory))
     assert [(str(a), b) for _, b, a in zb.memory[0]][1:] == [  # type: ignore[index]
-        ("0F0", 1100), ("0F0", 100), ("0F0", 110), ("0I0", 410), ("0I0", 110), ("0I0", 104),
-        ("0W0", 5104), ("0W0", 104), ("0W0", 100), ("0F1", 1100), ("0F1", 100), ("0F1", 110),
-        ("0I1", 410), ("0I1", 110), ("0I1", 104), ("0W1", 134), ("0W1", 104), ("0W1", 100),
-    ]  # fmt: skip
+        ("0F0", 1100),
+        ("0F0", 100),
+        ("0F0", 110),
+        ("0I0", 410),
+        ("0I0", 110),
+        ("0I0", 104),
+        ("0W0", 5104),
+        ("0W0", 104),
+        ("0W0", 100),
+        ("0F1", 1100),
+        ("0F1", 100),
+        ("0F1", 110),
+        ("0I1", 410),
+        ("0I1", 110),
+        ("0I1", 104),
+        ("0W1", 134),
+        ("0W1", 104),
+        ("0W1", 100),
+    ]
     assert gpipe.peak_memory == [5120] and zb.peak_memory == [5104]
 
 
@@ -150,14 +188,30 @@ def test_what_fsdp_gathers_and_reduce_scatters_by_hand() -> None:
     """
     from schedules import with_gradient_sync
 
-    memory = Memory(state=100, activation=10, grads_late=5, gathered=40, gathered_grads=40, reduce_held=20,
-                    reduce_transient=10, gather_transient=40)  # fmt: skip
+    memory = Memory(
+        state=100,
+        activation=10,
+        grads_late=5,
+        gathered=40,
+        gathered_grads=40,
+        reduce_held=20,
+        reduce_transient=10,
+        gather_transient=40,
+    )
     schedule = with_gradient_sync(build_schedule("gpipe", 1, 2))
     timeline = simulate(schedule, Costs(memory=memory, all_reduce=1))
     assert [(str(a), b) for _, b, a in timeline.memory[0]] == [  # type: ignore[index]
-        ("None", 95), ("0F0", 175), ("0F0", 135), ("0F0", 145), ("0F1", 155), ("0B0", 185), ("0B1", 175),
-        ("0AR1", 185), ("0AR1", 175), ("0AR1", 120),
-    ]  # fmt: skip
+        ("None", 95),
+        ("0F0", 175),
+        ("0F0", 135),
+        ("0F0", 145),
+        ("0F1", 155),
+        ("0B0", 185),
+        ("0B1", 175),
+        ("0AR1", 185),
+        ("0AR1", 175),
+        ("0AR1", 120),
+    ]
     ledger = simulate(schedule, Costs(memory=memory.without_transients(), all_reduce=1))  # what a traced step sees
     assert [b for _, b, _ in ledger.memory[0]] == [95, 135, 135, 145, 155, 185, 175, 175, 175, 120]  # type: ignore[index]
 
@@ -168,8 +222,16 @@ def test_a_searchs_summary_has_the_simulated_step_and_peaks(name: str) -> None:
     that share processors too."""
     from schedules.sim.simulation import summarize
 
-    memory = Memory(state=1000, activation=100, boundary=10, gradient=5, transient=7, backward_transient=9,
-                    optimizer=30, grads_late=20)  # fmt: skip
+    memory = Memory(
+        state=1000,
+        activation=100,
+        boundary=10,
+        gradient=5,
+        transient=7,
+        backward_transient=9,
+        optimizer=30,
+        grads_late=20,
+    )
     for processors in (None, 1.5):
         for m in (3, 6):
             schedule = build_schedule(name, 3, m)

@@ -91,12 +91,22 @@ def test_a_stuck_schedule_is_reported_not_looped_on() -> None:
 def test_replay_charges_each_compute_its_own_measured_time() -> None:
     # gpipe p=2, m=2, measured with gaps (host time) that the replay drops:
     # rank 0: F0 2, F1 1; rank 1: F0 3, F1 1, B0 1, B1 2; rank 0: B0 4, B1 1
-    measured = Timeline(2, [
-        Span(0, parse("0F0"), 0, 2), Span(0, parse("0F1"), 2.5, 3.5),
-        Span(1, parse("1F0"), 2.5, 5.5), Span(1, parse("1F1"), 6, 7), Span(1, parse("1B0"), 7, 8),
-        Span(1, parse("1B1"), 8.5, 10.5), Span(0, parse("0B0"), 9, 13), Span(0, parse("0B1"), 13, 14),
-        Span(1, parse("1RF1"), 5.5, 6, wait=True),
-    ], unit="s", measured=True)  # fmt: skip
+    measured = Timeline(
+        2,
+        [
+            Span(0, parse("0F0"), 0, 2),
+            Span(0, parse("0F1"), 2.5, 3.5),
+            Span(1, parse("1F0"), 2.5, 5.5),
+            Span(1, parse("1F1"), 6, 7),
+            Span(1, parse("1B0"), 7, 8),
+            Span(1, parse("1B1"), 8.5, 10.5),
+            Span(0, parse("0B0"), 9, 13),
+            Span(0, parse("0B1"), 13, 14),
+            Span(1, parse("1RF1"), 5.5, 6, wait=True),
+        ],
+        unit="s",
+        measured=True,
+    )
     replayed = replay(build_schedule("gpipe", 2, 2), measured)
     # rank 1: F0 [2,5] F1 [5,6] B0 [6,7] B1 [7,9]; rank 0: B0 after 1B0 [7,11], B1 after 1B1 [11,12]
     assert [(s.start, s.end) for s in replayed.compute_spans(1)] == [(2, 5), (5, 6), (6, 7), (7, 9)]
@@ -104,8 +114,10 @@ def test_replay_charges_each_compute_its_own_measured_time() -> None:
     assert replayed.makespan == 12 < measured.makespan and replayed.unit == "s"
 
 
-@pytest.mark.parametrize("name, p, m, v", [("gpipe", 3, 5, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
-                                           ("zb-h1", 3, 6, 1), ("zb-v", 2, 4, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, p, m, v",
+    [("gpipe", 3, 5, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 3, 6, 1), ("zb-v", 2, 4, 2)],
+)
 def test_replaying_a_simulated_timeline_gives_it_back(name: str, p: int, m: int, v: int) -> None:
     schedule = build_schedule(name, p, m, v)
     simulated = simulate(
@@ -136,11 +148,23 @@ def test_a_schedule_priced_again_at_other_costs_is_as_a_fresh_copy_of_it() -> No
     from schedules import Memory, lowered, with_gradient_sync
 
     program = with_gradient_sync(lowered(build_schedule("zb-v", 2, 4)))
-    first = Costs(forward=[1, 2, 1, 3], backward_input=2, backward_weight=1, latency=0.2, all_reduce=0.5, gather=0.3,
-                  memory=Memory(state=100, activation=[10, 20, 30, 5], boundary=2, gradient=3, sync=7))  # fmt: skip
-    second = Costs(forward=2, backward_input=[1, 3, 2, 1], backward_weight=2, latency=0.1, all_reduce=[1, 0, 2, 0],
-                   memory=Memory(state=50, activation=8, boundary=[4, 1, 1, 0], gradient=1,
-                                 gathered=[6, 0, 0, 6]))  # fmt: skip
+    first = Costs(
+        forward=[1, 2, 1, 3],
+        backward_input=2,
+        backward_weight=1,
+        latency=0.2,
+        all_reduce=0.5,
+        gather=0.3,
+        memory=Memory(state=100, activation=[10, 20, 30, 5], boundary=2, gradient=3, sync=7),
+    )
+    second = Costs(
+        forward=2,
+        backward_input=[1, 3, 2, 1],
+        backward_weight=2,
+        latency=0.1,
+        all_reduce=[1, 0, 2, 0],
+        memory=Memory(state=50, activation=8, boundary=[4, 1, 1, 0], gradient=1, gathered=[6, 0, 0, 6]),
+    )
     simulate(program, first)
     again, fresh = simulate(program, second), simulate(copy.deepcopy(program), second)
     assert again.makespan == fresh.makespan and again.required_memory == fresh.required_memory
@@ -153,8 +177,16 @@ def test_ranks_sharing_processors_by_hand() -> None:
     # 1F1 alone [7/3, 10/3]; 1B0 alone [10/3, 13/3]; 1B1 and 0B0 together [13/3, 17/3]; 0B1 alone [17/3, 20/3]
     timeline = simulate(build_schedule("gpipe", 2, 2), Costs(forward=1, backward=1, processors=1.5))
     spans = {str(s.action): (s.start, s.end) for s in timeline.spans if s.is_compute}
-    expected = {"0F0": (0, 1), "0F1": (1, 7 / 3), "1F0": (1, 7 / 3), "1F1": (7 / 3, 10 / 3), "1B0": (10 / 3, 13 / 3),
-                "1B1": (13 / 3, 17 / 3), "0B0": (13 / 3, 17 / 3), "0B1": (17 / 3, 20 / 3)}  # fmt: skip
+    expected = {
+        "0F0": (0, 1),
+        "0F1": (1, 7 / 3),
+        "1F0": (1, 7 / 3),
+        "1F1": (7 / 3, 10 / 3),
+        "1B0": (10 / 3, 13 / 3),
+        "1B1": (13 / 3, 17 / 3),
+        "0B0": (13 / 3, 17 / 3),
+        "0B1": (17 / 3, 20 / 3),
+    }
     assert spans == {name: pytest.approx(times) for name, times in expected.items()}
 
 
@@ -165,8 +197,16 @@ def test_what_a_compute_waits_on_other_ranks_takes_no_processor() -> None:
     costs = {"forward": [2, 1], "backward": 1, "forward_wait": [1, 0]}
     timeline = simulate(build_schedule("gpipe", 2, 2), Costs(**costs, processors=1))  # type: ignore[arg-type]
     spans = {str(s.action): (s.start, s.end) for s in timeline.spans if s.is_compute}
-    expected = {"0F0": (0, 2), "0F1": (2, 5), "1F0": (2, 4), "1F1": (5, 6), "1B0": (6, 7), "1B1": (7, 9),
-                "0B0": (7, 9), "0B1": (9, 10)}  # fmt: skip
+    expected = {
+        "0F0": (0, 2),
+        "0F1": (2, 5),
+        "1F0": (2, 4),
+        "1F1": (5, 6),
+        "1B0": (6, 7),
+        "1B1": (7, 9),
+        "0B0": (7, 9),
+        "0B1": (9, 10),
+    }
     assert spans == {name: pytest.approx(times) for name, times in expected.items()}
     unshared = simulate(build_schedule("gpipe", 2, 2), Costs(**costs))  # type: ignore[arg-type]
     assert [(s.start, s.end) for s in unshared.compute_spans(0)][:2] == [(0, 2), (2, 4)]
@@ -204,8 +244,13 @@ def test_a_gradient_sync_takes_its_host_time_then_runs_beside_or_holds_the_rank_
     assert simulate(schedule, Costs(forward=1, backward=1, all_reduce=2)).makespan == 6
 
 
-GRID = [(name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v")
-        for p in (2, 4) for m in (4, 8) if (name, p, m) != ("dualpipe-v", 4, 4)]  # fmt: skip
+GRID = [
+    (name, p, m)
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v")
+    for p in (2, 4)
+    for m in (4, 8)
+    if (name, p, m) != ("dualpipe-v", 4, 4)
+]
 
 
 def _priced(name: str, p: int, m: int, seed: int) -> tuple[Schedule, dict[str, object]]:
@@ -248,13 +293,22 @@ def test_enough_processors_for_every_rank_replay_as_unshared(name: str, p: int, 
     unshared one: with all but a hair of a processor for each rank and one for its asynchronous collectives (work
     too), every span is where the unshared replay puts it."""
     schedule, costs = _priced(name, p, m, seed=p + m)
-    costs.update(latency=0.3, per_byte=0.01, message_bytes=10.0, all_reduce=2.0, post=0.05, post_message=0.02,
-                 sync_host=0.1, sync_blocking=p == 4)  # fmt: skip
+    costs.update(
+        latency=0.3,
+        per_byte=0.01,
+        message_bytes=10.0,
+        all_reduce=2.0,
+        post=0.05,
+        post_message=0.02,
+        sync_host=0.1,
+        sync_blocking=p == 4,
+    )
     alone = simulate(schedule, Costs(**costs))  # type: ignore[arg-type]
     nearly = simulate(schedule, Costs(**costs, processors=2 * p - 1e-9))  # type: ignore[arg-type]
     assert [(s.rank, s.action) for s in nearly.spans] == [(s.rank, s.action) for s in alone.spans]
     assert [t for s in nearly.spans for t in (s.start, s.end)] == pytest.approx(
-        [t for s in alone.spans for t in (s.start, s.end)], rel=1e-6)  # fmt: skip
+        [t for s in alone.spans for t in (s.start, s.end)], rel=1e-6
+    )
 
 
 def test_a_rank_woken_while_others_compute_starts_late_by_hand() -> None:
@@ -265,8 +319,16 @@ def test_a_rank_woken_while_others_compute_starts_late_by_hand() -> None:
     costs = {"forward": 1, "backward": 1, "processors": 1.5}
     woken = simulate(build_schedule("gpipe", 2, 2), Costs(**costs, wake=((0.5, 0.0), (1.5, 0.5))))  # type: ignore[arg-type]
     spans = {str(s.action): (s.start, s.end) for s in woken.spans if s.is_compute}
-    expected = {"0F0": (0, 1), "0F1": (1, 2.25), "1F0": (1.25, 2.5), "1F1": (2.5, 3.5), "1B0": (3.5, 4.5),
-                "1B1": (4.5, 5.75), "0B0": (4.75, 6), "0B1": (6, 7)}  # fmt: skip
+    expected = {
+        "0F0": (0, 1),
+        "0F1": (1, 2.25),
+        "1F0": (1.25, 2.5),
+        "1F1": (2.5, 3.5),
+        "1B0": (3.5, 4.5),
+        "1B1": (4.5, 5.75),
+        "0B0": (4.75, 6),
+        "0B1": (6, 7),
+    }
     assert spans == {name: pytest.approx(times) for name, times in expected.items()}
     # with nothing else running a woken rank starts at once: one micro-batch, each compute alone
     assert simulate(build_schedule("gpipe", 2, 1), Costs(**costs, wake=((1.0, 0.25),))).makespan == pytest.approx(4)  # type: ignore[arg-type]
@@ -284,13 +346,30 @@ def test_a_rank_woken_beside_two_computes_starts_late_by_their_mean_price_by_han
     mean price 1: it starts at 3 (the sum, 2, would start it at 3.5), 3 to 4; 2F1 4 to 5, 2F2 5 to 6 (their inputs
     there first); 1F2 3.5 to 4.5. 2B0, 2B1, 2B2 6 to 9. 1B0 is woken at 7 beside 2B1 alone: 7.5 to 8.5, 1B1 and 1B2
     to 10.5. 0B0 is woken at 8.5 beside 2B2 (8 to 9) and 1B1 (8.5 to 9.5): at 9 (the sum: 9.5), 0B1 and 0B2 to 12."""
-    timeline = simulate(build_schedule("gpipe", 3, 3), Costs(forward=1, backward=1, processors=2,
-                                                              wake=((1.0, 0.5), (2.0, 1.0))))  # fmt: skip
+    timeline = simulate(
+        build_schedule("gpipe", 3, 3), Costs(forward=1, backward=1, processors=2, wake=((1.0, 0.5), (2.0, 1.0)))
+    )
     spans = {str(s.action): (s.start, s.end) for s in timeline.spans if s.is_compute}
-    expected = {"0F0": (0, 1), "0F1": (1, 2), "0F2": (2, 3), "1F0": (1.5, 2.5), "1F1": (2.5, 3.5), "1F2": (3.5, 4.5),
-                "2F0": (3, 4), "2F1": (4, 5), "2F2": (5, 6), "2B0": (6, 7), "2B1": (7, 8), "2B2": (8, 9),
-                "1B0": (7.5, 8.5), "1B1": (8.5, 9.5), "1B2": (9.5, 10.5), "0B0": (9, 10), "0B1": (10, 11),
-                "0B2": (11, 12)}  # fmt: skip
+    expected = {
+        "0F0": (0, 1),
+        "0F1": (1, 2),
+        "0F2": (2, 3),
+        "1F0": (1.5, 2.5),
+        "1F1": (2.5, 3.5),
+        "1F2": (3.5, 4.5),
+        "2F0": (3, 4),
+        "2F1": (4, 5),
+        "2F2": (5, 6),
+        "2B0": (6, 7),
+        "2B1": (7, 8),
+        "2B2": (8, 9),
+        "1B0": (7.5, 8.5),
+        "1B1": (8.5, 9.5),
+        "1B2": (9.5, 10.5),
+        "0B0": (9, 10),
+        "0B1": (10, 11),
+        "0B2": (11, 12),
+    }
     assert spans == {name: pytest.approx(times) for name, times in expected.items()}
 
 

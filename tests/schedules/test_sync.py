@@ -57,8 +57,9 @@ def test_the_short_form_round_trips() -> None:
     assert parse("3AR7") == Instruction(3, Kind.ALL_REDUCE, 7) and str(parse("3AR7")) == "3AR7"
 
 
-TIE_CASES = [(name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v") for p in (2, 3, 4)
-             for m in (p, 2 * p)]  # fmt: skip
+TIE_CASES = [
+    (name, p, m) for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v") for p in (2, 3, 4) for m in (p, 2 * p)
+]
 
 
 @pytest.mark.parametrize("name, p, m", TIE_CASES)
@@ -69,8 +70,12 @@ def test_tied_first_and_last_stages_are_summed_once_per_rank_after_their_last_gr
     tied = dataclasses.replace(built, tied=((0, built.num_stages - 1),))
     for synced in (with_tie_sync(tied), with_gradient_sync(with_tie_sync(tied))):
         validate(synced)
-        sums = [(rank, i, a) for rank, s in enumerate(synced.instructions) for i, a in enumerate(s)
-                if isinstance(a, Instruction) and a.kind is Kind.TIE_REDUCE]  # fmt: skip
+        sums = [
+            (rank, i, a)
+            for rank, s in enumerate(synced.instructions)
+            for i, a in enumerate(s)
+            if isinstance(a, Instruction) and a.kind is Kind.TIE_REDUCE
+        ]
         if name == "zb-v":  # the V puts the first and last stage on rank 0: the tie is local
             assert sums == [] and tie_ranks(tied, 0) == (0,)
             continue
@@ -83,7 +88,7 @@ def test_tied_first_and_last_stages_are_summed_once_per_rank_after_their_last_gr
                 and a.stage in (0, built.num_stages - 1)
                 and a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
             ]
-            assert not later and action.microbatch == 0  # fmt: skip
+            assert not later and action.microbatch == 0
 
 
 def test_a_missing_or_early_tie_sum_is_refused() -> None:

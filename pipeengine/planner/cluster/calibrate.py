@@ -56,15 +56,20 @@ def fit_ring(sizes: Sequence[float], seconds: Sequence[float], ranks: int) -> tu
     least-squares line ``seconds = 2(n-1) latency + 2(n-1)/n size / bandwidth`` (collectives.all_reduce). The
     latency may come out at zero or below where the sizes are too large to show it: the caller decides."""
     if ranks < 2 or len(sizes) != len(seconds) or len(set(sizes)) < 2:
-        raise ValueError(f"fit_ring: {len(sizes)} sizes ({len(set(sizes))} distinct) and {len(seconds)} times over "
-                         f"{ranks} ranks: give two distinct sizes or more, a time each, over 2 ranks or more")
+        raise ValueError(
+            f"fit_ring: {len(sizes)} sizes ({len(set(sizes))} distinct) and {len(seconds)} times over "
+            f"{ranks} ranks: give two distinct sizes or more, a time each, over 2 ranks or more"
+        )
     x = [2 * (ranks - 1) / ranks * size for size in sizes]
     mean_x, mean_y = statistics.fmean(x), statistics.fmean(seconds)
     slope = sum((a - mean_x) * (b - mean_y) for a, b in zip(x, seconds, strict=True)) / sum(
-        (a - mean_x) ** 2 for a in x)  # fmt: skip
+        (a - mean_x) ** 2 for a in x
+    )
     if slope <= 0:
-        raise ValueError(f"fit_ring: the times {list(seconds)} do not grow with the sizes {list(sizes)}: not a "
-                         f"measurement of a link; measure again on an idle machine")  # fmt: skip
+        raise ValueError(
+            f"fit_ring: the times {list(seconds)} do not grow with the sizes {list(sizes)}: not a "
+            f"measurement of a link; measure again on an idle machine"
+        )
     intercept = mean_y - slope * mean_x
     return 1 / slope, intercept / (2 * (ranks - 1))
 
@@ -101,8 +106,9 @@ def _slowest(rate: float, device: torch.device) -> float:
     return float(value.item())
 
 
-def matmuls(shapes: Sequence[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, repeats: int
-            ) -> dict[tuple[int, int, int], float]:  # fmt: skip
+def matmuls(
+    shapes: Sequence[tuple[int, int, int]], dtype: torch.dtype, device: torch.device, repeats: int
+) -> dict[tuple[int, int, int], float]:
     """FLOP/s of an m x k by k x n matmul for each (m, k, n) in ``shapes``, each rank's device timed alone, the
     slowest device's."""
     found = {}
@@ -136,8 +142,9 @@ def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     return _slowest(2 * source.numel() * 4 / seconds, device)
 
 
-def ring(group: Any, ranks: int, sizes: Sequence[int], device: torch.device, repeats: int
-         ) -> tuple[float, float, tuple[tuple[float, float], ...]]:  # fmt: skip
+def ring(
+    group: Any, ranks: int, sizes: Sequence[int], device: torch.device, repeats: int
+) -> tuple[float, float, tuple[tuple[float, float], ...]]:
     """(bus bandwidth, latency) of an all-reduce over ``group`` (``ranks`` ranks), fitted from ``sizes``, and the
     sweep it was fitted to: (bytes, busbw) at each size, as nccl-tests print it."""
     seconds = []
@@ -158,20 +165,30 @@ def _node_groups(world: int, per_node: int) -> tuple[Any, Any]:
     return intra[rank // per_node], (inter[rank % per_node] if inter else None)
 
 
-def measure(base: Hardware, *, dtype: str = "bf16", shapes: Sequence[tuple[int, int, int]] = (),
-            sizes: Sequence[int] = SIZES, copy_bytes: int = 2**30, repeats: int = 10,
-            device: torch.device | None = None, per_node: int | None = None, squares: Sequence[int] = SQUARES
-            ) -> Hardware:  # fmt: skip
+def measure(
+    base: Hardware,
+    *,
+    dtype: str = "bf16",
+    shapes: Sequence[tuple[int, int, int]] = (),
+    sizes: Sequence[int] = SIZES,
+    copy_bytes: int = 2**30,
+    repeats: int = 10,
+    device: torch.device | None = None,
+    per_node: int | None = None,
+    squares: Sequence[int] = SQUARES,
+) -> Hardware:
     """``base`` with what this world's devices measure in place of its matmul efficiency, memory bandwidth and
     links (the module's docstring); every rank calls it, each gets the same description. ``per_node``: ranks a
     node (default: LOCAL_WORLD_SIZE, as torchrun sets it, else the whole world)."""
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else
-                        torch.device("cpu"))  # fmt: skip
+    device = device or (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % per_node:
-        raise ValueError(f"measure: {world} ranks are not whole nodes of {per_node}: run the same --nproc-per-node "
-                         f"on every node")  # fmt: skip
+        raise ValueError(
+            f"measure: {world} ranks are not whole nodes of {per_node}: run the same --nproc-per-node on every node"
+        )
     moment = [(socket.gethostname(), datetime.datetime.now().astimezone().isoformat(timespec="seconds"))]
     if dist.is_initialized():  # rank 0's host and moment on every rank: one description, whatever the clocks say
         dist.broadcast_object_list(moment, src=0)
@@ -183,15 +200,23 @@ def measure(base: Hardware, *, dtype: str = "bf16", shapes: Sequence[tuple[int, 
     best = max(rates, key=lambda shape: rates[shape])
     efficiency = min(1.0, rates[best] / peak)
     shown = ", ".join(f"{m}x{k}x{n} {rate / 1e12:.3g}" for (m, k, n), rate in rates.items())
-    sources["matmul_efficiency"] = (f"{where}: the best of {dtype} matmuls (TFLOP/s: {shown}) over the "
-                                    f"datasheet's {peak / 1e12:.0f} TFLOP/s")  # fmt: skip
+    sources["matmul_efficiency"] = (
+        f"{where}: the best of {dtype} matmuls (TFLOP/s: {shown}) over the datasheet's {peak / 1e12:.0f} TFLOP/s"
+    )
     bandwidth = copy_bandwidth(copy_bytes, device, repeats)
     sources["memory_bandwidth"] = f"{where}: a copy of {copy_bytes} bytes, read and written"
     links = {"intra": base.intra, "inter": base.inter}
     mine, across = _node_groups(world, per_node) if world > 1 else (None, None)
-    measured = {"intra": (mine, per_node, "a node's ranks") if per_node > 1 and mine is not None else None,
-                "inter": (across, world // per_node, f"one rank of each of {world // per_node} nodes, every local "
-                          "rank's group at once") if across is not None else None}  # fmt: skip
+    measured = {
+        "intra": (mine, per_node, "a node's ranks") if per_node > 1 and mine is not None else None,
+        "inter": (
+            across,
+            world // per_node,
+            f"one rank of each of {world // per_node} nodes, every local rank's group at once",
+        )
+        if across is not None
+        else None,
+    }
     for tier, plan in measured.items():
         if plan is None:
             why = "one node" if tier == "inter" else "one rank a node"
@@ -201,15 +226,24 @@ def measure(base: Hardware, *, dtype: str = "bf16", shapes: Sequence[tuple[int, 
         group, ranks, who = plan
         said = f"{where}: all_reduce over {who}, at {list(sizes)} bytes, fitted to a ring"
         links[tier], sources[f"{tier}.bandwidth"], sources[f"{tier}.latency"] = _link(
-            ring(group, ranks, sizes, device, repeats), getattr(base, tier), said)  # fmt: skip
+            ring(group, ranks, sizes, device, repeats), getattr(base, tier), said
+        )
         sources[f"{tier}.sweep"] = f"{where}: all_reduce over {who}, busbw at each size"
     intra, inter = links["intra"], links["inter"]
-    return dataclasses.replace(base, name=f"{base.name}, measured", matmul_efficiency=efficiency,
-                               memory_bandwidth=bandwidth, intra=intra, inter=inter, sources=sources)  # fmt: skip
+    return dataclasses.replace(
+        base,
+        name=f"{base.name}, measured",
+        matmul_efficiency=efficiency,
+        memory_bandwidth=bandwidth,
+        intra=intra,
+        inter=inter,
+        sources=sources,
+    )
 
 
-def _link(fitted: tuple[float, float, tuple[tuple[float, float], ...]], preset: Link, said: str
-          ) -> tuple[Link, str, str]:  # fmt: skip
+def _link(
+    fitted: tuple[float, float, tuple[tuple[float, float], ...]], preset: Link, said: str
+) -> tuple[Link, str, str]:
     bandwidth, latency, sweep = fitted
     if latency > 0:
         return Link(bandwidth, latency, sweep), said, said
@@ -220,8 +254,10 @@ def _link(fitted: tuple[float, float, tuple[tuple[float, float], ...]], preset: 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pipeengine.tune --calibrate --hardware BASE --out FILE``: every rank of the world measures; rank 0
     writes the description and prints it."""
-    said = ("a hardware description measured on these GPUs, the preset's datasheet figures kept (under torchrun: "
-            "every rank measures, rank 0 writes --out)")
+    said = (
+        "a hardware description measured on these GPUs, the preset's datasheet figures kept (under torchrun: "
+        "every rank measures, rank 0 writes --out)"
+    )
     made = argparse.ArgumentParser(prog="python -m pipeengine.tune --calibrate --hardware", description=said)
     made.add_argument("--calibrate", action="store_true", required=True)
     made.add_argument("--hardware", required=True, help="the preset (or file) whose datasheet figures are kept")
@@ -237,9 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = load(args.hardware)
         shapes = [_shape(text) for text in args.shapes.split(",") if text.strip()]
         if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--calibrate --hardware measures GPUs and this machine has none (torch.cuda."
-                             "is_available() is False): run it on the GPUs to plan for, under torchrun; --device cpu "
-                             "tries it here")  # fmt: skip
+            raise ValueError(
+                "--calibrate --hardware measures GPUs and this machine has none (torch.cuda."
+                "is_available() is False): run it on the GPUs to plan for, under torchrun; --device cpu "
+                "tries it here"
+            )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -249,8 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             device = torch.device("cuda", torch.cuda.current_device())
-        measured = measure(base, dtype=args.precision, shapes=shapes, repeats=args.repeats, device=device,
-                           **({} if args.device == "cuda" else TRIAL))  # fmt: skip
+        measured = measure(
+            base,
+            dtype=args.precision,
+            shapes=shapes,
+            repeats=args.repeats,
+            device=device,
+            **({} if args.device == "cuda" else TRIAL),
+        )
         if not dist.is_initialized() or dist.get_rank() == 0:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(measured.to_json(), indent=1) + "\n")
@@ -265,8 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _shape(text: str) -> tuple[int, int, int]:
     parts = text.strip().lower().split("x")
     if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise ValueError(f"--shapes: {text.strip()!r} is not m x k x n (three positive whole numbers: 4096x8192x28672)"
-                         )  # fmt: skip
+        raise ValueError(f"--shapes: {text.strip()!r} is not m x k x n (three positive whole numbers: 4096x8192x28672)")
     m, k, n = (int(part) for part in parts)
     return m, k, n
 

@@ -41,8 +41,12 @@ FIXED = ("tp", "pp", "dp", "micro_batch")  # what --fix must name; schedule, chu
 
 def parser() -> argparse.ArgumentParser:
     made = argparse.ArgumentParser(prog="python -m pipeengine.tune", description=__doc__.split("\n")[0])
-    made.add_argument("--model", required=True, help="a Hugging Face config.json, or module:function (returning a "
-                      "config, or (model, loss_fn, sample) with an nn.Sequential)")  # fmt: skip
+    made.add_argument(
+        "--model",
+        required=True,
+        help="a Hugging Face config.json, or module:function (returning a "
+        "config, or (model, loss_fn, sample) with an nn.Sequential)",
+    )
     made.add_argument("--devices", type=int, required=True, help="GPUs in all")
     made.add_argument("--devices-per-node", type=int, help="GPUs a node (default: the hardware's)")
     made.add_argument("--hardware", default="a100-80gb", help=f"one of {', '.join(PRESETS)}, or a JSON file")
@@ -50,12 +54,23 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--seq", type=int, required=True, help="tokens a sequence")
     made.add_argument("--precision", choices=("bf16", "fp16"), default="bf16")
     made.add_argument("--recompute", choices=("always", "never", "search"), default="search")
-    made.add_argument("--fsdp", choices=("always", "never", "search"), default="search",
-                      help="the replicas shard the weights and optimizer state (FSDP2), copy them, or either")
-    made.add_argument("--fix", help="price this one layout: tp=8,pp=2,dp=32,micro_batch=4[,schedule=1f1b,chunks=1,"
-                      "recompute=always,fsdp=never]")  # fmt: skip
-    made.add_argument("--max-micro-batch", type=int, help="the largest micro-batch searched (default: 16 sequences "
-                      "for a transformer, a replica's whole batch for an nn.Sequential)")  # fmt: skip
+    made.add_argument(
+        "--fsdp",
+        choices=("always", "never", "search"),
+        default="search",
+        help="the replicas shard the weights and optimizer state (FSDP2), copy them, or either",
+    )
+    made.add_argument(
+        "--fix",
+        help="price this one layout: tp=8,pp=2,dp=32,micro_batch=4[,schedule=1f1b,chunks=1,"
+        "recompute=always,fsdp=never]",
+    )
+    made.add_argument(
+        "--max-micro-batch",
+        type=int,
+        help="the largest micro-batch searched (default: 16 sequences "
+        "for a transformer, a replica's whole batch for an nn.Sequential)",
+    )
     made.add_argument("--json", type=Path, help="write the rows here")
     made.add_argument("--plot", type=Path, default=Path("out/plan/cluster_plan.png"), help="where the plot goes")
     return made
@@ -72,30 +87,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.devices_per_node is not None:
             hw = dataclasses.replace(hw, devices_per_node=args.devices_per_node)
         if args.devices > hw.devices_per_node and args.devices % hw.devices_per_node:
-            raise ValueError(f"--devices {args.devices} is not whole nodes of {hw.devices_per_node} devices: give a "
-                             f"multiple of {hw.devices_per_node} (or --devices-per-node to match your nodes)")
+            raise ValueError(
+                f"--devices {args.devices} is not whole nodes of {hw.devices_per_node} devices: give a "
+                f"multiple of {hw.devices_per_node} (or --devices-per-node to match your nodes)"
+            )
         model = _model(args.model, args.seq, args.precision)
         if args.fix:
             layout = _fixed(args.fix, args.global_batch, args.recompute, args.fsdp)
             if layout.devices != args.devices:
-                raise ValueError(f"--fix lays out tp x pp x dp = {layout.devices} devices, --devices is "
-                                 f"{args.devices}: make them agree")  # fmt: skip
+                raise ValueError(
+                    f"--fix lays out tp x pp x dp = {layout.devices} devices, --devices is "
+                    f"{args.devices}: make them agree"
+                )
             check(model, layout, hw)
             rows, said = [price(model, layout, hw, args.precision)], f"{layout.describe()} priced"
         else:
-            plan = search(model, args.devices, hw, args.global_batch, recompute=args.recompute, dtype=args.precision,
-                          fsdp=args.fsdp, max_micro_batch=args.max_micro_batch)  # fmt: skip
+            plan = search(
+                model,
+                args.devices,
+                hw,
+                args.global_batch,
+                recompute=args.recompute,
+                dtype=args.precision,
+                fsdp=args.fsdp,
+                max_micro_batch=args.max_micro_batch,
+            )
             rows = plan.rows
-            said = (f"{plan.considered} layouts considered in {plan.seconds:.2f} s, {len(plan.refused)} refused "
-                    "(past the device's memory, or a micro-batch size the model fails at), the best "
-                    f"{len(rows)} replayed")  # fmt: skip
+            said = (
+                f"{plan.considered} layouts considered in {plan.seconds:.2f} s, {len(plan.refused)} refused "
+                "(past the device's memory, or a micro-batch size the model fails at), the best "
+                f"{len(rows)} replayed"
+            )
             if not rows:
                 plan.best  # noqa: B018  (raises, saying the smallest need against the device's memory)
     except (ValueError, TypeError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"{hw.name}, {args.devices} devices ({hw.devices_per_node} a node), {model.layers} layers, "
-          f"{_count(model.parameters)} parameters, {args.global_batch} x {args.seq} tokens a step: {said}")
+    print(
+        f"{hw.name}, {args.devices} devices ({hw.devices_per_node} a node), {model.layers} layers, "
+        f"{_count(model.parameters)} parameters, {args.global_batch} x {args.seq} tokens a step: {said}"
+    )
     for row in rows:
         print(_line(row))
     if args.json is not None:
@@ -120,26 +151,36 @@ def _model(spec: str, seq: int, precision: str = "bf16") -> Model:
     try:
         made = getattr(importlib.import_module(module), function)()
     except (ImportError, AttributeError) as error:
-        raise ValueError(f"--model {spec}: {type(error).__name__}: {error}; name an importable module and a function "
-                         "in it (run from the folder it imports from)") from error
+        raise ValueError(
+            f"--model {spec}: {type(error).__name__}: {error}; name an importable module and a function "
+            "in it (run from the folder it imports from)"
+        ) from error
     if isinstance(made, Transformer):
         return made
     if hasattr(made, "num_hidden_layers"):
         return from_config(made, seq)
     if isinstance(made, tuple) and len(made) in (3, 4):
         if not isinstance(made[0], nn.Sequential):
-            raise TypeError(f"{spec}() returned (model, loss_fn, sample) with a {type(made[0]).__name__} for the "
-                            "model: the cluster planner takes an nn.Sequential (its layers, the pipeline's to cut)")
+            raise TypeError(
+                f"{spec}() returned (model, loss_fn, sample) with a {type(made[0]).__name__} for the "
+                "model: the cluster planner takes an nn.Sequential (its layers, the pipeline's to cut)"
+            )
         if len(made) == 4:
-            print("note: the tp_plan is not priced on clusters: a generic nn.Sequential is planned at tp=1",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "note: the tp_plan is not priced on clusters: a generic nn.Sequential is planned at tp=1",
+                file=sys.stderr,
+            )
         return Sequential(made[0], made[2], seq, torch.float16 if precision == "fp16" else torch.bfloat16)
     if isinstance(made, nn.Sequential):
-        raise TypeError(f"{spec}() returned the model alone: return (model, loss_fn, sample), sample one batch whose "
-                        "first dimension is the rows (only its shapes are read)")  # fmt: skip
-    raise TypeError(f"{spec}() returned {type(made).__name__!r}: return a transformers config, a Transformer, or "
-                    "(model, loss_fn, sample[, tp_plan]) as for the planner on this machine, model an nn.Sequential "
-                    "(build a large one under `with torch.device('meta'):`)")
+        raise TypeError(
+            f"{spec}() returned the model alone: return (model, loss_fn, sample), sample one batch whose "
+            "first dimension is the rows (only its shapes are read)"
+        )
+    raise TypeError(
+        f"{spec}() returned {type(made).__name__!r}: return a transformers config, a Transformer, or "
+        "(model, loss_fn, sample[, tp_plan]) as for the planner on this machine, model an nn.Sequential "
+        "(build a large one under `with torch.device('meta'):`)"
+    )
 
 
 def _fixed(text: str, global_batch: int, recompute: str = "search", fsdp: str = "search") -> Layout:
@@ -154,8 +195,10 @@ def _fixed(text: str, global_batch: int, recompute: str = "search", fsdp: str = 
     missing = [key for key in FIXED if key not in fields]
     unknown = sorted(set(fields) - {*FIXED, "schedule", "chunks", "recompute", "fsdp"})
     if missing or unknown:
-        raise ValueError(f"--fix {text!r}: missing {missing or 'none'}, unknown {unknown or 'none'}; name "
-                         f"{', '.join(FIXED)} (and schedule, chunks, recompute=always|never, fsdp=always|never)")
+        raise ValueError(
+            f"--fix {text!r}: missing {missing or 'none'}, unknown {unknown or 'none'}; name "
+            f"{', '.join(FIXED)} (and schedule, chunks, recompute=always|never, fsdp=always|never)"
+        )
     for key in ("recompute", "fsdp"):
         if fields.get(key, "always") not in ("always", "never"):
             raise ValueError(f"--fix {text!r}: {key}={fields[key]!r}, not always or never")
@@ -184,17 +227,31 @@ def _line(row: Price) -> str:
     memory += f" (refused: {row.refused})" if row.refused else ""
     memory += f"  partition {list(row.partition)}" if row.partition else ""  # PipelineEngine's partition=
     step = f"{row.step_s:8.3f} s " if row.step_s >= 1 else f"{row.step_s * 1e3:8.3f} ms"
-    return (f"  {row.layout.describe():<48} step {step}  {row.tokens_per_s:12,.0f} tokens/s  "
-            f"MFU {row.mfu:5.1%}  peak {memory}")  # fmt: skip
+    return (
+        f"  {row.layout.describe():<48} step {step}  {row.tokens_per_s:12,.0f} tokens/s  "
+        f"MFU {row.mfu:5.1%}  peak {memory}"
+    )
 
 
 def _record(row: Price) -> dict[str, object]:
     layout = row.layout
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp, "schedule": layout.schedule,
-            "chunks": layout.chunks, "micro_batch": layout.micro_batch, "num_microbatches": layout.num_microbatches,
-            "recompute": "always" if layout.recompute else "never", "step_time_s": row.step_s,
-            "tokens_per_s": row.tokens_per_s, "mfu": row.mfu, "peak_bytes": row.peak_bytes,
-            "refused": row.refused, "partition": list(row.partition) or None}  # fmt: skip
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "fsdp": layout.fsdp,
+        "schedule": layout.schedule,
+        "chunks": layout.chunks,
+        "micro_batch": layout.micro_batch,
+        "num_microbatches": layout.num_microbatches,
+        "recompute": "always" if layout.recompute else "never",
+        "step_time_s": row.step_s,
+        "tokens_per_s": row.tokens_per_s,
+        "mfu": row.mfu,
+        "peak_bytes": row.peak_bytes,
+        "refused": row.refused,
+        "partition": list(row.partition) or None,
+    }
 
 
 def _plot(rows: list[Price], path: Path) -> None:

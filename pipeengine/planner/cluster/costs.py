@@ -290,8 +290,9 @@ def trace(
     return recorder.ops
 
 
-def _mark_weights(recorder: _Recorder, roots: list[torch.Tensor], inputs: list[torch.Tensor],
-                  seeds: list[torch.Tensor]) -> None:  # fmt: skip
+def _mark_weights(
+    recorder: _Recorder, roots: list[torch.Tensor], inputs: list[torch.Tensor], seeds: list[torch.Tensor]
+) -> None:
     """Mark the backward ops only the weights' gradients need: those the whole backward runs beyond what a backward
     to the inputs alone runs (autograd runs only what the gradients asked for need), matched by name and shapes."""
     backward = [index for index, op in enumerate(recorder.ops) if op.phase == "backward"]

@@ -35,13 +35,31 @@ from pipeengine.core.files import once_each
 __all__ = ["DTYPES", "FIGURES", "PRESETS", "Hardware", "Link", "load", "parse"]
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")  # peak_flops must name these; others (fp8, ...) may follow
-FIELDS = ("name", "devices_per_node", "memory_bytes", "memory_bandwidth", "peak_flops", "matmul_efficiency", "intra",
-          "inter", "sources")  # fmt: skip
+FIELDS = (
+    "name",
+    "devices_per_node",
+    "memory_bytes",
+    "memory_bandwidth",
+    "peak_flops",
+    "matmul_efficiency",
+    "intra",
+    "inter",
+    "sources",
+)
 LINK_FIELDS = ("bandwidth", "latency")
 SWEPT = ("intra.sweep", "inter.sweep")  # a link's optional measured sweep, which then needs a source too
 # every figure a description holds, by its path: each needs a source (which may say "assumed")
-FIGURES = ("devices_per_node", "memory_bytes", "memory_bandwidth", "peak_flops", "matmul_efficiency",
-           "intra.bandwidth", "intra.latency", "inter.bandwidth", "inter.latency")  # fmt: skip
+FIGURES = (
+    "devices_per_node",
+    "memory_bytes",
+    "memory_bandwidth",
+    "peak_flops",
+    "matmul_efficiency",
+    "intra.bandwidth",
+    "intra.latency",
+    "inter.bandwidth",
+    "inter.latency",
+)
 
 POSITIVE = "not a positive, finite number"
 CITED = 'where the figure comes from (a datasheet, a measurement, or "assumed" and why)'
@@ -94,13 +112,16 @@ def _whole(where: str, path: str, value: object) -> int:
     return value
 
 
-def _object(where: str, path: str, value: object, known: tuple[str, ...], extra: bool = False,
-            optional: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+def _object(
+    where: str, path: str, value: object, known: tuple[str, ...], extra: bool = False, optional: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """``value`` as a dict holding every key of ``known`` (and, unless ``extra``, no other but those of
     ``optional``), else a ValueError."""
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: {path or 'the file'} = {_shown(value)} is refused: not a JSON object; write an "
-                         f"object with {', '.join(map(json.dumps, known))}")  # fmt: skip
+        raise ValueError(
+            f"{where}: {path or 'the file'} = {_shown(value)} is refused: not a JSON object; write an "
+            f"object with {', '.join(map(json.dumps, known))}"
+        )
     prefix = f"{path}." if path else ""
     for key in known:
         if key not in value:
@@ -110,8 +131,10 @@ def _object(where: str, path: str, value: object, known: tuple[str, ...], extra:
         unknown = [key for key in value if key not in known and key not in optional]
         if unknown:
             fields = ", ".join(known + optional)
-            raise ValueError(f"{where}: {prefix}{unknown[0]} is not a field here (fields: {fields}); "
-                             "remove it or correct its spelling")  # fmt: skip
+            raise ValueError(
+                f"{where}: {prefix}{unknown[0]} is not a field here (fields: {fields}); "
+                "remove it or correct its spelling"
+            )
     return value
 
 
@@ -168,8 +191,9 @@ def _sweep(where: str, path: str, value: object) -> tuple[tuple[float, float], .
     for number, point in enumerate(value):
         if not isinstance(point, (list, tuple)) or len(point) != 2:
             raise _refused(where, f"{path}[{number}]", point, "not a pair [bytes, busbw]")
-        points.append((_number(where, f"{path}[{number}][0]", point[0]), _number(where, f"{path}[{number}][1]",
-                                                                                    point[1])))  # fmt: skip
+        points.append(
+            (_number(where, f"{path}[{number}][0]", point[0]), _number(where, f"{path}[{number}][1]", point[1]))
+        )
     sizes = [size for size, _ in points]
     if any(high <= low for low, high in zip(sizes, sizes[1:], strict=False)):
         raise _refused(where, path, sizes, "the sizes are not strictly ascending")
@@ -198,10 +222,17 @@ class Hardware:
 
     def to_json(self) -> dict[str, Any]:
         """The description as a JSON object, read back equal by from_json."""
-        return {"name": self.name, "devices_per_node": self.devices_per_node, "memory_bytes": self.memory_bytes,
-                "memory_bandwidth": self.memory_bandwidth, "peak_flops": dict(self.peak_flops),
-                "matmul_efficiency": self.matmul_efficiency, "intra": self.intra.to_json(),
-                "inter": self.inter.to_json(), "sources": dict(self.sources)}  # fmt: skip
+        return {
+            "name": self.name,
+            "devices_per_node": self.devices_per_node,
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
+            "peak_flops": dict(self.peak_flops),
+            "matmul_efficiency": self.matmul_efficiency,
+            "intra": self.intra.to_json(),
+            "inter": self.inter.to_json(),
+            "sources": dict(self.sources),
+        }
 
     @classmethod
     def from_json(cls, data: object, where: str) -> Hardware:
@@ -260,11 +291,15 @@ def load(name_or_path: str | os.PathLike[str]) -> Hardware:
         return parse(preset.read_text(encoding="utf-8"), f"preset {name_or_path} ({preset})")
     path = Path(name_or_path)
     if not path.is_file() and (path.suffix == ".json" or len(path.parts) > 1):  # meant as a file
-        raise ValueError(f"{str(name_or_path)!r}: no such file (a hardware description is a JSON file written like "
-                         f"the presets; or name one of {', '.join(PRESETS)})")  # fmt: skip
+        raise ValueError(
+            f"{str(name_or_path)!r}: no such file (a hardware description is a JSON file written like "
+            f"the presets; or name one of {', '.join(PRESETS)})"
+        )
     if not path.is_file():
-        raise ValueError(f"{str(name_or_path)!r} is neither a preset nor a hardware description file: name one of "
-                         f"{', '.join(PRESETS)}, or the path of a JSON file written like them")  # fmt: skip
+        raise ValueError(
+            f"{str(name_or_path)!r} is neither a preset nor a hardware description file: name one of "
+            f"{', '.join(PRESETS)}, or the path of a JSON file written like them"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:

@@ -43,9 +43,24 @@ from pipeengine.planner.cluster import collectives
 from pipeengine.planner.cluster.costs import Op
 from pipeengine.planner.cluster.hardware import Hardware
 
-__all__ = ["PIPEENGINE", "Layout", "Model", "Parts", "Price", "Runtime", "Transformer", "check", "estimate",
-           "phase_seconds", "price", "rank_stages", "readable_bytes", "schedule_of", "state_per_parameter",
-           "sync_seconds"]
+__all__ = [
+    "PIPEENGINE",
+    "Layout",
+    "Model",
+    "Parts",
+    "Price",
+    "Runtime",
+    "Transformer",
+    "check",
+    "estimate",
+    "phase_seconds",
+    "price",
+    "rank_stages",
+    "readable_bytes",
+    "schedule_of",
+    "state_per_parameter",
+    "sync_seconds",
+]
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # Megatron-LM's two (Narayanan et al. 2021), zero-bubble's
 SPLIT = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"})  # a backward split into I, then W
@@ -141,11 +156,15 @@ class Transformer:
         """Tensor parallelism inside a node and dividing the heads; pp x chunks dividing the layers."""
         t, p, v = layout.tp, layout.pp, layout.chunks
         if t > hw.devices_per_node or hw.devices_per_node % t or self.heads % t:
-            raise ValueError(f"tp={t}: tensor parallelism stays inside a node of {hw.devices_per_node} devices and "
-                             f"divides the {self.heads} heads: use a tp dividing both")  # fmt: skip
+            raise ValueError(
+                f"tp={t}: tensor parallelism stays inside a node of {hw.devices_per_node} devices and "
+                f"divides the {self.heads} heads: use a tp dividing both"
+            )
         if self.layers % (p * v):
-            raise ValueError(f"pp={p} x chunks={v} does not divide the {self.layers} layers: every stage holds whole "
-                             "layers, the same number each")  # fmt: skip
+            raise ValueError(
+                f"pp={p} x chunks={v} does not divide the {self.layers} layers: every stage holds whole "
+                "layers, the same number each"
+            )
 
     def parts(self, layout: Layout, hw: Hardware, dtype: str, runtime: Runtime, exact: bool = True) -> Parts:
         del exact  # the memory is a formula: exact either way
@@ -249,8 +268,9 @@ def state_per_parameter(layout: Layout) -> float:
     return 4 + 12 / layout.dp if layout.fsdp else 16.0
 
 
-def sync_seconds(params_device: float, dtype_bytes: int, layout: Layout, hw: Hardware, runtime: Runtime,
-          backward: list[float]) -> tuple[float, float]:  # fmt: skip
+def sync_seconds(
+    params_device: float, dtype_bytes: int, layout: Layout, hw: Hardware, runtime: Runtime, backward: list[float]
+) -> tuple[float, float]:
     """Seconds of the replicas' gradient sync (FSDP: the weights' all-gather and the gradients' reduce-scatter) and
     of the optimizer, for a device holding ``params_device`` parameters of the stages whose backward of one
     micro-batch take ``backward`` seconds."""
@@ -279,12 +299,28 @@ def _priced(model: Model, layout: Layout, hw: Hardware, dtype: str, parts: Parts
     step = pipeline + parts.replicas + parts.optimizer
     global_batch = layout.micro_batch * layout.num_microbatches * layout.dp
     flops = model.flops_per_step(global_batch) / step / layout.devices
-    refused = f"needs {readable_bytes(parts.peak_bytes)} a device, the device has {readable_bytes(hw.memory_bytes)}" \
-        if parts.peak_bytes > hw.memory_bytes else ""  # fmt: skip
-    shares = {"pipeline": pipeline, "data-parallel sync": parts.replicas, "optimizer": parts.optimizer,
-              "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces}  # fmt: skip
-    return Price(layout, step, global_batch * model.seq / step, flops / 1e12, flops / hw.peak_flops[dtype],
-                 parts.peak_bytes, shares, refused, parts.partition)  # fmt: skip
+    refused = (
+        f"needs {readable_bytes(parts.peak_bytes)} a device, the device has {readable_bytes(hw.memory_bytes)}"
+        if parts.peak_bytes > hw.memory_bytes
+        else ""
+    )
+    shares = {
+        "pipeline": pipeline,
+        "data-parallel sync": parts.replicas,
+        "optimizer": parts.optimizer,
+        "tensor-parallel all-reduces": layout.num_microbatches * parts.tp_all_reduces,
+    }
+    return Price(
+        layout,
+        step,
+        global_batch * model.seq / step,
+        flops / 1e12,
+        flops / hw.peak_flops[dtype],
+        parts.peak_bytes,
+        shares,
+        refused,
+        parts.partition,
+    )
 
 
 def readable_bytes(nbytes: float) -> str:
@@ -298,8 +334,10 @@ def check(model: Model, layout: Layout, hw: Hardware) -> None:
     its layers)."""
     p, v, m = layout.pp, layout.chunks, layout.num_microbatches
     if layout.schedule not in SCHEDULES:
-        raise ValueError(f"schedule {layout.schedule!r} is not priced on clusters (its memory is not modelled here): "
-                         f"use one of {', '.join(SCHEDULES)}")  # fmt: skip
+        raise ValueError(
+            f"schedule {layout.schedule!r} is not priced on clusters (its memory is not modelled here): "
+            f"use one of {', '.join(SCHEDULES)}"
+        )
     model.check(layout, hw)
     wanted = {"zb-v": 2, "1f1b": 1, "zb-h1": 1}.get(layout.schedule)
     if wanted is not None and v != wanted:
@@ -308,8 +346,7 @@ def check(model: Model, layout: Layout, hw: Hardware) -> None:
         raise ValueError(f"interleaved: {m} micro-batches is not a multiple of pp={p} (Megatron-LM's rule)")
 
 
-def price(model: Model, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
-          ) -> Price:  # fmt: skip
+def price(model: Model, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE) -> Price:
     """The layout's step time and memory per device (the module's docstring says how): the schedule replayed."""
     from schedules import Costs
     from schedules.sim.simulation import summarize
@@ -321,14 +358,14 @@ def price(model: Model, layout: Layout, hw: Hardware, dtype: str = "fp16", runti
     else:
         schedule = schedule_of(layout.schedule, p, m, v)
         inputs = [b_ - w for b_, w in zip(parts.backward, parts.weight, strict=True)]  # a split backward's I, then W
-        costs = Costs(forward=parts.forward, backward=parts.backward, backward_input=inputs,
-                      backward_weight=parts.weight)  # each schedule runs B whole, or I and W apart
+        costs = Costs(
+            forward=parts.forward, backward=parts.backward, backward_input=inputs, backward_weight=parts.weight
+        )  # each schedule runs B whole, or I and W apart
         pipeline = summarize(schedule, costs).makespan
     return _priced(model, layout, hw, dtype, parts, pipeline)
 
 
-def estimate(model: Model, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE
-             ) -> Price:  # fmt: skip
+def estimate(model: Model, layout: Layout, hw: Hardware, dtype: str = "fp16", runtime: Runtime = PIPEENGINE) -> Price:
     """``price`` with the pipeline's bubble from a formula instead of the replay, what the search prunes by: for
     1F1B and interleaved, (m + (p - 1) / v) slots of the slowest stage's forward and backward (Narayanan et al. 2021,
     section 2.2); for a split backward, m slots and (p - 1) (F + I - W) of a stage (Qi et al. 2024, ZB-H1's
@@ -368,4 +405,3 @@ def _memory(model: Transformer, layout: Layout, activation: float) -> float:
     else:
         kept = in_flight * per_stage * whole_block
     return state + kept
-

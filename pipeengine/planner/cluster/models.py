@@ -35,8 +35,9 @@ def load_config(path: str | os.PathLike[str]) -> Any:
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not JSON ({error}): give a Hugging Face config.json") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"{path} names no model_type: give a Hugging Face config.json (e.g. a model's, from its hub "
-                         "page)")  # fmt: skip
+        raise ValueError(
+            f"{path} names no model_type: give a Hugging Face config.json (e.g. a model's, from its hub page)"
+        )
     kind = data.pop("model_type")
     return AutoConfig.for_model(kind, **data)
 
@@ -74,8 +75,11 @@ def from_config(config: Any, seq: int) -> Transformer:
         with torch.device("meta"):
             hidden = torch.empty(micro_batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
             positions = torch.arange(seq)[None]
-            kwargs = {"attention_mask": None, "position_embeddings": inner.rotary_emb(hidden, positions)} \
-                if hasattr(inner, "rotary_emb") else {"attention_mask": None}  # fmt: skip
+            kwargs = (
+                {"attention_mask": None, "position_embeddings": inner.rotary_emb(hidden, positions)}
+                if hasattr(inner, "rotary_emb")
+                else {"attention_mask": None}
+            )
         return trace(inner.layers[0], hidden, example_kwargs=kwargs)
 
     @functools.cache
@@ -91,8 +95,18 @@ def from_config(config: Any, seq: int) -> Transformer:
     parameters = float(sum(p.numel() for p in whole.parameters()))
     layers, hidden = config.num_hidden_layers, config.hidden_size
     flops = 6 * parameters * seq + 12 * layers * hidden * seq * seq
-    return Transformer(layers, hidden, config.num_attention_heads, seq, config.vocab_size, parameters, block_ops,
-                       head_ops, flops_per_sequence=flops, fused_attention=True)  # fmt: skip  # traced fused
+    return Transformer(
+        layers,
+        hidden,
+        config.num_attention_heads,
+        seq,
+        config.vocab_size,
+        parameters,
+        block_ops,
+        head_ops,
+        flops_per_sequence=flops,
+        fused_attention=True,
+    )  # traced fused
 
 
 class _Ends(nn.Module):

@@ -51,11 +51,15 @@ class ClusterPlan:
     def best(self) -> Price:
         if not self.rows:
             if self.closest is not None:
-                raise ValueError(f"no layout of the {self.considered} considered fits; the one needing the least "
-                                 f"memory, {self.closest.layout.describe()}, {self.closest.refused}: give the devices "
-                                 "more memory, or more devices")  # fmt: skip
-            raise ValueError(f"no layout of the {self.considered} considered can run: "
-                             f"{next(iter(self.refused.values()), 'none was possible')}")  # fmt: skip
+                raise ValueError(
+                    f"no layout of the {self.considered} considered fits; the one needing the least "
+                    f"memory, {self.closest.layout.describe()}, {self.closest.refused}: give the devices "
+                    "more memory, or more devices"
+                )
+            raise ValueError(
+                f"no layout of the {self.considered} considered can run: "
+                f"{next(iter(self.refused.values()), 'none was possible')}"
+            )
         return self.rows[0]
 
 
@@ -66,9 +70,16 @@ def _divisors(n: int, at_most: int | None = None) -> list[int]:
 CHOICES = {"always": (True,), "never": (False,), "search": (True, False)}
 
 
-def candidates(model: Model, devices: int, hw: Hardware, global_batch: int, recompute: str = "search",
-               max_micro_batch: int | None = None, schedules: tuple[str, ...] = SCHEDULES, fsdp: str = "search"
-               ) -> list[Layout]:  # fmt: skip
+def candidates(
+    model: Model,
+    devices: int,
+    hw: Hardware,
+    global_batch: int,
+    recompute: str = "search",
+    max_micro_batch: int | None = None,
+    schedules: tuple[str, ...] = SCHEDULES,
+    fsdp: str = "search",
+) -> list[Layout]:
     """Every layout the module docstring lists: the devices and the global batch split whole, and each layout one
     that ``layout.check`` (the rules a fixed layout is held to: one set of rules) lets through."""
     for name, value in (("recompute", recompute), ("fsdp", fsdp)):
@@ -119,10 +130,20 @@ def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
     return found
 
 
-def search(model: Model, devices: int, hw: Hardware, global_batch: int, *, recompute: str = "search",
-           dtype: str = "fp16", replayed: int = 3, max_micro_batch: int | None = None,
-           schedules: tuple[str, ...] = SCHEDULES, runtime: Runtime = PIPEENGINE, fsdp: str = "search"
-           ) -> ClusterPlan:  # fmt: skip
+def search(
+    model: Model,
+    devices: int,
+    hw: Hardware,
+    global_batch: int,
+    *,
+    recompute: str = "search",
+    dtype: str = "fp16",
+    replayed: int = 3,
+    max_micro_batch: int | None = None,
+    schedules: tuple[str, ...] = SCHEDULES,
+    runtime: Runtime = PIPEENGINE,
+    fsdp: str = "search",
+) -> ClusterPlan:
     """The fastest layouts of ``model`` on ``devices`` devices of ``hw`` for ``global_batch`` sequences a step, as
     ``runtime`` runs them."""
     started = time.perf_counter()
@@ -131,8 +152,10 @@ def search(model: Model, devices: int, hw: Hardware, global_batch: int, *, recom
     layouts = candidates(model, devices, hw, global_batch, recompute, max_micro_batch, schedules, fsdp)
     if not layouts:
         heads = f"{model.heads} heads, " if isinstance(model, Transformer) else ""
-        raise ValueError(f"no layout of {devices} devices ({hw.devices_per_node} a node) splits {model.layers} layers, "
-                         f"{heads}and a global batch of {global_batch}: change one of them")  # fmt: skip
+        raise ValueError(
+            f"no layout of {devices} devices ({hw.devices_per_node} a node) splits {model.layers} layers, "
+            f"{heads}and a global batch of {global_batch}: change one of them"
+        )
     refused: dict[str, str] = {}
     fitting: list[Price] = []
     closest: Price | None = None

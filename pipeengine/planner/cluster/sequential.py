@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Sequential"]
 
+
 class _Layer:
     """One layer at one micro-batch size: its ops, the bytes it takes in, sends on and saves for its backward."""
 
@@ -79,8 +80,9 @@ class Sequential:
     """An ``nn.Sequential`` described for the cluster planner (the module's docstring): ``seq`` tokens a sample
     (what tokens/s counts; 1 counts samples), ``dtype`` the precision it trains in."""
 
-    def __init__(self, model: nn.Sequential, sample: torch.Tensor | Tensors, seq: int,
-                 dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    def __init__(
+        self, model: nn.Sequential, sample: torch.Tensor | Tensors, seq: int, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"Sequential plans an nn.Sequential, got a {type(model).__name__}: wrap its layers in one")
         if not len(model):
@@ -91,11 +93,14 @@ class Sequential:
             raise ValueError(f"seq={seq}: tokens a sample, 1 or more (1 counts samples)")
         tokens = unpack(sample)[0]
         if not tokens.is_floating_point() and tokens.dim() >= 2 and tokens.shape[1] != seq:
-            raise ValueError(f"seq={seq}, but the sample's sequences are {tokens.shape[1]} tokens (its second "
-                             f"dimension): give seq={tokens.shape[1]}, or a sample of {seq} tokens")  # fmt: skip
+            raise ValueError(
+                f"seq={seq}, but the sample's sequences are {tokens.shape[1]} tokens (its second "
+                f"dimension): give seq={tokens.shape[1]}, or a sample of {seq} tokens"
+            )
         self._layers = [meta_copy(layer).to(dtype) for layer in model]
-        self._sample = map_tensors(sample, lambda t: torch.empty(t.shape[1:], dtype=dtype if t.is_floating_point()
-                                                                 else t.dtype, device="meta"))  # fmt: skip
+        self._sample = map_tensors(
+            sample, lambda t: torch.empty(t.shape[1:], dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+        )
         self.layers, self.seq = len(model), seq
         self.dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self._owned = [{id(p): float(p.numel()) for p in layer.parameters()} for layer in model]  # tied: one id
@@ -119,8 +124,10 @@ class Sequential:
             try:
                 found = self._traced(micro_batch)
             except (RuntimeError, ValueError) as error:
-                raise ValueError(f"micro_batch={micro_batch}: the model fails at this size on the meta device "
-                                 f"({type(error).__name__}: {error})") from error  # fmt: skip
+                raise ValueError(
+                    f"micro_batch={micro_batch}: the model fails at this size on the meta device "
+                    f"({type(error).__name__}: {error})"
+                ) from error
             self._profiles[micro_batch] = found
         return found
 
@@ -135,8 +142,13 @@ class Sequential:
         for index, layer in enumerate(self._layers):
             first = index == 0
             grad = map_tensors(value, functools.partial(_leaf, first=first))
-            key = (type(layer), repr(layer), tuple((tuple(p.shape), p.dtype) for p in layer.parameters()), first,
-                   tuple((tuple(t.shape), t.dtype) for t in unpack(value)))  # fmt: skip
+            key = (
+                type(layer),
+                repr(layer),
+                tuple((tuple(p.shape), p.dtype) for p in layer.parameters()),
+                first,
+                tuple((tuple(t.shape), t.dtype) for t in unpack(value)),
+            )
             if key not in alike:
                 ops = trace(layer, grad)
                 with fused_attention():  # what a GPU saves: no score matrix (as trace prices the time)
@@ -152,12 +164,16 @@ class Sequential:
         """What this description can price: tp=1, and pp x chunks stages of one layer or more."""
         del hw
         if layout.tp != 1:
-            raise ValueError(f"tp={layout.tp}: a generic nn.Sequential is priced without tensor parallelism on "
-                             "clusters (its tp_plan's shards are not traced): use tp=1, or describe a transformer by "
-                             "its Hugging Face config.json to price every tp")  # fmt: skip
+            raise ValueError(
+                f"tp={layout.tp}: a generic nn.Sequential is priced without tensor parallelism on "
+                "clusters (its tp_plan's shards are not traced): use tp=1, or describe a transformer by "
+                "its Hugging Face config.json to price every tp"
+            )
         if layout.pp * layout.chunks > self.layers:
-            raise ValueError(f"pp={layout.pp} x chunks={layout.chunks} stages, but the model has {self.layers} "
-                             "layers: every stage holds one layer or more")  # fmt: skip
+            raise ValueError(
+                f"pp={layout.pp} x chunks={layout.chunks} stages, but the model has {self.layers} "
+                "layers: every stage holds one layer or more"
+            )
 
     def _seconds_of(self, micro_batch: int, hw: Hardware, dtype: str) -> list[dict[str, float]]:
         key = (micro_batch, repr(hw), dtype)
@@ -199,10 +215,13 @@ class Sequential:
         outputs = [rows[hi - 1].output_bytes for _, hi in bounds]
         if p > 1:  # each exchange holds its stage until done, as the transformer's pricing has it
             link = collectives.group_link(hw, p, 1)
-            forward = [f + collectives.send_recv(outputs[s] if s < stages - 1 else inputs[s], link)
-                       for s, f in enumerate(forward)]  # fmt: skip
-            backward = [b_ + collectives.send_recv(inputs[s] if s else outputs[s], link)
-                        for s, b_ in enumerate(backward)]  # fmt: skip
+            forward = [
+                f + collectives.send_recv(outputs[s] if s < stages - 1 else inputs[s], link)
+                for s, f in enumerate(forward)
+            ]
+            backward = [
+                b_ + collectives.send_recv(inputs[s] if s else outputs[s], link) for s, b_ in enumerate(backward)
+            ]
         ranks = rank_stages(layout)
         per = state_per_parameter(layout)
         state = [self._parameters(i for s in mine for i in range(*bounds[s])) * per for mine in ranks]
@@ -222,8 +241,16 @@ class Sequential:
 
         if layout.pp == 1:  # one rank runs its micro-batches one after another: one held at a time
             return [max(i + s if layout.recompute else s for i, s in zip(inputs, saved, strict=True))]
-        key = (layout.schedule, layout.pp, layout.num_microbatches, layout.chunks, layout.micro_batch,
-               layout.recompute, tuple(inputs), tuple(saved))  # fmt: skip
+        key = (
+            layout.schedule,
+            layout.pp,
+            layout.num_microbatches,
+            layout.chunks,
+            layout.micro_batch,
+            layout.recompute,
+            tuple(inputs),
+            tuple(saved),
+        )
         found = self._held.get(key)
         if found is None:
             if layout.recompute:
