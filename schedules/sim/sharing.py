@@ -23,19 +23,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+
+from schedules.sim.entries import Entry
 
 __all__ = ["shared"]
 
 _EPSILON = 1e-12
+_INFINITY = float("inf")
 
 
 def shared(
-    programs: Sequence[Sequence[Any]],
+    programs: Sequence[Sequence[Entry]],
     processors: float,
-    ready: Callable[[Any, float], float | None],
-    done: Callable[[Any, float], None],
-    post: Callable[[Any, float], None],
+    ready: Callable[[Entry, float], float | None],
+    done: Callable[[Entry, float], None],
+    post: Callable[[Entry, float], None],
     stuck: Callable[[list[tuple[int, int]]], Exception],
     ended: dict[tuple[int, int], float] | None = None,
     wake: Sequence[tuple[float, float]] = (),
@@ -49,87 +51,117 @@ def shared(
     compute ended; ``post(entry, at)``: communication posted; ``stuck(waits)``: the error to raise when no rank can
     go on ((rank, pc) of each waiting). ``wake``: the delay of a compute woken by its input while other work runs, by
     the mean price of that work (module docstring)."""
-    ranks, infinity = len(programs), float("inf")
-    times: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]
-    pcs, free, began = [0] * ranks, [0.0] * ranks, [0.0] * ranks
-    # a running compute ends when the work clock (the work each running compute has done since 0: all run at one
-    # rate) reaches its mark; an idle rank's next compute starts at its time once known (known, it stays)
-    mark: list[float | None] = [None] * ranks
-    hold: list[float | None] = [None] * ranks  # a compute past its work, waiting on other ranks until then
-    start: list[float | None] = [None] * ranks
-    queued: list[deque[int]] = [deque() for _ in range(ranks)]  # each rank's asynchronous collectives waiting
-    channel: list[float | None] = [None] * ranks  # the work mark of the one running
-    carrying = [0] * ranks  # which one that is
-    ended = ended if ended is not None else {}
-    work = now = 0.0
-    running, changed = 0, True
-    woken = [False] * ranks  # its next compute waits for an input: woken by it, unless it is there first
+    replay = _Replay(programs, processors, ready, done, post, ended if ended is not None else {}, wake)
+    while True:  # each turn: who can start, then the next event, then what ended at it
+        if replay.changed:
+            replay.start_idle()
+        first, lowest = replay.next_events()
+        rate = processors / replay.running if replay.running > processors else 1.0
+        finish = replay.now + (lowest - replay.work) / rate if replay.running else _INFINITY
+        if first == finish == _INFINITY:
+            waiting = [(r, replay.pcs[r]) for r in range(len(programs)) if replay.pcs[r] < len(programs[r])]
+            if waiting:
+                raise stuck(waiting)
+            return replay.times
+        replay.advance(finish if finish < first else first, rate, lowest, first)
 
-    def begin(rank: int) -> None:
-        """The rank's next action starts now: its work runs from this work clock."""
-        nonlocal running
-        entry = programs[rank][pcs[rank]]
-        mark[rank] = work + (entry.host if entry.kind is None else entry.price - entry.hold)
-        began[rank], start[rank], woken[rank] = now, None, False
-        running += 1
 
-    def late() -> float:
-        """The delay of a compute woken now, behind what runs (its mean price)."""
-        total = 0.0
-        for r in range(ranks):
-            if mark[r] is not None:
-                entry = programs[r][pcs[r]]
-                total += entry.host if entry.kind is None else entry.price
-            if channel[r] is not None:
-                total += programs[r][carrying[r]][2]
-        return delay(wake, total / running)
+class _Replay:
+    """The replay's state, rank by rank. A running compute ends when the work clock (the work each running compute
+    has done since 0: all run at one rate) reaches its mark; an idle rank's next compute starts at its time once known
+    (known, it stays)."""
 
-    def next_collective(rank: int) -> None:
-        """The rank's channel takes up the next queued collective, if any, from now."""
-        nonlocal running
-        if queued[rank]:
-            carrying[rank] = queued[rank].popleft()
-            channel[rank] = work + programs[rank][carrying[rank]][2]
-            running += 1
+    __slots__ = (
+        "programs",
+        "ready",
+        "done",
+        "post",
+        "ended",
+        "wake",
+        "ranks",
+        "times",
+        "pcs",
+        "free",
+        "began",
+        "mark",
+        "hold",
+        "start",
+        "queued",
+        "channel",
+        "carrying",
+        "woken",
+        "work",
+        "now",
+        "running",
+        "changed",
+    )
 
-    def posted(rank: int, index: int, at: float) -> None:
-        """Communication posted at ``at``: an asynchronous collective queues on its rank's channel, and starts now if
-        the channel is idle."""
-        entry = programs[rank][index]
-        post(entry, at)
-        if entry.price > 0 and not entry.hold:
-            queued[rank].append(index)
-            if channel[rank] is None:
-                next_collective(rank)
+    def __init__(
+        self,
+        programs: Sequence[Sequence[Entry]],
+        processors: float,
+        ready: Callable[[Entry, float], float | None],
+        done: Callable[[Entry, float], None],
+        post: Callable[[Entry, float], None],
+        ended: dict[tuple[int, int], float],
+        wake: Sequence[tuple[float, float]],
+    ) -> None:
+        ranks = len(programs)
+        self.programs, self.ready, self.done, self.post, self.ended, self.wake = (
+            programs,
+            ready,
+            done,
+            post,
+            ended,
+            wake,
+        )
+        self.ranks = range(ranks)
+        self.times: list[list[tuple[float, float]]] = [[] for _ in self.ranks]
+        self.pcs, self.free, self.began = [0] * ranks, [0.0] * ranks, [0.0] * ranks
+        self.mark: list[float | None] = [None] * ranks
+        self.hold: list[float | None] = [None] * ranks  # a compute past its work, waiting on other ranks until then
+        self.start: list[float | None] = [None] * ranks
+        self.queued: list[deque[int]] = [deque() for _ in self.ranks]  # each rank's asynchronous collectives waiting
+        self.channel: list[float | None] = [None] * ranks  # the work mark of the one running
+        self.carrying = [0] * ranks  # which one that is
+        self.woken = [False] * ranks  # its next compute waits for an input: woken by it, unless it is there first
+        self.work = self.now = 0.0
+        self.running, self.changed = 0, True
 
-    while True:
-        if changed:  # a rank went idle: its posts first (a compute's input may be one posted now), then who can start
-            for rank in range(ranks):
-                if mark[rank] is None and hold[rank] is None and start[rank] is None:
-                    program, pc = programs[rank], pcs[rank]
-                    while pc < len(program) and program[pc][0] is None and not program[pc][7] and not program[pc][8]:
-                        posted(rank, pc, free[rank])
-                        times[rank].append((free[rank], free[rank]))
-                        pc += 1
-                    pcs[rank] = pc
-            for rank in range(ranks):
-                idle = mark[rank] is None and hold[rank] is None and start[rank] is None
-                if idle and pcs[rank] < len(programs[rank]):
-                    entry = programs[rank][pcs[rank]]
-                    at = free[rank] if entry.kind is None else ready(entry, free[rank])
-                    if at is not None:
-                        start[rank] = at if at > now else now
-                        woken[rank] = bool(wake) and entry.kind is not None and at > free[rank]
-            changed = False
-        first = lowest = infinity
+    def start_idle(self) -> None:
+        """A rank went idle: its posts first (a compute's input may be one posted now), then who can start."""
+        programs, pcs, free, mark, hold, start = self.programs, self.pcs, self.free, self.mark, self.hold, self.start
+        for rank in self.ranks:
+            if mark[rank] is None and hold[rank] is None and start[rank] is None:
+                program, pc = programs[rank], pcs[rank]
+                while pc < len(program) and program[pc].kind is None and not program[pc].host and not program[pc].hold:
+                    self.posted(rank, pc, free[rank])
+                    self.times[rank].append((free[rank], free[rank]))
+                    pc += 1
+                pcs[rank] = pc
+        now, wake = self.now, bool(self.wake)
+        for rank in self.ranks:
+            if mark[rank] is None and hold[rank] is None and start[rank] is None and pcs[rank] < len(programs[rank]):
+                entry = programs[rank][pcs[rank]]
+                at = free[rank] if entry.kind is None else self.ready(entry, free[rank])
+                if at is not None:
+                    start[rank] = at if at > now else now
+                    self.woken[rank] = wake and entry.kind is not None and at > free[rank]
+        self.changed = False
+
+    def next_events(self) -> tuple[float, float]:
+        """Start the computes due now (a woken one behind the work running, if any); the next start or hold's end
+        after now (in time), and the next work mark (on the work clock)."""
+        start, mark, hold, channel, woken, now = self.start, self.mark, self.hold, self.channel, self.woken, self.now
+        first = lowest = _INFINITY
         due: list[int] | None = None  # woken computes due now: they start once the others due now have
-        for rank in range(ranks):  # a compute due now starts (at this work clock); the next event after now
+        for rank in self.ranks:
             at = start[rank]
             if at is not None:
                 if at <= now and woken[rank]:
                     due = [rank] if due is None else [*due, rank]
                 elif at <= now:
-                    begin(rank)
+                    self.begin(rank)
                 elif at < first:
                     first = at
             end, held = mark[rank], hold[rank]
@@ -141,52 +173,87 @@ def shared(
             if end is not None and end < lowest:
                 lowest = end
         if due:  # behind the work running now, if any
-            behind = late() if running else 0.0
+            behind = self.late() if self.running else 0.0
             for rank in due:
                 woken[rank] = False
                 if behind > 0:
                     start[rank] = now + behind
                     first = min(first, now + behind)
                 else:
-                    begin(rank)
+                    self.begin(rank)
                     end = mark[rank]
                     if end is not None and end < lowest:
                         lowest = end
-        rate = processors / running if running > processors else 1.0
-        finish = now + (lowest - work) / rate if running else infinity
-        if first == finish == infinity:
-            waiting = [(r, pcs[r]) for r in range(ranks) if pcs[r] < len(programs[r])]
-            if waiting:
-                raise stuck(waiting)
-            return times
-        then = finish if finish < first else first
-        work += (then - now) * rate
-        now = then
-        reached = work + _EPSILON * (1.0 + work)  # a mark at or below it is done
-        if lowest <= reached or first <= now:  # something ended (a hold ends at or before now: first <= now)
-            for rank in range(ranks):
-                end = channel[rank]
-                if end is not None and end <= reached:  # its collective is done: the next
-                    ended[rank, carrying[rank]], channel[rank], running = now, None, running - 1
-                    next_collective(rank)
-                end, held = mark[rank], hold[rank]
-                if end is not None and end <= reached:  # its work is done
-                    mark[rank], running = None, running - 1
-                    wait = programs[rank][pcs[rank]][8]
-                    if wait > 0:
-                        hold[rank] = now + wait
-                        continue
-                elif held is None or held > now:
+        return first, lowest
+
+    def advance(self, then: float, rate: float, lowest: float, first: float) -> None:
+        """The clocks move to ``then``; each action whose work (or hold) is done ends, and each collective whose is."""
+        self.work += (then - self.now) * rate
+        self.now = now = then
+        reached = self.work + _EPSILON * (1.0 + self.work)  # a mark at or below it is done
+        if not (lowest <= reached or first <= now):  # nothing ended (a hold ends at or before now: first <= now)
+            return
+        programs, pcs, mark, hold, channel = self.programs, self.pcs, self.mark, self.hold, self.channel
+        for rank in self.ranks:
+            end = channel[rank]
+            if end is not None and end <= reached:  # its collective is done: the next
+                self.ended[rank, self.carrying[rank]], channel[rank] = now, None
+                self.running -= 1
+                self.next_collective(rank)
+            end, held = mark[rank], hold[rank]
+            if end is not None and end <= reached:  # its work is done
+                mark[rank] = None
+                self.running -= 1
+                wait = programs[rank][pcs[rank]].hold
+                if wait > 0:
+                    hold[rank] = now + wait
                     continue
-                entry = programs[rank][pcs[rank]]
-                if entry.kind is None:
-                    posted(rank, pcs[rank], now)
-                else:
-                    done(entry, now)
-                times[rank].append((began[rank], now))
-                pcs[rank] += 1
-                free[rank], hold[rank] = now, None
-                changed = True
+            elif held is None or held > now:
+                continue
+            entry = programs[rank][pcs[rank]]
+            if entry.kind is None:
+                self.posted(rank, pcs[rank], now)
+            else:
+                self.done(entry, now)
+            self.times[rank].append((self.began[rank], now))
+            pcs[rank] += 1
+            self.free[rank], hold[rank] = now, None
+            self.changed = True
+
+    def begin(self, rank: int) -> None:
+        """The rank's next action starts now: its work runs from this work clock."""
+        entry = self.programs[rank][self.pcs[rank]]
+        self.mark[rank] = self.work + (entry.host if entry.kind is None else entry.price - entry.hold)
+        self.began[rank], self.start[rank], self.woken[rank] = self.now, None, False
+        self.running += 1
+
+    def late(self) -> float:
+        """The delay of a compute woken now, behind what runs (its mean price)."""
+        total = 0.0
+        for r in self.ranks:
+            if self.mark[r] is not None:
+                entry = self.programs[r][self.pcs[r]]
+                total += entry.host if entry.kind is None else entry.price
+            if self.channel[r] is not None:
+                total += self.programs[r][self.carrying[r]].price
+        return delay(self.wake, total / self.running)
+
+    def next_collective(self, rank: int) -> None:
+        """The rank's channel takes up the next queued collective, if any, from now."""
+        if self.queued[rank]:
+            self.carrying[rank] = self.queued[rank].popleft()
+            self.channel[rank] = self.work + self.programs[rank][self.carrying[rank]].price
+            self.running += 1
+
+    def posted(self, rank: int, index: int, at: float) -> None:
+        """Communication posted at ``at``: an asynchronous collective queues on its rank's channel, and starts now if
+        the channel is idle."""
+        entry = self.programs[rank][index]
+        self.post(entry, at)
+        if entry.price > 0 and not entry.hold:
+            self.queued[rank].append(index)
+            if self.channel[rank] is None:
+                self.next_collective(rank)
 
 
 def delay(points: Sequence[tuple[float, float]], size: float) -> float:
