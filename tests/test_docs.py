@@ -21,6 +21,7 @@ import pytest
 
 from pipeengine import launch
 from tests.docs_blocks import CONTEXTS, ROOT, Block, every_block, finetuned, pages
+from tests.pipeengine.ranks import on_ranks
 
 BLOCKS = [block for block in every_block() if block.language in ("python", "bash")]
 SKIPS = {  # each block not run, by page: the reason is in the page
@@ -118,11 +119,12 @@ def test_a_fragment_runs_on_two_in_process_ranks(block: Block, tmp_path: Path, m
 
 
 @pytest.mark.timeout(180)
+@on_ranks(2, timeout=120)
 def test_the_tensor_parallel_and_fsdp_fragments_run_on_two_gloo_ranks(tmp_path: Path) -> None:
     """DTensor and FSDP2 need torch.distributed: one launch of real ranks runs them all, one after another."""
     codes = [block.code for block in of("in") if block.directive == "in gloo"]
     assert len(codes) >= 2
-    launch(run_fragments, 2, args=(codes, "gloo", str(tmp_path)), timeout=120)
+    run_fragments(codes, "gloo", str(tmp_path))
 
 
 def test_generating_from_a_finetuned_folder_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -346,6 +346,39 @@ def test_every_launched_function_is_defined_in_the_test_file_that_launches_it() 
     assert not wrong, "\n".join(wrong)
 
 
+PATCHING = {"monkeypatch", "capsys", "capfd"}  # fixtures that change the pytest process a launch runs from
+
+
+def test_a_test_that_only_launches_its_body_runs_it_under_on_ranks() -> None:
+    """A test whose one launch, its last statement, runs a function of its file outside pytest.raises (and patches
+    nothing of the pytest process around it) is what tests.pipeengine.ranks.on_ranks is for: its body under the
+    decorator, one test, one function. launch stays where the launch is what is tested (its error), where a test
+    launches several worlds, or works on a world's output after it."""
+    wrong = []
+    for path in modules_with_tests():
+        tree = ast.parse(path.read_text())
+        top = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        for test in tree.body:
+            if not (isinstance(test, ast.FunctionDef) and test.name.startswith("test_")):
+                continue
+            launches = [fn for _, fn in launched(test)]
+            last = test.body[-1]
+            only_last = (
+                len(launches) == 1
+                and isinstance(last, ast.Expr)
+                and isinstance(last.value, ast.Call)
+                and ast.unparse(last.value.func) in ("launch", "pipeengine.launch")
+            )
+            if (
+                only_last
+                and isinstance(launches[0], ast.Name)
+                and launches[0].id in top
+                and not PATCHING & {argument.arg for argument in test.args.args}
+            ):
+                wrong.append(f"{path.relative_to(ROOT)}::{test.name} launches {launches[0].id}: use @on_ranks")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_module_of_the_tests_imports_a_test_module() -> None:
     """Shared helpers (models, ranks, the parity module) are helper modules; a test module imports them, never
     another test module (nor does a helper)."""

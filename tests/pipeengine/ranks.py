@@ -36,12 +36,14 @@ def barrier() -> None:
     world().barrier("a test's barrier")
 
 
-def on_ranks(n: int, *, timeout: float = 120.0, in_process: bool = False) -> Callable[[Test], Test]:
+def on_ranks(
+    n: int, *, timeout: float = 120.0, in_process: bool = False, device: str | None = None
+) -> Callable[[Test], Test]:
     """Run the decorated test's own body on each of ``n`` ranks, as torch's MultiProcessTestCase runs a test method:
-    pytest calls the test here, which launches its body (real gloo processes, or ``in_process`` threads) with the
-    fixtures and parameters pytest gave it; a failure on any rank fails the test, naming the rank that caused it
-    (pipeengine.launch). The body is the function under the decorator, in its test file, reached on each rank by
-    its module and name::
+    pytest calls the test here, which launches its body (real gloo processes, or ``in_process`` threads; ``device``:
+    launch's, "cuda" for a GPU each) with the fixtures and parameters pytest gave it; a failure on any rank fails the
+    test, naming the rank that caused it (pipeengine.launch). The body is the function under the decorator, in its
+    test file, reached on each rank by its module and name::
 
         @on_ranks(2)
         def test_two_ranks_agree(tmp_path: Path) -> None:
@@ -53,9 +55,8 @@ def on_ranks(n: int, *, timeout: float = 120.0, in_process: bool = False) -> Cal
         def test(*args: Any, **kwargs: Any) -> None:
             from pipeengine import launch
 
-            launch(
-                _body, n, args=(body.__module__, body.__name__, args, kwargs), timeout=timeout, in_process=in_process
-            )
+            where = (body.__module__, body.__name__, args, kwargs)
+            launch(_body, n, args=where, timeout=timeout, in_process=in_process, device=device)
 
         return test  # type: ignore[return-value]
 

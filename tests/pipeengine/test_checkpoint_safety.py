@@ -18,6 +18,7 @@ from pipeengine import PipelineEngine, consolidate, launch
 from pipeengine.comm.calls import CallMismatch
 from tests.pipeengine import ranks
 from tests.pipeengine.models import batch, mlp, mse
+from tests.pipeengine.ranks import on_ranks
 
 
 class Planted:
@@ -169,18 +170,15 @@ def test_a_sharded_checkpoint_of_other_widths_is_refused_before_anything_is_read
 # ---- what a save removes
 
 
-def save_thrice(directory: str, keep: int | None) -> None:
-    engine = PipelineEngine(mlp(), mse, num_microbatches=2)
-    for _ in range(3):
-        engine.save(directory, keep=keep)
-
-
 @pytest.mark.parametrize(("keep", "left"), [(1, [3]), (2, [2, 3]), (None, [1, 2, 3])])
+@on_ranks(1, timeout=30, in_process=True)
 def test_a_save_keeps_the_newest_and_never_a_users_folder(tmp_path: Path, keep: int | None, left: list[int]) -> None:
     (tmp_path / "checkpoint-best").mkdir()
     (tmp_path / "checkpoint-best" / "model.pt").write_text("the user's")
     (tmp_path / "checkpoint-7b").write_text("the user's file")
-    launch(save_thrice, 1, args=(str(tmp_path), keep), timeout=30, in_process=True)
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2)
+    for _ in range(3):
+        engine.save(str(tmp_path), keep=keep)
     numbered = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*") if p.name[11:].isdigit())
     assert numbered == left
     assert (tmp_path / "checkpoint-best" / "model.pt").read_text() == "the user's"
@@ -217,13 +215,10 @@ def test_a_truncated_shard_file_is_named_on_every_rank(tmp_path: Path) -> None:
         launch(load_with_optimizer, 2, args=(str(tmp_path),), timeout=30, in_process=True)
 
 
-def save_one_in_the_background(directory: str) -> None:
+@on_ranks(2, timeout=20, in_process=True)
+def test_ranks_saving_one_in_the_background_and_one_not_are_refused_at_once(tmp_path: Path) -> None:
     engine = PipelineEngine(mlp(), mse, num_microbatches=2)
     with pytest.raises(CallMismatch, match=r"rank 0 called save\(background=True\) \(call 1\), rank 1 called save "):
-        engine.save(directory, background=engine.first)
-    engine.save(directory)  # the ranks are still in step
-
-
-def test_ranks_saving_one_in_the_background_and_one_not_are_refused_at_once(tmp_path: Path) -> None:
-    launch(save_one_in_the_background, 2, args=(str(tmp_path),), timeout=20, in_process=True)
+        engine.save(str(tmp_path), background=engine.first)
+    engine.save(str(tmp_path))  # the ranks are still in step
     assert (tmp_path / "latest").read_text() == "checkpoint-1"

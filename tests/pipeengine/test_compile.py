@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from tests.pipeengine import ranks
 from tests.pipeengine.gpt import (
     Block,
@@ -27,6 +27,7 @@ from tests.pipeengine.gpt import (
     whole_token_sum,
 )
 from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both, train_like_one_process
+from tests.pipeengine.ranks import on_ranks
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 M = 4  # micro-batches: dualpipe-v needs 2 per rank
@@ -163,18 +164,15 @@ def with_tensor_parallel_and_fsdp() -> None:
         check_weights(engine, one, what)
 
 
-def everything() -> None:
-    every_schedule()
-    around_the_schedules()
-    with_tensor_parallel_and_fsdp()
-
-
 @pytest.mark.timeout(400)
+@on_ranks(2, timeout=380)
 def test_compiled_stages_under_every_schedule_and_every_feature_equal_one_process() -> None:
     """One world of two gloo ranks (each compiles a region once, then every case reuses it): every schedule with the
     user's compiled blocks; checkpointing, ties, tracing, bf16; compile=True alone; compile= (aot_eager) with tp=2
     and with fsdp=True."""
-    launch(everything, 2, timeout=380)
+    every_schedule()
+    around_the_schedules()
+    with_tensor_parallel_and_fsdp()
 
 
 def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_left() -> None:
@@ -303,8 +301,12 @@ def test_compile_true_compiles_a_subclass_of_a_torch_layer_that_keeps_torchs_for
     assert graphs, "the subclass of nn.Linear ran eagerly: the backend never saw it"
 
 
-def users_backend() -> None:
-    """Two in-process ranks; every layer of each stage compiled through the user's backend, none by another."""
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=100, in_process=True)
+def test_compile_options_reach_torch_compile_the_users_backend_compiles_every_layer() -> None:
+    """compile={"backend": fn}: the user's options are torch.compile's, not its defaults: the backend (a Python
+    function) compiles each layer of every stage, and training equals one process. Two in-process ranks; every layer
+    of each stage compiled through the user's backend, none by another."""
     graphs: list[int] = []
 
     def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
@@ -322,13 +324,6 @@ def users_backend() -> None:
     assert len(graphs) >= layers, f"rank {ranks.rank()}: the backend compiled {len(graphs)} graphs of {layers} layers"
     close(loss, one.step([(x, y)], microbatches=2), "compile={'backend': backend}: loss")
     check_grads(engine, one, "compile={'backend': backend}")
-
-
-@pytest.mark.timeout(120)
-def test_compile_options_reach_torch_compile_the_users_backend_compiles_every_layer() -> None:
-    """compile={"backend": fn}: the user's options are torch.compile's, not its defaults: the backend (a Python
-    function) compiles each layer of every stage, and training equals one process."""
-    launch(users_backend, 2, timeout=100, in_process=True)
 
 
 def test_a_warm_profile_of_a_compiled_layer_warms_a_compiled_copy_with_its_own_weights(

@@ -1,4 +1,4 @@
-"""Where two features meet (reliability round 4): gradients accumulated over steps with a tie or a summed loss over
+"""Where two features meet: gradients accumulated over steps with a tie or a summed loss over
 replicas, replicas' buffers, eval under FSDP, fp16 with sharded gradients, tracing a tensor-parallel stage, the
 user's own profiler. Each against one process, on real gloo ranks where torch.distributed is needed."""
 
@@ -20,6 +20,7 @@ from tests.pipeengine.gpt import count_tokens, one_process_loss, padded_batch, t
 from tests.pipeengine.models import MODELS, SEEDED, mlp, mse
 from tests.pipeengine.models import batch as model_batch
 from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both
+from tests.pipeengine.ranks import on_ranks
 
 
 def accumulated(data_parallel: int, options: dict[str, object], summed: bool, tied: bool, steps: int = 2) -> None:
@@ -55,26 +56,20 @@ def accumulated(data_parallel: int, options: dict[str, object], summed: bool, ti
     check_weights(engine, one, f"{what}: after AdamW on the accumulated gradients")
 
 
-def accumulation_on_two_ranks() -> None:
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=90)
+def test_gradients_accumulate_over_steps_with_a_tie_across_ranks() -> None:
     accumulated(1, {}, summed=True, tied=True)  # a tie across two ranks
     accumulated(1, {}, summed=False, tied=True)
 
 
-def accumulation_on_four_ranks() -> None:
+@pytest.mark.timeout(180)
+@on_ranks(4, timeout=150)
+def test_gradients_accumulate_over_steps_with_replicas_summed_tied_and_sharded() -> None:
     for options in ({}, {"fsdp": True}):
         accumulated(2, options, summed=True, tied=True)
         accumulated(2, options, summed=False, tied=True)
     accumulated(2, {}, summed=True, tied=False)  # the replicas' sum alone (loss_count)
-
-
-@pytest.mark.timeout(120)
-def test_gradients_accumulate_over_steps_with_a_tie_across_ranks() -> None:
-    launch(accumulation_on_two_ranks, 2, timeout=90)
-
-
-@pytest.mark.timeout(180)
-def test_gradients_accumulate_over_steps_with_replicas_summed_tied_and_sharded() -> None:
-    launch(accumulation_on_four_ranks, 4, timeout=150)
 
 
 def normed(seed: int = 0) -> nn.Sequential:
@@ -127,9 +122,11 @@ def replicas_buffers(directory: str, fsdp: bool) -> None:
         close(saved[name].float(), expected[name].float(), f"fsdp={fsdp}: checkpointed {name}")
 
 
-def around_fsdp(directory: str) -> None:
+@pytest.mark.timeout(180)
+@on_ranks(4, timeout=150)
+def test_replicas_share_buffers_eval_frees_gathered_shards_and_fp16_unscales_shards(tmp_path: Path) -> None:
     for fsdp in (False, True):
-        replicas_buffers(f"{directory}/{fsdp}", fsdp)
+        replicas_buffers(f"{tmp_path}/{fsdp}", fsdp)
     eval_between_sharded_steps()
     fp16_sharded()
     no_view_warnings()
@@ -196,11 +193,6 @@ def fp16_sharded() -> None:
     check_weights(engine, one, "fp16 fsdp: after the scaler's step")
 
 
-@pytest.mark.timeout(180)
-def test_replicas_share_buffers_eval_frees_gathered_shards_and_fp16_unscales_shards(tmp_path: Path) -> None:
-    launch(around_fsdp, 4, args=(str(tmp_path),), timeout=150)
-
-
 def rowwise_mlp(seed: int = 0) -> nn.Sequential:
     """Two column-then-row pairs and a head: cut after layer 2, stage 0 ends on RowwiseParallel (its output an
     asynchronous collective's tensor)."""
@@ -223,7 +215,9 @@ def rowwise_plan() -> dict[str, object]:
     return {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
 
 
-def around_tensor_parallel() -> None:
+@pytest.mark.timeout(180)
+@on_ranks(4, timeout=150)
+def test_tensor_parallel_stages_trace_and_unscale_fp16_like_one_process() -> None:
     """pp=2 x tp=2: a traced step of a stage ending on RowwiseParallel trains like one process and yields a timeline
     with its memory; fp16's scaler unscales the sharded gradients and steps like one process."""
     mse = nn.functional.mse_loss
@@ -276,12 +270,9 @@ def around_tensor_parallel() -> None:
         )
 
 
-@pytest.mark.timeout(180)
-def test_tensor_parallel_stages_trace_and_unscale_fp16_like_one_process() -> None:
-    launch(around_tensor_parallel, 4, timeout=150)
-
-
-def under_the_users_profiler(directory: str) -> None:
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=90)
+def test_the_users_profiler_records_the_engines_instructions_while_it_traces(tmp_path: Path) -> None:
     """The user's torch.profiler keeps recording while the engine traces (inside or around it): the engine does not
     start a profiler of its own then (it says so), every instruction shows as a range named as in the timeline, and
     the user's trace exports. Without engine tracing the ranges show too."""
@@ -309,18 +300,22 @@ def under_the_users_profiler(directory: str) -> None:
         }
         assert mine <= names, f"{case}: the instructions {sorted(mine - names)} are not in the user's trace"
         assert len(names) > len(mine), f"{case}: the user's profiler recorded only our ranges: {sorted(names)}"
-        prof.export_chrome_trace(f"{directory}/{case}-{ranks.rank()}.json")
+        prof.export_chrome_trace(f"{tmp_path}/{case}-{ranks.rank()}.json")
         timeline = engine.timeline()
         if case != "untraced" and ranks.rank() == 0:
             assert timeline is not None and timeline.allocated_peak is None  # not measured: one profiler at a time
             assert min(timeline.peak_memory) > 0  # the ledger's figures stand
     assert sum("a torch.profiler is open (yours)" in text for text in said) == 1, said  # said, once
+    ranks.barrier()
+    assert len(list(tmp_path.glob("*.json"))) == 6  # each rank exported each case's trace (it used to crash)
 
 
-def under_a_scheduled_profiler() -> None:
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=90)
+def test_a_traced_step_inside_a_scheduled_profilers_warmup_leaves_it_alone() -> None:
     """A traced step while the user's scheduled profiler waits or warms up (kineto prepared, not recording): the engine
-    starts no profiler of its own then (torch would crash when the user's turns active), and the active step records
-    the engine's ranges."""
+    starts no profiler of its own then (torch would crash when the user's turns active: SIGSEGV on every rank before),
+    and the active step records the engine's ranges."""
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, trace=True)
     x, y = torch.randn(4, 16), torch.randn(4, 4)
     plan = torch.profiler.schedule(wait=1, warmup=1, active=1)
@@ -335,11 +330,8 @@ def under_a_scheduled_profiler() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_traced_step_inside_a_scheduled_profilers_warmup_leaves_it_alone() -> None:
-    launch(under_a_scheduled_profiler, 2, timeout=90)  # SIGSEGV on every rank before
-
-
-def under_a_profiler_with_stacks() -> None:
+@on_ranks(2, timeout=90)
+def test_a_traced_step_under_a_profiler_with_stacks_leaves_every_event_name_readable() -> None:
     """A traced step inside the user's profiler with record_shapes and with_stack: every event's name reads back, and
     the engine's ranges are among them. torch names a Python call by pointing into its code object: one freed before
     the names are read (a module's, imported while the profiler recorded) leaves garbage, shown where its memory is
@@ -375,19 +367,8 @@ def under_a_profiler_with_stacks() -> None:
     assert mine <= names, f"the instructions {sorted(mine - names)} are not in the user's trace"
 
 
-@pytest.mark.timeout(120)
-def test_a_traced_step_under_a_profiler_with_stacks_leaves_every_event_name_readable() -> None:
-    launch(under_a_profiler_with_stacks, 2, timeout=90)
-
-
 def profile() -> torch.profiler.profile:
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-
-
-@pytest.mark.timeout(120)
-def test_the_users_profiler_records_the_engines_instructions_while_it_traces(tmp_path: Path) -> None:
-    launch(under_the_users_profiler, 2, args=(str(tmp_path),), timeout=90)
-    assert len(list(tmp_path.glob("*.json"))) == 6  # each rank exported each case's trace (it used to crash)
 
 
 def scaler_twice() -> None:
@@ -406,7 +387,9 @@ def test_a_second_scaler_step_without_update_is_refused_as_torch_refuses_it() ->
         launch(scaler_twice, 2, timeout=30, in_process=True)
 
 
-def recomputed_buffers() -> None:
+@pytest.mark.timeout(60)
+@on_ranks(2, timeout=30, in_process=True)
+def test_activation_checkpointing_updates_running_statistics_once_per_micro_batch() -> None:
     """checkpoint="always" recomputes each forward in backward, in training mode: batch norm's running statistics
     are updated once per micro-batch, as one process updates them, not twice."""
     model = normed()
@@ -420,8 +403,3 @@ def recomputed_buffers() -> None:
     for name, value in engine.state_dict().items():
         if "running" in name or "batches" in name:
             close(value.float(), expected[name].float(), f"checkpoint='always': {name}")
-
-
-@pytest.mark.timeout(60)
-def test_activation_checkpointing_updates_running_statistics_once_per_micro_batch() -> None:
-    launch(recomputed_buffers, 2, timeout=30, in_process=True)

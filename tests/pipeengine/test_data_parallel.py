@@ -2,13 +2,10 @@
 
 import pytest
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from tests.pipeengine.models import MODELS, batch
 from tests.pipeengine.parity import OneProcess, check_clipped, replicas_parity
-
-
-def dp_x_pp(model: str, schedule: str, data_parallel: int, m: int, size: int) -> None:
-    replicas_parity(model, schedule, data_parallel, m, size)
+from tests.pipeengine.ranks import on_ranks
 
 
 @pytest.mark.timeout(240)
@@ -16,14 +13,17 @@ def dp_x_pp(model: str, schedule: str, data_parallel: int, m: int, size: int) ->
     "model, schedule, data_parallel",
     [("mlp", "1f1b", 2), ("transformer", "zb-v", 2), ("transformer", "interleaved", 2), ("mlp", "gpipe", 4)],
 )
+@on_ranks(4, timeout=90, in_process=True)  # dp=2 x pp=2 (chunks for interleaved and zb-v), or dp=4 x pp=1
 def test_dp_x_pp_equals_single_process_on_the_union_of_the_batches(
     model: str, schedule: str, data_parallel: int
 ) -> None:
-    # 4 ranks: dp=2 x pp=2 (chunks for interleaved and zb-v), or dp=4 x pp=1
-    launch(dp_x_pp, 4, args=(model, schedule, data_parallel, 4, 8), timeout=90, in_process=True)
+    replicas_parity(model, schedule, data_parallel, 4, 8)
 
 
-def clipping(schedule: str, data_parallel: int = 1) -> None:
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule, data_parallel", [("1f1b", 1), ("zb-v", 1), ("interleaved", 2)])
+@on_ranks(4, timeout=60, in_process=True)
+def test_clip_grad_norm_across_stages_equals_torchs_on_the_whole_model(schedule: str, data_parallel: int) -> None:
     """clip_grad_norm_ across stages equals torch.nn.utils.clip_grad_norm_ on the whole model."""
     build, loss_fn = MODELS["transformer"]
     model = build()
@@ -36,9 +36,3 @@ def clipping(schedule: str, data_parallel: int = 1) -> None:
         engine.train_step(x if engine.first else None, y if engine.last else None)
         one.step([(x, y)])  # every replica had the same batch: the same mean
         check_clipped(engine, one, max_norm, schedule, norm_type)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("schedule, data_parallel", [("1f1b", 1), ("zb-v", 1), ("interleaved", 2)])
-def test_clip_grad_norm_across_stages_equals_torchs_on_the_whole_model(schedule: str, data_parallel: int) -> None:
-    launch(clipping, 4, args=(schedule, data_parallel), timeout=60, in_process=True)

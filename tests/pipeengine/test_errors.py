@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from pipeengine.comm.calls import CallMismatch
 from schedules import build_schedule
 from tests.pipeengine import ranks
 from tests.pipeengine.models import mlp, mse
+from tests.pipeengine.ranks import on_ranks
 
 # ---- rank functions that go wrong on purpose
 
@@ -74,21 +76,6 @@ def construct(case: str) -> None:
         raise AssertionError(case)
 
 
-def refused_everywhere(cases: dict[str, tuple[str, str]], check: str) -> None:
-    """Each case raises the expected error on this rank (every rank runs this: none may hang)."""
-    import re
-
-    run = construct if check == "construct" else bad_batch
-    for case, (error, message) in cases.items():
-        try:
-            run(case)
-        except Exception as raised:  # noqa: BLE001  (the type is checked below)
-            assert type(raised).__name__ == error and re.search(message, str(raised)), (case, raised)
-        else:
-            raise AssertionError(f"{case} was accepted")
-        ranks.barrier()  # every rank refused it, and none is left waiting
-
-
 def bad_batch(case: str) -> None:
     """Steps that every rank must refuse together, before any transfer."""
     engine = PipelineEngine(mlp(), mse, num_microbatches=4, schedule="1f1b")
@@ -126,35 +113,55 @@ def test_without_torch_distributed_it_says_how_to_start() -> None:
         PipelineEngine(nn.Sequential(nn.Linear(2, 2)), mse, num_microbatches=2)
 
 
+def refused_here(run: Callable[[str], None], case: str, error: type[Exception], message: str) -> None:
+    """``run(case)`` raises the expected error on this rank (every rank runs it: none may hang)."""
+    with pytest.raises(error, match=message) as caught:
+        run(case)
+    assert caught.type is error, caught.value  # that class, not a subclass of it
+    ranks.barrier()  # every rank refused it, and none is left waiting
+
+
 @pytest.mark.timeout(120)
-def test_bad_construction_is_refused_on_every_rank() -> None:
+def test_bad_construction_is_refused_on_every_rank_and_the_launch_names_each() -> None:
     with pytest.raises(ValueError, match="4 stages but the model has 3 layers") as caught:
         launch(construct, 4, args=("more_stages_than_layers",), timeout=30, in_process=True)
     notes = "\n".join(getattr(caught.value, "__notes__", []))
     assert len(re.findall(r"^  rank \d: ValueError: ", notes, re.M)) == 3  # the same refusal on the others
-    cases = {
-        "not_sequential": ("TypeError", "got ModuleList"),
-        "interleaved_needs_more_microbatches": ("ValueError", "must be a multiple of 4, got 2; use 4"),
-        "schedule_for_another_world": ("ValueError", "schedule is for 8 ranks .* world has 4 ranks"),
-        "partition_does_not_fit": ("ValueError", "partition lists 5 stages, the schedule has 4"),
-        "dp_does_not_divide": ("ValueError", "a world of 4 ranks does not split into data_parallel=3 equal"),
-    }
-    launch(refused_everywhere, 4, args=(cases, "construct"), timeout=30, in_process=True)
 
 
-@pytest.mark.timeout(120)
-def test_a_bad_batch_is_refused_by_every_rank_before_any_transfer() -> None:
-    cases = {
-        "no_targets": ("ValueError", "step refused by rank 1: the rank of the last stage got no targets"),
-        "uneven": ("ValueError", "a batch of 10 does not split into 4 equal micro-batches: .* multiple of 4 .*8 or 12"),
-        "rows_disagree": ("ValueError", "the targets have 6 rows but the inputs 8"),
-        "inputs_not_tensors": ("ValueError", "step refused by rank 0: the inputs on the first stage's rank are not"),
-        "smaller_than_m": ("ValueError", r"a batch of 2 does not split into 4 equal micro-batches: .*\(e\.g\. 4\), or"),
-        "scalar_input": ("ValueError", "the inputs need a batch dimension: inputs tensor 0 is 0-d"),
-        "empty": ("ValueError", r"train_step got an empty batch: the inputs have shape \[0, 16\] \(0 rows\); pass"),
-        "empty_eval": ("ValueError", r"eval_step got an empty batch: the inputs have shape \[0, 16\]"),
-    }
-    launch(refused_everywhere, 2, args=(cases, "bad_batch"), timeout=10, in_process=True)  # no hang
+BAD_CONSTRUCTION = {
+    "not_sequential": (TypeError, "got ModuleList"),
+    "interleaved_needs_more_microbatches": (ValueError, "must be a multiple of 4, got 2; use 4"),
+    "schedule_for_another_world": (ValueError, "schedule is for 8 ranks .* world has 4 ranks"),
+    "partition_does_not_fit": (ValueError, "partition lists 5 stages, the schedule has 4"),
+    "dp_does_not_divide": (ValueError, "a world of 4 ranks does not split into data_parallel=3 equal"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", BAD_CONSTRUCTION)
+@on_ranks(4, timeout=30, in_process=True)
+def test_a_bad_construction_is_refused_alike_on_every_rank(case: str) -> None:
+    refused_here(construct, case, *BAD_CONSTRUCTION[case])
+
+
+BAD_BATCH = {
+    "no_targets": (ValueError, "step refused by rank 1: the rank of the last stage got no targets"),
+    "uneven": (ValueError, "a batch of 10 does not split into 4 equal micro-batches: .* multiple of 4 .*8 or 12"),
+    "rows_disagree": (ValueError, "the targets have 6 rows but the inputs 8"),
+    "inputs_not_tensors": (ValueError, "step refused by rank 0: the inputs on the first stage's rank are not"),
+    "smaller_than_m": (ValueError, r"a batch of 2 does not split into 4 equal micro-batches: .*\(e\.g\. 4\), or"),
+    "scalar_input": (ValueError, "the inputs need a batch dimension: inputs tensor 0 is 0-d"),
+    "empty": (ValueError, r"train_step got an empty batch: the inputs have shape \[0, 16\] \(0 rows\); pass"),
+    "empty_eval": (ValueError, r"eval_step got an empty batch: the inputs have shape \[0, 16\]"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", BAD_BATCH)
+@on_ranks(2, timeout=10, in_process=True)  # no hang
+def test_a_bad_batch_is_refused_by_every_rank_before_any_transfer(case: str) -> None:
+    refused_here(bad_batch, case, *BAD_BATCH[case])
 
 
 @pytest.mark.timeout(120)
@@ -222,7 +229,9 @@ def test_peer_error_is_a_pipeline_error() -> None:
     assert issubclass(PeerError, PipelineError)
 
 
-def one_replica_refused() -> None:
+@pytest.mark.timeout(60)
+@on_ranks(4, timeout=20, in_process=True)
+def test_a_batch_one_replica_refuses_is_refused_by_every_replica() -> None:
     """dp=2 x pp=2: the second replica's batch is empty (then uneven), the first's is good; every rank of the world
     refuses the step, and the next good step trains on every rank (no replica was left a collective behind)."""
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule="1f1b", data_parallel=2)
@@ -238,8 +247,3 @@ def one_replica_refused() -> None:
             engine.save("unused")
         else:
             engine.train_step(x if engine.first else None, y if engine.last else None)
-
-
-@pytest.mark.timeout(60)
-def test_a_batch_one_replica_refuses_is_refused_by_every_replica() -> None:
-    launch(one_replica_refused, 4, timeout=20, in_process=True)

@@ -6,22 +6,20 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from pipeengine.step.precision import GradScaler
 from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
 from tests.pipeengine.parity import OneProcess, check_grads, close, model_parity
-
-
-def parity_checkpointed(model_name: str, schedule: str, checkpoint: str) -> None:
-    p = ranks.size()
-    model_parity(model_name, schedule, [p, 2 * p], [4 * p, 2 * p], checkpoint=checkpoint)
+from tests.pipeengine.ranks import on_ranks
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule, checkpoint", [("interleaved", "except_last")])  # "always": the composition matrix
+@on_ranks(2, timeout=60, in_process=True)
 def test_checkpointed_training_equals_single_process(schedule: str, checkpoint: str) -> None:
-    launch(parity_checkpointed, 2, args=("transformer", schedule, checkpoint), timeout=60, in_process=True)
+    p = ranks.size()
+    model_parity("transformer", schedule, [p, 2 * p], [4 * p, 2 * p], checkpoint=checkpoint)
 
 
 class SavedBytes:
@@ -53,7 +51,10 @@ class _Held:
         self.tensor = tensor
 
 
-def checkpoint_memory(schedule: str) -> None:
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@on_ranks(2, timeout=60, in_process=True)
+def test_checkpointing_cuts_the_activations_held_for_backward(schedule: str) -> None:
     """Peak bytes saved for backward on each rank: checkpointing must cut them well down."""
     build, loss_fn = MODELS["transformer"]
     x, y = batch("transformer", 16, seed=0)
@@ -73,12 +74,9 @@ def checkpoint_memory(schedule: str) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_checkpointing_cuts_the_activations_held_for_backward(schedule: str) -> None:
-    launch(checkpoint_memory, 2, args=(schedule,), timeout=60, in_process=True)
-
-
-def mixed_precision(schedule: str, precision: str) -> None:
+@pytest.mark.parametrize("schedule, precision", [("zb-v", "bf16"), ("interleaved", "fp16")])  # more: the matrix
+@on_ranks(2, timeout=60, in_process=True)
+def test_mixed_precision_equals_one_process_that_rounds_the_same_way(schedule: str, precision: str) -> None:
     """Training under autocast equals one process that rounds the same way (float32 tolerance).
 
     The one process does the engine's operations in its order (micro-batch by micro-batch, stage by stage under
@@ -105,19 +103,21 @@ def mixed_precision(schedule: str, precision: str) -> None:
     check_grads(engine, one, f"{precision} {schedule}")
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("schedule, precision", [("zb-v", "bf16"), ("interleaved", "fp16")])  # more: the matrix
-def test_mixed_precision_equals_one_process_that_rounds_the_same_way(schedule: str, precision: str) -> None:
-    launch(mixed_precision, 2, args=(schedule, precision), timeout=60, in_process=True)
-
-
-def scaler_skips_together() -> None:
-    """fp16: an overflow on any rank skips the step on every rank and halves the scale."""
+def fp16_engine() -> tuple[PipelineEngine, torch.optim.SGD, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A 2-stage fp16 engine, its SGD, a batch, and its weights before any step."""
     build, loss_fn = MODELS["transformer"]
     engine = PipelineEngine(build(), loss_fn, num_microbatches=2, schedule="1f1b", precision="fp16")
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     x, y = batch("transformer", 4, seed=0)
     before = {name: param.detach().clone() for name, param in engine.named_parameters()}
+    return engine, optimizer, x, y, before
+
+
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=60, in_process=True)
+def test_fp16_overflow_skips_the_step_on_every_rank() -> None:
+    """fp16: an overflow on any rank skips the step on every rank and halves the scale."""
+    engine, optimizer, x, y, before = fp16_engine()
     engine.scaler.scale = 2.0**60  # the scaled loss overflows fp16 on the way back
     engine.train_step(x if engine.first else None, y if engine.last else None)
     stepped = engine.scaler.step(optimizer)
@@ -126,7 +126,14 @@ def scaler_skips_together() -> None:
     assert everyone == [False] * ranks.size(), everyone
     assert all(torch.equal(param, before[name]) for name, param in engine.named_parameters())
     assert engine.scaler.scale == 2.0**59
-    optimizer.zero_grad()
+
+
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=60, in_process=True)
+def test_fp16_an_inf_in_one_stages_gradient_alone_skips_the_step_on_every_rank() -> None:
+    """fp16: an inf in the last stage's gradient alone skips the step on every rank and halves the scale; the skip
+    is that step's alone (the next, finite, steps)."""
+    engine, optimizer, x, y, before = fp16_engine()
     engine.scaler.scale = 2.0**10
     engine.train_step(x if engine.first else None, y if engine.last else None)
     if engine.last:  # an inf in one stage's gradient alone (the others' are finite): every rank still skips
@@ -140,11 +147,6 @@ def scaler_skips_together() -> None:
     engine.train_step(x if engine.first else None, y if engine.last else None)
     assert engine.scaler.step(optimizer)
     assert any(not torch.equal(param, before[name]) for name, param in engine.named_parameters())
-
-
-@pytest.mark.timeout(120)
-def test_fp16_overflow_skips_the_step_on_every_rank() -> None:
-    launch(scaler_skips_together, 2, timeout=60, in_process=True)
 
 
 def scaler(growth_interval: int) -> tuple[GradScaler, nn.Parameter]:

@@ -1,7 +1,7 @@
 """What a new user ran into: refusals that stop silent wrong training, and errors that say what to do.
 
-Each rank function sits beside the test that launches it (in-process ranks, or gloo processes that
-import this module).
+A test that runs on ranks runs its own body there (``on_ranks``: in-process ranks, or gloo processes
+that import this module); the tests that call ``launch`` themselves test what the launch does.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from schedules import build_schedule
 from tests.pipeengine import ranks
 from tests.pipeengine.gpt import IGNORE, count_tokens, padded_batch, tied_gpt
 from tests.pipeengine.models import batch, mlp, mse
+from tests.pipeengine.ranks import on_ranks
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -41,7 +42,9 @@ def token_mean(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)  # a mean: wrong here
 
 
-def mean_with_loss_count() -> None:
+@pytest.mark.timeout(60)
+@on_ranks(2, timeout=30, in_process=True)
+def test_a_mean_loss_with_loss_count_is_refused_on_every_rank() -> None:
     engine = PipelineEngine(tied_gpt(), token_mean, num_microbatches=2, loss_count=count_tokens)
     x, y = padded_batch(4, seed=0, microbatches=2)  # the first micro-batch nearly all padding
 
@@ -52,15 +55,13 @@ def mean_with_loss_count() -> None:
     assert ranks.rank() == 1 or "rank 1 refused" in message  # the others repeat the last stage's error
 
 
-@pytest.mark.timeout(60)
-def test_a_mean_loss_with_loss_count_is_refused_on_every_rank() -> None:
-    launch(mean_with_loss_count, 2, timeout=30, in_process=True)
-
-
 # ---- 2. ranks that build different models
 
 
-def different_models(case: str) -> None:
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["layers", "types", "weights"])
+@on_ranks(2, timeout=30, in_process=True)
+def test_ranks_that_built_different_models_are_refused_naming_the_ranks_and_the_layer(case: str) -> None:
     rank = ranks.rank()
     if case == "layers":  # rank 0 builds 4 layers, rank 1 five
         model = mlp(layers=2)[: 4 + rank]
@@ -78,21 +79,12 @@ def different_models(case: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["layers", "types", "weights"])
-def test_ranks_that_built_different_models_are_refused_naming_the_ranks_and_the_layer(case: str) -> None:
-    launch(different_models, 2, args=(case,), timeout=30, in_process=True)
-
-
-def forgot_a_seed() -> None:
+@on_ranks(2, timeout=30)
+def test_on_gloo_processes_a_rank_that_forgot_the_seed_is_refused_on_every_rank() -> None:
     if ranks.rank() == 0:
         torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     refused_on_this_rank(lambda: PipelineEngine(model, mse, num_microbatches=2), "different weights: seed every")
-
-
-@pytest.mark.timeout(60)
-def test_on_gloo_processes_a_rank_that_forgot_the_seed_is_refused_on_every_rank() -> None:
-    launch(forgot_a_seed, 2, timeout=30)
 
 
 # ---- 2b. ranks given different options (issue 57, item 7)
@@ -111,33 +103,34 @@ ONE_RANK_DIFFERS = [  # (the option, rank 0's keywords, rank 1's, how each rank'
 ]
 
 
-def different_options() -> None:
-    """Each pair of options is refused at construction on both ranks, naming the option and each rank's value;
-    options that mean the same (precision None and 'fp32') are not, and the engine then trains."""
+@pytest.mark.timeout(60)
+@on_ranks(2, timeout=20, in_process=True)
+def test_ranks_given_different_options_are_refused_naming_the_option_and_each_ranks_value() -> None:
+    """Each pair of options is refused at construction on both ranks, naming the option and each rank's value."""
     rank = ranks.rank()
     for option, mine, theirs, (value0, value1) in ONE_RANK_DIFFERS:
         options = {"num_microbatches": 4, **(mine if rank == 0 else theirs)}
         pattern = rf"{option} differs across ranks: rank 0: {re.escape(value0)}, rank 1: {re.escape(value1)}; "
         pattern += "every rank must pass the same engine options"
         refused_on_this_rank(lambda o=options: PipelineEngine(mlp(), mse, **o), pattern)
-    engine = PipelineEngine(mlp(), mse, num_microbatches=2, precision=[None, "fp32"][rank])
-    x, y = batch("mlp", 4, seed=0)
-    engine.train_step(x if engine.first else None, y if engine.last else None)
 
 
 @pytest.mark.timeout(60)
-def test_ranks_given_different_options_are_refused_naming_the_option_and_each_ranks_value() -> None:
-    launch(different_options, 2, timeout=20, in_process=True)  # unchanged: built; a step hung or failed
+@on_ranks(2, timeout=20, in_process=True)  # a refusal that hung or failed a step fails at the timeout
+def test_options_that_mean_the_same_on_each_rank_are_not_refused_and_the_engine_trains() -> None:
+    """precision None on one rank and 'fp32' on the other: the same option, so the engine builds and trains."""
+    engine = PipelineEngine(mlp(), mse, num_microbatches=2, precision=[None, "fp32"][ranks.rank()])
+    x, y = batch("mlp", 4, seed=0)
+    loss = engine.train_step(x if engine.first else None, y if engine.last else None)
+    losses = ranks.all_gather_object(loss)  # every rank returns the step's loss
+    assert losses[0] == losses[1] and 0 < losses[0] < float("inf"), losses
 
 
-def different_microbatches() -> None:
+@pytest.mark.timeout(60)
+@on_ranks(2, timeout=20)  # was built; its first step aborted a rank in gloo (SIGABRT)
+def test_on_gloo_processes_different_microbatches_are_refused_not_aborted() -> None:
     options = {"num_microbatches": 2 * (1 + ranks.rank())}
     refused_on_this_rank(lambda: PipelineEngine(mlp(), mse, **options), r"num_microbatches differs across ranks")
-
-
-@pytest.mark.timeout(60)
-def test_on_gloo_processes_different_microbatches_are_refused_not_aborted() -> None:
-    launch(different_microbatches, 2, timeout=20)  # was built; its first step aborted a rank in gloo (SIGABRT)
 
 
 # ---- 3. the in-process launch and the global random generator
@@ -274,7 +267,9 @@ def test_a_loss_count_that_returns_no_number_says_so() -> None:
 # ---- 9. schedule files and arguments nothing reads
 
 
-def frozen_by_the_schedule() -> None:
+@pytest.mark.timeout(60)
+@on_ranks(2, timeout=30, in_process=True)
+def test_a_schedule_that_says_no_gradient_where_one_is_needed_is_refused() -> None:
     schedule = build_schedule("1f1b", 2, 2).without_gradient({0})  # a file's 'no-gradient 0', compute only
     engine = PipelineEngine(mlp(), mse, num_microbatches=2, schedule=schedule)
     x, y = batch("mlp", 4, seed=0)
@@ -283,11 +278,6 @@ def frozen_by_the_schedule() -> None:
         r"the schedule says boundary 0 \(between stages 0 and 1\) carries no gradient .* stages up "
         r"to 0 would never get a gradient",
     )
-
-
-@pytest.mark.timeout(60)
-def test_a_schedule_that_says_no_gradient_where_one_is_needed_is_refused() -> None:
-    launch(frozen_by_the_schedule, 2, timeout=30, in_process=True)
 
 
 def test_options_nothing_would_read_are_refused() -> None:

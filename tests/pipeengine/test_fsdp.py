@@ -30,6 +30,7 @@ from tests.pipeengine.parity import (
     save_reference,
     train_like_one_process,
 )
+from tests.pipeengine.ranks import on_ranks
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 DP = 2
@@ -62,7 +63,9 @@ def sharded_parity(schedule: str, steps: int = 2, **options: object) -> Pipeline
     return engine
 
 
-def every_schedule() -> None:
+@pytest.mark.timeout(240)
+@on_ranks(4, timeout=200)
+def test_dp2_pp2_trains_like_one_process_with_sharded_state() -> None:
     # fsdp with each schedule is a pair of the composition matrix (tests/composition); here the shards' sizes on a
     # schedule of each kind: one stage per rank, two (a V), and a split backward
     for schedule in ("gpipe", "interleaved", "dualpipe-v"):
@@ -118,7 +121,9 @@ def clipping() -> None:
     check_eval(engine, one, x, "fsdp eval")  # forward only, on the shards gathered
 
 
-def around_the_engine() -> None:
+@pytest.mark.timeout(180)
+@on_ranks(4, timeout=150)
+def test_memory_the_planner_and_the_refusals_every_rank_makes() -> None:
     """Memory, the planner, refusals that every rank makes alike (a tie across ranks and bf16 with FSDP: the
     composition matrix)."""
     memory()
@@ -276,16 +281,6 @@ def save_that_fails(directory: str) -> None:
     engine.save(directory)
 
 
-@pytest.mark.timeout(240)
-def test_dp2_pp2_trains_like_one_process_with_sharded_state() -> None:
-    launch(every_schedule, 4, timeout=200)
-
-
-@pytest.mark.timeout(180)
-def test_memory_the_planner_and_the_refusals_every_rank_makes() -> None:
-    launch(around_the_engine, 4, timeout=150)
-
-
 def test_options_fsdp_cannot_use_are_refused() -> None:
     with pytest.raises(ValueError, match=r"fsdp=True .* data_parallel=1: there is nothing to shard over"):
         EngineConfig(num_microbatches=2, fsdp=True)
@@ -347,14 +342,11 @@ def test_a_backward_holds_the_larger_of_its_transient_and_a_units_gradients_by_h
     assert memory.backward_transient == memory.weight_transient == [80.0]
 
 
-def refused_in_process() -> None:
+@pytest.mark.timeout(60)
+@on_ranks(4, timeout=30, in_process=True)
+def test_in_process_ranks_are_refused_with_what_to_do() -> None:
     with pytest.raises(ValueError, match=r"fsdp=True runs DTensor collectives.*in-process ranks"):
         PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2, data_parallel=2, fsdp=True)
-
-
-@pytest.mark.timeout(60)
-def test_in_process_ranks_are_refused_with_what_to_do() -> None:
-    launch(refused_in_process, 4, timeout=30, in_process=True)
 
 
 @pytest.mark.timeout(240)

@@ -20,6 +20,7 @@ from tests.pipeengine.parity import (
     step_both,
     train_like_one_process,
 )
+from tests.pipeengine.ranks import on_ranks
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 
@@ -62,44 +63,43 @@ def tied_parity(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("ranks", [4])  # 2 ranks: the tie with every schedule is the composition matrix's
-def test_a_tied_gpt_with_a_token_mean_loss_trains_like_one_process(schedule: str, ranks: int) -> None:
-    launch(tied_parity, ranks, args=(schedule,), timeout=60, in_process=True)
+@on_ranks(4, timeout=60, in_process=True)  # 2 ranks: the tie with every schedule is the composition matrix's
+def test_a_tied_gpt_with_a_token_mean_loss_trains_like_one_process(schedule: str) -> None:
+    tied_parity(schedule)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["zb-v"])  # other schedules with replicas and a tie: the composition matrix
+@on_ranks(4, timeout=60, in_process=True)  # 2 replicas of a 2-rank pipeline, each replica's batch padded differently
 def test_with_data_parallelism_the_tie_is_summed_and_the_tokens_counted_over_every_replica(schedule: str) -> None:
-    # 4 ranks: 2 replicas of a 2-rank pipeline, each replica's batch padded differently
-    launch(tied_parity, 4, args=(schedule, 2, 2), timeout=60, in_process=True)
+    tied_parity(schedule, 2, 2)
 
 
 @pytest.mark.timeout(120)
+@on_ranks(4, timeout=90)
 def test_on_real_gloo_ranks_the_tie_and_the_token_count_cross_processes() -> None:
-    launch(tied_parity, 4, args=("1f1b", 2, 2), timeout=90)  # dp=2 x pp=2 processes
+    tied_parity("1f1b", 2, 2)  # dp=2 x pp=2 processes
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", [{"checkpoint": "except_last"}])  # "always": the composition matrix
-def test_the_tie_composes_with_activation_checkpointing(options: dict[str, str]) -> None:
-    launch(tied_parity, 2, args=("zb-h1", 2, 1, options), timeout=60, in_process=True)
+@on_ranks(2, timeout=60, in_process=True)
+def test_the_tie_composes_with_activation_checkpointing(options: dict[str, object]) -> None:
+    tied_parity("zb-h1", 2, 1, options)
 
 
-def tied_clipping(schedule: str) -> None:
+@pytest.mark.timeout(120)
+@on_ranks(4, timeout=60, in_process=True)
+def test_clipping_counts_the_tied_weight_once() -> None:
     """The tied weight counts once in the norm, as torch.nn.utils.clip_grad_norm_ counts it on the whole model."""
     model = tied_gpt()
     one = OneProcess(model, one_process_loss)
     m = 2 * ranks.size()
-    engine = PipelineEngine(model, token_sum, num_microbatches=m, schedule=schedule, loss_count=count_tokens)
+    engine = PipelineEngine(model, token_sum, num_microbatches=m, schedule="1f1b", loss_count=count_tokens)
     x, y = padded_batch(2 * m, seed=3, microbatches=m)
     engine.train_step(x if engine.first else None, y if engine.last else None)
     one.step([(x, y)])
     check_clipped(engine, one, 0.05, "the tied model")
-
-
-@pytest.mark.timeout(120)
-def test_clipping_counts_the_tied_weight_once() -> None:
-    launch(tied_clipping, 4, args=("1f1b",), timeout=60, in_process=True)
 
 
 def tied_save(directory: str, schedule: str) -> None:

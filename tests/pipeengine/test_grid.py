@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from pipeengine.core.grid import Grid
 from tests.pipeengine import ranks
 from tests.pipeengine.models import batch, mlp, mse
 from tests.pipeengine.parity import OneProcess, check_grads, close
+from tests.pipeengine.ranks import on_ranks
 
 
 def test_the_grid_lays_ranks_out_as_device_mesh_does() -> None:
@@ -29,6 +30,9 @@ def test_the_grid_lays_ranks_out_as_device_mesh_does() -> None:
 
 
 def transformed(expect_mesh: bool) -> None:
+    """parallelize(stage, mesh) is called once per stage of this rank, before its worker runs it, with the rank's
+    device mesh (real processes) or None (in-process ranks); the transformed stages train as one process, and a
+    parallelize that returns no module is refused."""
     seen = []
 
     def parallelize(stage: nn.Module, mesh: object) -> nn.Module:
@@ -58,6 +62,12 @@ def transformed(expect_mesh: bool) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("in_process", [True, False])
-def test_each_stage_is_transformed_on_the_mesh_before_its_worker_runs_it(in_process: bool) -> None:
-    launch(transformed, 2, args=(not in_process,), timeout=60, in_process=in_process)
+@on_ranks(2, timeout=60, in_process=True)
+def test_each_stage_is_transformed_before_its_worker_runs_it_on_in_process_ranks() -> None:
+    transformed(expect_mesh=False)
+
+
+@pytest.mark.timeout(90)
+@on_ranks(2, timeout=60)
+def test_each_stage_is_transformed_on_the_mesh_before_its_worker_runs_it() -> None:
+    transformed(expect_mesh=True)

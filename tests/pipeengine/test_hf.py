@@ -16,6 +16,7 @@ from pipeengine import PipelineEngine, hf, launch
 from tests.pipeengine import ranks
 from tests.pipeengine.hf_models import LENGTH, VOCAB, batch, build
 from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both
+from tests.pipeengine.ranks import on_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,36 +104,43 @@ def parity(
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("family, schedules", [("gpt2", SCHEDULES), ("qwen2", ["gpipe", "dualpipe-v"])])
+@on_ranks(2, timeout=120, in_process=True)
 def test_every_schedule_equals_hf_on_2_ranks(family: str, schedules: list[str]) -> None:
     """Right-padded rows: GPT-2 on every schedule (a Llama too: the composition matrix; left-padded and packed rows
     below), Qwen2 on two more (and on 4 ranks, below)."""
-    launch(parity, 2, args=(family, schedules), timeout=120, in_process=True)
+    parity(family, schedules)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("family, schedules", [("llama", ["1f1b", "zb-v"]), ("qwen2", ["interleaved", "v-min"])])
+@on_ranks(4, timeout=120, in_process=True)
 def test_on_4_ranks(family: str, schedules: list[str]) -> None:
-    launch(parity, 4, args=(family, schedules, 6), timeout=120, in_process=True)
+    parity(family, schedules, 6)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("family, options", [("gpt2", {"checkpoint": "always"})])  # a Llama: the composition matrix
+@on_ranks(4, timeout=120, in_process=True)
 def test_with_activation_checkpointing_and_data_parallelism(family: str, options: dict[str, object]) -> None:
-    launch(parity, 4, args=(family, ["1f1b"], 2, 2, options), timeout=120, in_process=True)  # dp=2 x pp=2
+    parity(family, ["1f1b"], 2, 2, options)  # dp=2 x pp=2
 
 
-def every_family_on_processes() -> None:
+@pytest.mark.timeout(180)
+@on_ranks(2, timeout=120)
+def test_the_three_families_on_real_gloo_ranks() -> None:
     for family in ("gpt2", "llama", "qwen2"):
         parity(family, ["1f1b", "zb-v"], tied=family != "qwen2")
 
 
-@pytest.mark.timeout(180)
-def test_the_three_families_on_real_gloo_ranks() -> None:
-    launch(every_family_on_processes, 2, timeout=120)
-
-
-def train_and_export(directory: str, family: str, via_checkpoint: bool) -> None:
-    """Train two steps; write an HF checkpoint (directly, or after engine.save and engine.load into a fresh engine)."""
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family, via_checkpoint", [("gpt2", False), ("llama", True)])
+@on_ranks(2, timeout=60, in_process=True)
+def test_save_pretrained_loads_with_from_pretrained_and_computes_the_same(
+    family: str, via_checkpoint: bool, tmp_path: Path
+) -> None:
+    """Train two steps; write an HF checkpoint (directly, or after engine.save and engine.load into a fresh engine):
+    transformers loads it, and it computes the engine's logits."""
+    directory = str(tmp_path)
     model = build(family)
     engine = PipelineEngine(hf.sequential(model), hf.causal_lm_loss, num_microbatches=2, loss_count=hf.count_labels)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-2)
@@ -158,14 +166,9 @@ def train_and_export(directory: str, family: str, via_checkpoint: bool) -> None:
     if engine.last:
         torch.save(logits, f"{directory}/logits.pt")
     assert (written is not None) == (ranks.rank() == 0)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("family, via_checkpoint", [("gpt2", False), ("llama", True)])
-def test_save_pretrained_loads_with_from_pretrained_and_computes_the_same(
-    family: str, via_checkpoint: bool, tmp_path: Path
-) -> None:
-    launch(train_and_export, 2, args=(str(tmp_path), family, via_checkpoint), timeout=60, in_process=True)
+    ranks.barrier()  # the checkpoint and the logits written
+    if ranks.rank() != 0:
+        return
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids, _ = batch(4, seed=9)
     with torch.no_grad():
@@ -206,7 +209,12 @@ def test_the_planner_plans_an_hf_model_like_any_sequential() -> None:
     assert all(sum(c.partition) == 6 for c in result.rows)  # the embedding, 4 decoders, the head
 
 
-def with_tensor_parallel() -> None:
+@pytest.mark.timeout(180)
+@on_ranks(2, timeout=150)
+def test_the_models_own_tensor_parallel_plan_translates_to_the_sequential() -> None:
+    """One stage over 2 tensor-parallel ranks (the plan is what is tested), then left padding with tensor_parallel=2
+    and packed rows with fsdp=True (data_parallel=2)."""
+    assert hf.tp_plan(build("llama"))["*.layer.self_attn.q_proj"].__class__.__name__ == "ColwiseParallel"
     model = build("llama", layers=2, tied=False)
     one = OneProcess(model, seq=hf.sequential, run=hf_loss)
     engine = PipelineEngine(
@@ -235,14 +243,6 @@ def with_tensor_parallel() -> None:
     )
 
 
-@pytest.mark.timeout(180)
-def test_the_models_own_tensor_parallel_plan_translates_to_the_sequential() -> None:
-    """One stage over 2 tensor-parallel ranks (the plan is what is tested), then left padding with tensor_parallel=2
-    and packed rows with fsdp=True (data_parallel=2)."""
-    assert hf.tp_plan(build("llama"))["*.layer.self_attn.q_proj"].__class__.__name__ == "ColwiseParallel"
-    launch(with_tensor_parallel, 2, timeout=150)
-
-
 # per-head q_norm/k_norm (Qwen3, Gemma 3: each rank's gradient its heads' part, summed over the tensor-parallel ranks;
 # Qwen3's over two accumulated train_steps too), OLMo 2's over the whole projection (q/k/v gathered: attention whole
 # on each rank, as Phi-3's), Cohere's per-head weights (heads, head_dim) as Command R+ sets them (each rank its heads'
@@ -256,17 +256,14 @@ QK_NORMS: list[tuple[str, dict[str, object], int]] = [
 ]
 
 
-def qk_norms_with_tensor_parallel() -> None:
-    for family, config, accumulate in QK_NORMS:
-        plan = hf.tp_plan(build(family, 2, True, **config))  # the model's own plan, nothing by hand
-        parity(family, ["1f1b"], options={"tensor_parallel": 2, "tp_plan": plan}, config=config, accumulate=accumulate)
-
-
 @pytest.mark.timeout(180)
+@on_ranks(2, timeout=150)
 def test_qk_norms_under_tensor_parallel_equal_hf_with_the_models_own_plan() -> None:
     """tensor_parallel=2 (one stage) with hf.tp_plan alone: loss, every gradient (q_norm's and k_norm's included) and
     the weights after two AdamW steps equal one process."""
-    launch(qk_norms_with_tensor_parallel, 2, timeout=150)
+    for family, config, accumulate in QK_NORMS:
+        plan = hf.tp_plan(build(family, 2, True, **config))  # the model's own plan, nothing by hand
+        parity(family, ["1f1b"], options={"tensor_parallel": 2, "tp_plan": plan}, config=config, accumulate=accumulate)
 
 
 def test_a_parameter_of_attention_split_by_heads_that_the_plan_leaves_out_is_refused_naming_it() -> None:
@@ -302,7 +299,9 @@ EXACT = [
 ]
 
 
-def every_family() -> None:
+@pytest.mark.timeout(240)
+@on_ranks(2, timeout=200, in_process=True)
+def test_every_family_it_takes_equals_hf_past_the_sliding_window() -> None:
     """Each family it takes, past its sliding window (LENGTH 8, window 3), on a schedule each, attention by sdpa and
     by eager in turn."""
     for index, family in enumerate(EXACT):
@@ -313,11 +312,6 @@ def every_family() -> None:
             config={"attn_implementation": attention},
             tied=family not in ("qwen2_moe", "olmo2"),
         )
-
-
-@pytest.mark.timeout(240)
-def test_every_family_it_takes_equals_hf_past_the_sliding_window() -> None:
-    launch(every_family, 2, timeout=200, in_process=True)
 
 
 @pytest.mark.parametrize(
@@ -334,15 +328,12 @@ def test_a_family_it_would_compute_wrongly_is_refused_naming_the_field(
         hf.sequential(build(family, attn_implementation="eager", **config))
 
 
-def left_padding() -> None:
+@pytest.mark.timeout(240)
+@on_ranks(2, timeout=200, in_process=True)
+def test_left_padded_batches_with_their_mask_equal_hf_on_every_schedule() -> None:
     parity("llama", SCHEDULES, padding="left", config={"pad_token_id": PAD})
     parity("gpt2", ["1f1b", "zb-v"], padding="left")
     parity("mistral", ["interleaved"], padding="left", config={"attn_implementation": "eager"})  # and the window
-
-
-@pytest.mark.timeout(240)
-def test_left_padded_batches_with_their_mask_equal_hf_on_every_schedule() -> None:
-    launch(left_padding, 2, timeout=200, in_process=True)
 
 
 DOCUMENTS = [[3, 5], [2, 2, 4], [LENGTH], [4, 4], [1, 7], [5, 3], [2, 6], [6, 2]]  # each row's documents' lengths
@@ -371,14 +362,11 @@ def separate_documents(model: nn.Module, x: tuple[torch.Tensor, torch.Tensor], l
     return total / hf.count_labels(labels)
 
 
-def packed_rows() -> None:
+@pytest.mark.timeout(240)
+@on_ranks(2, timeout=200, in_process=True)
+def test_packed_rows_equal_their_documents_run_separately_on_every_schedule() -> None:
     parity("llama", SCHEDULES, padding="packed", config={"attn_implementation": "sdpa"})
     parity("gpt2", ["zb-v"], padding="packed", config={"attn_implementation": "eager"})  # its learned positions
-
-
-@pytest.mark.timeout(240)
-def test_packed_rows_equal_their_documents_run_separately_on_every_schedule() -> None:
-    launch(packed_rows, 2, timeout=200, in_process=True)
 
 
 def test_a_packed_sequential_without_position_ids_is_refused() -> None:
@@ -405,13 +393,10 @@ def test_a_left_padded_batch_without_its_mask_is_refused_saying_how_to_pass_it()
         launch(left_padded_without_mask, 2, timeout=30, in_process=True)
 
 
-def accumulated_tie() -> None:
-    parity("gpt2", ["1f1b"], accumulate=2)  # the tied embedding and head across 2 ranks: G1 + G2, not 2 G1 + G2
-
-
 @pytest.mark.timeout(120)
+@on_ranks(2, timeout=90, in_process=True)
 def test_gradients_accumulated_over_steps_equal_hf_with_the_head_tied_across_ranks() -> None:
-    launch(accumulated_tie, 2, timeout=90, in_process=True)
+    parity("gpt2", ["1f1b"], accumulate=2)  # the tied embedding and head across 2 ranks: G1 + G2, not 2 G1 + G2
 
 
 def heads_refused(kv_heads: int, heads: int) -> None:
@@ -432,9 +417,13 @@ def test_a_tensor_parallel_degree_that_splits_a_head_is_refused_naming_the_heads
         launch(heads_refused, 2, args=(kv_heads, heads), timeout=30, in_process=True)
 
 
-def export_parallel(directory: str) -> None:
+@pytest.mark.timeout(180)
+@on_ranks(4, timeout=150)
+def test_save_pretrained_after_tensor_parallel_or_fsdp_training_loads_and_computes_the_same(tmp_path: Path) -> None:
     """Trained on 4 gloo ranks with tensor parallelism or FSDP, then exported: save_pretrained writes whole
-    tensors of the model given to hf.sequential (its layers parallelized or sharded now)."""
+    tensors of the model given to hf.sequential (its layers parallelized or sharded now); transformers loads them,
+    and they compute the engine's logits."""
+    directory = str(tmp_path)
     # a tied GPT-2 sharded, a Llama over tensor-parallel ranks (a Llama sharded: the composition matrix)
     cases = [("gpt2", {"data_parallel": 2, "fsdp": True}), ("llama", {"tensor_parallel": 2})]
     for index, (family, options) in enumerate(cases):
@@ -452,11 +441,9 @@ def export_parallel(directory: str) -> None:
         assert (written is not None) == (ranks.rank() == 0)
         if engine.last and engine.dp_rank == 0 and engine.tp_rank == 0:
             torch.save(logits, f"{directory}/{index}.pt")
-
-
-@pytest.mark.timeout(180)
-def test_save_pretrained_after_tensor_parallel_or_fsdp_training_loads_and_computes_the_same(tmp_path: Path) -> None:
-    launch(export_parallel, 4, args=(str(tmp_path),), timeout=150)
+    ranks.barrier()  # the checkpoints and the logits written
+    if ranks.rank() != 0:
+        return
     for index in range(2):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(index))
         ids, _ = batch(4, seed=index)

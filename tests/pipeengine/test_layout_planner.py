@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from pipeengine.construction import measure
 from pipeengine.planner import calibration, probes, shared_cores, wakes
 from pipeengine.planner import measure as planner_measure
@@ -79,6 +79,7 @@ def test_every_factorisation_of_4_ranks_is_priced_with_fsdp_both_ways(planned) -
     assert str(planned).count("dp") > 6 and "prices: calibrated on" in str(planned)
 
 
+@on_ranks(4, timeout=240)
 def test_every_layout_row_builds_and_trains_like_one_process_on_4_gloo_ranks(planned, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     chosen: dict[tuple[int, int, int, bool], dict[str, object]] = {}
     for c in planned.rows:  # the fastest row of each layout, FSDP on and off; one checkpointed row
@@ -94,12 +95,34 @@ def test_every_layout_row_builds_and_trains_like_one_process_on_4_gloo_ranks(pla
         "data_parallel": 1,
         "num_microbatches": 2,
     }  # one size to measure (in a spawned process: TP on ranks)
-    launch(train_each, 4, args=(list(chosen.values()),), timeout=240)
+    x, y = data()
+    for kwargs in chosen.values():
+        if kwargs["schedule"] == "auto":
+            kwargs = {**kwargs, "sample": x if ranks.rank() == 0 else None}
+        dp = int(kwargs["data_parallel"])  # type: ignore[call-overload]
+        model = blocks()
+        one = OneProcess(model, mse)
+        engine = PipelineEngine(model, mse, **kwargs)  # type: ignore[arg-type]
+        optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
+        share = BATCH // dp
+        parts = [(x[r * share : (r + 1) * share], y[r * share : (r + 1) * share]) for r in range(dp)]
+        train_like_one_process(engine, one, optimizers, 2, f"layout {kwargs}", lambda step, parts=parts: parts)  # type: ignore[misc]
 
 
-def auto_without_prices(prices: str, fixture: str) -> None:
-    """schedule="auto" where no prices are kept: every rank measures them (calibration.calibrate, here the fixture's
+@pytest.fixture
+def kept_prices() -> str:
+    """The prices file the tests keep (tests/conftest.py's), as the pytest process names it."""
+    return os.environ["PIPEENGINE_CALIBRATION"]
+
+
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=60)
+def test_schedule_auto_with_no_prices_kept_measures_them_on_every_rank_and_rank_0_keeps_them(
+    tmp_path: Path, kept_prices: str
+) -> None:
+    """schedule="auto" where no prices are kept: every rank measures them (calibration.calibrate, here the kept
     prices, counted) and rank 0 keeps them; then the engine builds the planner's choice."""
+    prices, fixture = str(tmp_path / "prices.json"), kept_prices
     calls: list[int] = []
 
     def measured(engine: object) -> Prices:
@@ -113,28 +136,6 @@ def auto_without_prices(prices: str, fixture: str) -> None:
     assert calls == [1] and engine.tuned is not None
     ranks.barrier()
     assert json.loads(Path(prices).read_text())["world_size"] == 2
-
-
-@pytest.mark.timeout(120)
-def test_schedule_auto_with_no_prices_kept_measures_them_on_every_rank_and_rank_0_keeps_them(tmp_path: Path) -> None:
-    launch(
-        auto_without_prices, 2, args=(str(tmp_path / "prices.json"), os.environ["PIPEENGINE_CALIBRATION"]), timeout=60
-    )
-
-
-def train_each(rows: list[dict[str, object]]) -> None:
-    x, y = data()
-    for kwargs in rows:
-        if kwargs["schedule"] == "auto":
-            kwargs = {**kwargs, "sample": x if ranks.rank() == 0 else None}
-        dp = int(kwargs["data_parallel"])  # type: ignore[call-overload]
-        model = blocks()
-        one = OneProcess(model, mse)
-        engine = PipelineEngine(model, mse, **kwargs)  # type: ignore[arg-type]
-        optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
-        share = BATCH // dp
-        parts = [(x[r * share : (r + 1) * share], y[r * share : (r + 1) * share]) for r in range(dp)]
-        train_like_one_process(engine, one, optimizers, 2, f"layout {kwargs}", lambda step, parts=parts: parts)  # type: ignore[misc]
 
 
 @pytest.fixture(scope="module")
@@ -152,19 +153,16 @@ def tied_v():  # type: ignore[no-untyped-def]
     return searched, fixed
 
 
+@on_ranks(2, timeout=120)
 def test_every_row_offered_for_a_tied_model_on_a_v_builds(tied_v) -> None:  # type: ignore[no-untyped-def]
     """ZB-V's V puts the embedding's stage and the head's on one rank, where FSDP cannot shard their weight (one root
     per stage): the search asks each cut the engine's own rule (pipeengine.parallel.checked_ties), so it offers no
     dp2 x pp1 fsdp row, and says why."""
     searched, _ = tied_v
-    launch(build_each, 2, args=([c.engine_kwargs() for c in searched.rows],), timeout=120)
+    for kwargs in [c.engine_kwargs() for c in searched.rows]:
+        PipelineEngine(tied_gpt(blocks=2), one_process_loss, **kwargs)  # type: ignore[arg-type]
     assert {(c.data_parallel, c.fsdp) for c in searched.rows} == {(1, False), (2, False)}
     assert "both on pipeline rank 0" in searched.refused["dp2 x pp1 x tp1 fsdp"]
-
-
-def build_each(rows: list[dict[str, object]]) -> None:
-    for kwargs in rows:
-        PipelineEngine(tied_gpt(blocks=2), one_process_loss, **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_layout_is_priced_alike_found_by_the_search_or_fixed(tied_v) -> None:  # type: ignore[no-untyped-def]

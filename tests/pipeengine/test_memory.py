@@ -9,49 +9,61 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import PipelineEngine, launch
+from pipeengine import PipelineEngine
 from schedules import Costs, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.memory import activation_heavy, step_then_trace, traced_peak
 from tests.pipeengine.models import SEEDED
+from tests.pipeengine.ranks import on_ranks
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 
 
-def traced_peaks(schedules: list[str], checkpoint: str, directory: str) -> None:
-    """For each schedule, one traced step; rank 0 saves the measured peaks and the simulator's, fed the step's sizes."""
-    for schedule in schedules:
-        traced_peak(schedule, checkpoint, f"{directory}/{schedule}.pickle")
-
-
-def run(ranks_: int, schedules: list[str], checkpoint: str, tmp_path: Path, in_process: bool) -> list[tuple]:  # type: ignore[type-arg]
-    """(measured peaks, predicted peaks, state, the allocator's peaks, the full prediction's) per schedule."""
-    launch(traced_peaks, ranks_, args=(schedules, checkpoint, str(tmp_path)), timeout=60, in_process=in_process)
-    return [pickle.loads((tmp_path / f"{schedule}.pickle").read_bytes()) for schedule in schedules]
+def within_10_percent(schedule: str, checkpoint: str, tmp_path: Path) -> None:
+    """One traced step; rank 0 checks every rank's predicted peak against the measured one."""
+    path = tmp_path / f"{schedule}.pickle"
+    traced_peak(schedule, checkpoint, str(path))
+    if ranks.rank() == 0:
+        measured, predicted, state, *_ = pickle.loads(path.read_bytes())
+        assert len(measured) == len(predicted) == ranks.size()
+        for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+            assert abs(p - m) <= 0.10 * m, f"rank {rank}: predicted {p:.0f} bytes, measured {m:.0f}"
+        # the activations, not the weights, make these peaks: the test would see a model that forgot them
+        assert max(measured) > 3 * max(state)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("ranks_", [2, 4])
-def test_the_predicted_peak_of_every_rank_is_within_10_percent_of_the_measured(
-    ranks_: int, schedule: str, checkpoint: str, tmp_path: Path
+@on_ranks(2, timeout=60, in_process=True)
+def test_the_predicted_peak_of_every_rank_of_2_is_within_10_percent_of_the_measured(
+    schedule: str, checkpoint: str, tmp_path: Path
 ) -> None:
-    ((measured, predicted, state, *_),) = run(ranks_, [schedule], checkpoint, tmp_path, in_process=True)
-    assert len(measured) == len(predicted) == ranks_
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert abs(p - m) <= 0.10 * m, f"rank {rank}: predicted {p:.0f} bytes, measured {m:.0f}"
-    # the activations, not the weights, make these peaks: the test would see a model that forgot them
-    assert max(measured) > 3 * max(state)
+    within_10_percent(schedule, checkpoint, tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@on_ranks(4, timeout=60, in_process=True)
+def test_the_predicted_peak_of_every_rank_of_4_is_within_10_percent_of_the_measured(
+    schedule: str, checkpoint: str, tmp_path: Path
+) -> None:
+    within_10_percent(schedule, checkpoint, tmp_path)
 
 
 @pytest.mark.timeout(180)
+@on_ranks(2, timeout=90)
 def test_on_real_gloo_ranks_where_every_recv_is_posted_first(tmp_path: Path) -> None:
     """The ledger's peaks against the simulator fed the ledger's sizes; and, gloo ranks being processes, the
     allocator's peaks (every allocation) against the simulator fed the computes' transients as well."""
     schedules = ["1f1b", "zb-v"]  # one chunk per rank, and two
-    # one process group: the activation-heavy model's steps, then the state-heavy model's (test below)
-    launch(on_processes, 2, args=(schedules, str(tmp_path)), timeout=90)
+    # one process group: the activation-heavy model's steps, then the state-heavy model's (below)
+    for schedule in schedules:
+        traced_peak(schedule, "never", f"{tmp_path}/{schedule}.pickle")
+    state_heavy(schedules, f"{tmp_path}/state.pickle")
+    if ranks.rank() != 0:
+        return
     results = [pickle.loads((tmp_path / f"{schedule}.pickle").read_bytes()) for schedule in schedules]
     for schedule, (measured, predicted, _, allocated, full) in zip(schedules, results, strict=True):
         for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
@@ -59,11 +71,6 @@ def test_on_real_gloo_ranks_where_every_recv_is_posted_first(tmp_path: Path) -> 
         for rank, (a, p) in enumerate(zip(allocated, full, strict=True)):
             assert abs(p - a) <= 0.10 * a, f"{schedule}, rank {rank}: predicted {p:.0f} bytes, allocator {a:.0f}"
     where_the_state_dominates(schedules, tmp_path / "state.pickle")
-
-
-def on_processes(schedules: list[str], directory: str) -> None:
-    traced_peaks(schedules, "never", directory)
-    state_heavy(schedules, f"{directory}/state.pickle")
 
 
 def state_heavy(schedules: list[str], path: str) -> None:
@@ -106,23 +113,18 @@ def where_the_state_dominates(schedules: list[str], path: Path) -> None:
             assert abs(p - a) <= 0.10 * a, f"{schedule}, rank {rank}: predicted {p:.0f} bytes, allocator {a:.0f}"
 
 
-def state_of(path: str) -> None:
+@pytest.mark.timeout(60)
+@on_ranks(2, timeout=30, in_process=True)
+def test_the_state_is_the_weights_their_gradients_and_the_optimizers_copies() -> None:
     engine = PipelineEngine(activation_heavy(), nn.functional.mse_loss, num_microbatches=2, schedule="gpipe")
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     with engine.tracing():  # no optimizer given: AdamW's two copies of every parameter
         engine.train_step(x if engine.first else None, y if engine.last else None)
     timeline = engine.timeline()
-    if timeline is not None:
-        with open(path, "wb") as out:
-            pickle.dump((timeline.sizes, [b for _, b, a in timeline.memory[0] if a is None]), out)  # type: ignore[index]
-
-
-@pytest.mark.timeout(60)
-def test_the_state_is_the_weights_their_gradients_and_the_optimizers_copies(tmp_path: Path) -> None:
-    path = tmp_path / "state.pickle"
-    launch(state_of, 2, args=(str(path),), timeout=30, in_process=True)
-    with path.open("rb") as data:
-        sizes, at_start = pickle.load(data)
+    if ranks.rank() != 0:
+        return
+    assert timeline is not None
+    sizes, at_start = timeline.sizes, [b for _, b, a in timeline.memory[0] if a is None]  # type: ignore[index]
     weights = 4 * (16 * 16 + 16) * 4  # 4 Linear(16, 16) per stage, float32
     # the gradients come with the stage's first backward: zero_grad(set_to_none=True) leaves none at the start
     assert sizes.state == [4 * weights, 4 * weights] and sizes.grads_late == [weights, weights]

@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import Partition, PipelineEngine, launch, measure, plan, solve
+from pipeengine import Partition, PipelineEngine, measure, plan, solve
 from pipeengine.construction.partition import method_costs
 from pipeengine.core.bounds import bounds_from_counts, check_bounds, stage_module
 from schedules import Costs, build_schedule, simulate
 from tests.pipeengine import ranks
 from tests.pipeengine.models import MODELS, batch
+from tests.pipeengine.ranks import on_ranks
 
 
 def brute_force(costs: list[float], stages: int) -> float:
@@ -253,8 +254,10 @@ def test_time_without_a_sample_says_so() -> None:
         plan(ten_x_widths(), 2, "time")
 
 
-def partition_agreement() -> None:
-    """Rank 0 alone has the sample: it measures, all agree; default 'time' with it, 'parameters' without."""
+@pytest.mark.timeout(120)
+@on_ranks(4, timeout=60, in_process=True)
+def test_every_rank_builds_the_same_partition_from_the_first_ranks_measurements() -> None:
+    """Rank 0 alone has the sample: it measures, all agree on the partition by time, and it trains."""
     build, loss_fn = MODELS["transformer"]
     x, y = batch("transformer", 8, seed=0)
     engine = PipelineEngine(build(), loss_fn, num_microbatches=4, sample=x if ranks.rank() == 0 else None)
@@ -262,17 +265,30 @@ def partition_agreement() -> None:
     everyone = ranks.all_gather_object((engine.partition.bounds, engine.partition.costs.time))
     assert all(view == everyone[0] for view in everyone), everyone
     engine.train_step(x if engine.first else None, y if engine.last else None)  # and it trains
+
+
+@pytest.mark.timeout(120)
+@on_ranks(4, timeout=60, in_process=True)
+def test_without_a_sample_the_engine_partitions_by_parameters() -> None:
+    build, loss_fn = MODELS["transformer"]
     assert PipelineEngine(build(), loss_fn, num_microbatches=4).partition.method == "parameters"
+
+
+@pytest.mark.timeout(120)
+@on_ranks(4, timeout=60, in_process=True)
+def test_an_engine_given_layer_counts_cuts_the_model_at_them() -> None:
+    build, loss_fn = MODELS["transformer"]
     explicit = PipelineEngine(build(), loss_fn, num_microbatches=4, partition=[3, 2, 2, 2])
     assert explicit.partition.bounds == [(0, 3), (3, 5), (5, 7), (7, 9)]
+
+
+@pytest.mark.timeout(120)
+@on_ranks(4, timeout=60, in_process=True)
+def test_an_engine_partitioned_by_time_with_no_sample_anywhere_is_refused() -> None:
+    build, loss_fn = MODELS["transformer"]
     try:
         PipelineEngine(build(), loss_fn, num_microbatches=4, partition="time")  # no sample anywhere
     except ValueError as error:
         assert "needs sample=" in str(error) or "could not measure" in str(error), error
     else:
         raise AssertionError("partition='time' without a sample was accepted")
-
-
-@pytest.mark.timeout(120)
-def test_every_rank_builds_the_same_partition_from_the_first_ranks_measurements() -> None:
-    launch(partition_agreement, 4, timeout=60, in_process=True)

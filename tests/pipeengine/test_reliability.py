@@ -24,6 +24,7 @@ from tests.pipeengine import ranks
 from tests.pipeengine.models import SEEDED, mlp, mse
 from tests.pipeengine.parity import OneProcess, check_grads, check_weights, close, step_both
 from tests.pipeengine.processes import alive, descendants
+from tests.pipeengine.ranks import on_ranks
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -78,15 +79,29 @@ def frozen_parity(schedule: str, how: str, steps: int = 3) -> None:
     check_weights(engine, one, f"{schedule} {how}: after {steps} steps")
 
 
+FROZEN = pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
+HOW = pytest.mark.parametrize("how", ["frozen", "detached"])
+
+
+@pytest.mark.timeout(90)
+@FROZEN
+@HOW
+@on_ranks(2, timeout=60, in_process=True)
+def test_stages_that_need_no_gradient_train_like_one_process_on_2_ranks(schedule: str, how: str) -> None:
+    frozen_parity(schedule, how)
+
+
+@pytest.mark.timeout(90)
+@FROZEN
+@HOW
+@on_ranks(4, timeout=60, in_process=True)
+def test_stages_that_need_no_gradient_train_like_one_process_on_4_ranks(schedule: str, how: str) -> None:
+    frozen_parity(schedule, how)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
-@pytest.mark.parametrize("how", ["frozen", "detached"])
-def test_stages_that_need_no_gradient_train_like_one_process(schedule: str, how: str) -> None:
-    for world in (2, 4):
-        launch(frozen_parity, world, args=(schedule, how), timeout=60, in_process=True)
-
-
-def reproduction() -> None:
+@on_ranks(2, timeout=60)  # once: IndexError: list index out of range
+def test_the_frozen_first_stage_of_the_issue_trains_on_real_ranks() -> None:
     """The issue's case: 4 Linear(8, 8), the first two frozen, partition [2, 2], one train_step."""
     with SEEDED:
         torch.manual_seed(0)
@@ -99,11 +114,6 @@ def reproduction() -> None:
     loss = engine.train_step(x if engine.first else None, y if engine.last else None)
     close(loss, one.step([(x, y)]), "loss")
     check_grads(engine, one, "the frozen first stage", without_grad="none")
-
-
-@pytest.mark.timeout(120)
-def test_the_frozen_first_stage_of_the_issue_trains_on_real_ranks() -> None:
-    launch(reproduction, 2, timeout=60)  # once: IndexError: list index out of range
 
 
 def under_inference_mode() -> None:

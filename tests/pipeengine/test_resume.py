@@ -15,10 +15,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from pipeengine import PipelineEngine, ReplicaLoader, latest_checkpoint, launch
+from pipeengine import PipelineEngine, ReplicaLoader, latest_checkpoint
 from pipeengine.core.dtensors import local
 from tests.pipeengine import ranks
 from tests.pipeengine.parity import close
+from tests.pipeengine.ranks import on_ranks
 
 STEPS, SAVED_AT, WIDTH = 4, 2, 16
 
@@ -117,40 +118,6 @@ DP2 = {"data_parallel": 2}
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipe-v"]
 
 
-def every_schedule(directory: str) -> None:
-    """On 2 ranks (pp=2), every schedule, every other one saving in the background; then the negative control:
-    without the generators' state the dropout draws otherwise, and the test sees it; then a failing write."""
-    for index, schedule in enumerate(SCHEDULES):
-        equal_resume(f"{directory}/{index}", {"schedule": schedule}, background=index % 2 == 1)
-    equal_resume(f"{directory}/fp16", {"schedule": "1f1b", "precision": "fp16"})  # the loss scale resumes too
-    losses, _, _ = run(f"{directory}/control", {"schedule": "1f1b"})
-    again, _, _ = run(f"{directory}/control", {"schedule": "1f1b"}, resume=True, reseed=True)
-    assert again != losses[SAVED_AT:], "reseeding after the load changed nothing: the dropout draws nothing here"
-    failing_write(f"{directory}/fault")
-    refused(f"{directory}/refused")
-
-
-def replicas_shards_and_layouts(directory: str) -> None:
-    """On 4 ranks: dp=2 x pp=2, fsdp=True (the sharded format, in the background and not), tensor_parallel=2 x
-    pp=2. Then saved on dp=2 x pp=2, resumed on dp=1 x pp=4 and dp=4 x pp=1: the same global samples, the same
-    losses within float32's tolerance (no dropout: another layout draws otherwise)."""
-    for index, (options, background) in enumerate(
-        [
-            ({**DP2, "schedule": "1f1b"}, True),
-            ({**DP2, "schedule": "1f1b", "fsdp": True}, True),
-            ({**DP2, "schedule": "zb-h1", "fsdp": True}, False),
-            ({"schedule": "1f1b", "tensor_parallel": 2, "tp_plan": tp_plan()}, True),
-        ]
-    ):
-        equal_resume(f"{directory}/{index}", options, background)
-    losses, read, _ = run(f"{directory}/layouts", {**DP2, "schedule": "1f1b"}, dropout=0.0)
-    for options in ({"schedule": "1f1b"}, {"data_parallel": 4, "schedule": "gpipe", "num_microbatches": 2}):
-        again, read_again, _ = run(f"{directory}/layouts", options, resume=True, dropout=0.0)
-        assert read_again == read[SAVED_AT:], f"{options}: read {read_again}, the uninterrupted run {read[SAVED_AT:]}"
-        for step, (a, b) in enumerate(zip(again, losses[SAVED_AT:], strict=True)):
-            close(a, b, f"{options}: the loss {step} steps after the resume")
-
-
 def failing_write(directory: str) -> None:
     """Rank 1's background write of the second checkpoint fails (its generators' file): `latest` stays on the
     first, whose files are all there, and the next call raises on every rank, naming the rank and the fault."""
@@ -218,10 +185,38 @@ def refused(directory: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@on_ranks(2, timeout=120)
 def test_every_schedule_resumes_exactly_and_a_failed_write_moves_nothing(tmp_path: Path) -> None:
-    launch(every_schedule, 2, args=(str(tmp_path),), timeout=120)
+    """On 2 ranks (pp=2), every schedule, every other one saving in the background; then the negative control:
+    without the generators' state the dropout draws otherwise, and the test sees it; then a failing write."""
+    for index, schedule in enumerate(SCHEDULES):
+        equal_resume(f"{tmp_path}/{index}", {"schedule": schedule}, background=index % 2 == 1)
+    equal_resume(f"{tmp_path}/fp16", {"schedule": "1f1b", "precision": "fp16"})  # the loss scale resumes too
+    losses, _, _ = run(f"{tmp_path}/control", {"schedule": "1f1b"})
+    again, _, _ = run(f"{tmp_path}/control", {"schedule": "1f1b"}, resume=True, reseed=True)
+    assert again != losses[SAVED_AT:], "reseeding after the load changed nothing: the dropout draws nothing here"
+    failing_write(f"{tmp_path}/fault")
+    refused(f"{tmp_path}/refused")
 
 
 @pytest.mark.timeout(300)
+@on_ranks(4, timeout=120)
 def test_replicas_fsdp_and_tp_resume_exactly_and_another_layout_reads_the_same_samples(tmp_path: Path) -> None:
-    launch(replicas_shards_and_layouts, 4, args=(str(tmp_path),), timeout=120)
+    """On 4 ranks: dp=2 x pp=2, fsdp=True (the sharded format, in the background and not), tensor_parallel=2 x
+    pp=2. Then saved on dp=2 x pp=2, resumed on dp=1 x pp=4 and dp=4 x pp=1: the same global samples, the same
+    losses within float32's tolerance (no dropout: another layout draws otherwise)."""
+    for index, (options, background) in enumerate(
+        [
+            ({**DP2, "schedule": "1f1b"}, True),
+            ({**DP2, "schedule": "1f1b", "fsdp": True}, True),
+            ({**DP2, "schedule": "zb-h1", "fsdp": True}, False),
+            ({"schedule": "1f1b", "tensor_parallel": 2, "tp_plan": tp_plan()}, True),
+        ]
+    ):
+        equal_resume(f"{tmp_path}/{index}", options, background)
+    losses, read, _ = run(f"{tmp_path}/layouts", {**DP2, "schedule": "1f1b"}, dropout=0.0)
+    for options in ({"schedule": "1f1b"}, {"data_parallel": 4, "schedule": "gpipe", "num_microbatches": 2}):
+        again, read_again, _ = run(f"{tmp_path}/layouts", options, resume=True, dropout=0.0)
+        assert read_again == read[SAVED_AT:], f"{options}: read {read_again}, the uninterrupted run {read[SAVED_AT:]}"
+        for step, (a, b) in enumerate(zip(again, losses[SAVED_AT:], strict=True)):
+            close(a, b, f"{options}: the loss {step} steps after the resume")

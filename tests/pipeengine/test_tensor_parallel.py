@@ -37,6 +37,7 @@ from tests.pipeengine.parity import (
     step_both,
     train_like_one_process,
 )
+from tests.pipeengine.ranks import on_ranks
 
 
 def parity(
@@ -319,24 +320,6 @@ def flat_model_and_plan() -> tuple[nn.Sequential, dict[str, object]]:
     return model, {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(), "5": RowwiseParallel()}
 
 
-def default_partition_around_shards() -> None:
-    """The engine's own partition (no sample: by parameters) never ends a stage on a shard, and trains as one
-    process does."""
-    model, tp_plan = flat_model_and_plan()
-    one = OneProcess(model, nn.functional.mse_loss)
-    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=tp_plan)
-    assert engine.bounds == [(0, 3), (3, 6)], engine.bounds  # by parameters alone: a cut after 3 or 4, a shard sent
-    optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
-    generator = torch.Generator().manual_seed(0)
-    data = [(torch.randn(4, 16, generator=generator), torch.randn(4, 64, generator=generator)) for _ in range(2)]
-    assert (
-        train_like_one_process(
-            engine, one, optimizers, 2, "the default partition around shards", lambda step: [data[step]]
-        )
-        > 0
-    )
-
-
 def test_the_engines_own_partition_reads_which_layers_end_in_a_shard() -> None:
     """Read from the plan's styles (resolved names): column-wise to row-wise is sharded between, a layer with no
     style keeps what came in; a block whose last style is row-wise ends whole."""
@@ -364,8 +347,23 @@ def test_the_engines_own_partition_reads_which_layers_end_in_a_shard() -> None:
 
 
 @pytest.mark.timeout(120)
+@on_ranks(4, timeout=90)
 def test_the_engines_own_partition_never_ends_a_stage_on_a_shard() -> None:
-    launch(default_partition_around_shards, 4, timeout=90)
+    """The engine's own partition (no sample: by parameters) never ends a stage on a shard, and trains as one
+    process does."""
+    model, tp_plan = flat_model_and_plan()
+    one = OneProcess(model, nn.functional.mse_loss)
+    engine = PipelineEngine(model, nn.functional.mse_loss, num_microbatches=2, tensor_parallel=2, tp_plan=tp_plan)
+    assert engine.bounds == [(0, 3), (3, 6)], engine.bounds  # by parameters alone: a cut after 3 or 4, a shard sent
+    optimizers = (torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(one.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 16, generator=generator), torch.randn(4, 64, generator=generator)) for _ in range(2)]
+    assert (
+        train_like_one_process(
+            engine, one, optimizers, 2, "the default partition around shards", lambda step: [data[step]]
+        )
+        > 0
+    )
 
 
 @pytest.mark.timeout(120)

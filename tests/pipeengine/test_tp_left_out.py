@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import PipelineEngine, hf, launch
+from pipeengine import PipelineEngine, hf
 from tests.pipeengine.hf_models import batch, build
 from tests.pipeengine.models import SEEDED
 from tests.pipeengine.parity import OneProcess, check_grads
+from tests.pipeengine.ranks import on_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +43,9 @@ def scaled_mlp() -> nn.Sequential:
         return nn.Sequential(nn.Linear(8, 16), PerGroupScale(4), nn.Linear(16, 8))
 
 
-def left_out() -> None:
+@pytest.mark.timeout(90)
+@on_ranks(2, timeout=60)
+def test_a_whole_parameter_whose_gradient_differs_over_the_tensor_parallel_ranks_is_refused_at_the_first_step() -> None:
     """Qwen3 with its q_norm/k_norm left out, then plain torch layers with a per-group weight left out: each refused
     at the first step, on both ranks, naming the parameters; marked ReplicatedGradSum, the latter trains as one
     process."""
@@ -77,11 +80,6 @@ def left_out() -> None:
     engine.train_step(x, y)
     one.step([(x, y)])
     check_grads(engine, one, "a per-group weight marked ReplicatedGradSum")
-
-
-@pytest.mark.timeout(90)
-def test_a_whole_parameter_whose_gradient_differs_over_the_tensor_parallel_ranks_is_refused_at_the_first_step() -> None:
-    launch(left_out, 2, timeout=60)
 
 
 def test_a_weight_with_a_row_per_head_beside_a_column_wise_projection_is_refused_when_built() -> None:

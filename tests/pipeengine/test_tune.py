@@ -22,6 +22,7 @@ from tests.pipeengine import ranks
 from tests.pipeengine.memory import activation_heavy, step_then_trace, weight_heavy
 from tests.pipeengine.models import batch, mlp, mse
 from tests.pipeengine.parity import OneProcess, check_grads, close
+from tests.pipeengine.ranks import on_ranks
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -67,8 +68,11 @@ def test_an_unknown_schedule_or_a_micro_batch_count_that_fits_nothing_is_refused
         tune(mlp(), mse, torch.randn(16, 16), 2, microbatches=[3, 5])
 
 
-def train_the_choice(choice: Candidate) -> None:
+@pytest.mark.timeout(120)
+@on_ranks(2, timeout=60, in_process=True)
+def test_the_best_candidate_builds_an_engine_that_trains_like_one_process(result) -> None:  # type: ignore[no-untyped-def]
     """The planner's choice, built from its engine_kwargs, trains like one process."""
+    choice: Candidate = result.best
     model = mlp()
     one = OneProcess(model, mse)
     engine = PipelineEngine(model, mse, **choice.engine_kwargs())  # type: ignore[arg-type]
@@ -78,11 +82,8 @@ def train_the_choice(choice: Candidate) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_the_best_candidate_builds_an_engine_that_trains_like_one_process(result) -> None:  # type: ignore[no-untyped-def]
-    launch(train_the_choice, 2, args=(result.best,), timeout=60, in_process=True)
-
-
-def auto(path: str) -> None:
+@on_ranks(2, timeout=60, in_process=True)
+def test_schedule_auto_tunes_on_the_first_rank_and_every_rank_builds_its_choice() -> None:
     model = mlp()
     one = OneProcess(model, mse)
     x, y = batch("mlp", 16, seed=1)
@@ -93,15 +94,7 @@ def auto(path: str) -> None:
     assert all(view == everyone[0] for view in everyone), everyone  # every rank built the same choice
     close(engine.train_step(x if engine.first else None, y if engine.last else None), one.step([(x, y)]), "loss")
     check_grads(engine, one, "schedule='auto'")
-    if ranks.rank() == 0:
-        Path(path).write_text(f"{engine.tuned.schedule} {engine.num_microbatches}")  # type: ignore[union-attr]
-
-
-@pytest.mark.timeout(120)
-def test_schedule_auto_tunes_on_the_first_rank_and_every_rank_builds_its_choice(tmp_path: Path) -> None:
-    launch(auto, 2, args=(str(tmp_path / "choice"),), timeout=60, in_process=True)
-    name, m = (tmp_path / "choice").read_text().split()
-    assert name in SCHEDULES and 16 % int(m) == 0
+    assert engine.tuned.schedule in SCHEDULES and 16 % engine.num_microbatches == 0  # type: ignore[union-attr]
 
 
 def without_sample() -> None:
@@ -159,18 +152,15 @@ def test_the_layers_are_timed_as_launchs_ranks_run_keeping_freed_memory(
 
 
 @pytest.mark.timeout(120)
+@on_ranks(2, timeout=60, in_process=True)
 def test_each_layers_bytes_compose_into_what_the_engine_measures_per_stage(tmp_path: Path) -> None:
     """Bytes, not times: exact. A split backward's I lets go of what only nodes above W's restart points saved
     (each layer's Tanh output at the top of a stage, the loss's input), so after I a stage holds less than before."""
     x, y = torch.randn(2048, 16, generator=torch.Generator().manual_seed(0)), torch.randn(2048, 16)
     partition = [1, 2, 3, 2]
-    launch(
-        traced_step,
-        2,
-        args=({"schedule": "zb-v", "num_microbatches": 8, "partition": partition}, str(tmp_path / "sizes.pickle")),
-        timeout=60,
-        in_process=True,
-    )
+    traced_step({"schedule": "zb-v", "num_microbatches": 8, "partition": partition}, str(tmp_path / "sizes.pickle"))
+    if ranks.rank() != 0:  # rank 0 saved the step's sizes
+        return
     _, _, measured, *_ = pickle.loads((tmp_path / "sizes.pickle").read_bytes())
     profile = profile_layers(
         activation_heavy(), x, 256, repeats=1, device=torch.device("cpu"), loss=nn.functional.mse_loss, target=y
@@ -184,20 +174,29 @@ def test_each_layers_bytes_compose_into_what_the_engine_measures_per_stage(tmp_p
         assert composed.after_input[stage] < composed.activation[stage] + sum(profile.kept[a:b])
 
 
-@pytest.mark.timeout(180)
-def test_the_planners_peaks_hold_against_the_allocator(tmp_path: Path) -> None:
-    """Composed from each layer's bytes and what the allocator saw of its computes, the planner's figure per rank
-    (the step's peak, or the optimizer step's after it) is within 10% of the allocator's on gloo processes. The
-    candidates are chosen by their partitions, not their predicted times (which a loaded machine reorders): per
-    schedule, the first cut by a method other than time."""
+@pytest.fixture
+def choices() -> list[Candidate]:
+    """The planner's candidates for activation_heavy on 2 ranks, chosen by their partitions, not their predicted
+    times (which a loaded machine reorders): per schedule, the first cut by a method other than time."""
     x, y = data(False)
     planned = tune(activation_heavy(), nn.functional.mse_loss, x, 2, target=y, microbatches=[8], repeats=1)
     choices = []
     for schedule in ("1f1b", "zb-v"):
         mine = [c for c in planned.rows if c.schedule == schedule and set(c.methods) - {"time"}]
         choices.append(min(mine, key=lambda c: (c.chunks, c.partition)))
+    return choices
+
+
+@pytest.mark.timeout(180)
+@on_ranks(2, timeout=60)
+def test_the_planners_peaks_hold_against_the_allocator(choices: list[Candidate], tmp_path: Path) -> None:
+    """Composed from each layer's bytes and what the allocator saw of its computes, the planner's figure per rank
+    (the step's peak, or the optimizer step's after it) is within 10% of the allocator's on gloo processes (the
+    candidates: the fixture's)."""
     paths = [str(tmp_path / f"peaks{index}.pickle") for index in range(len(choices))]
-    launch(traced_steps, 2, args=([c.engine_kwargs() for c in choices], paths), timeout=60)  # one process group
+    traced_steps([c.engine_kwargs() for c in choices], paths)  # one process group
+    if ranks.rank() != 0:  # rank 0 saved each step's peaks
+        return
     for choice, path in zip(choices, paths, strict=True):
         *_, allocated, stepped = pickle.loads(Path(path).read_bytes())
         required = [max(a, b) for a, b in zip(allocated, stepped, strict=True)]
@@ -247,11 +246,9 @@ def test_a_checkpointed_weight_pass_holds_its_stages_gradients_and_the_planner_c
             assert abs(p - m) <= 0.03 * m, (checkpoint, rank, p, m)
 
 
-@pytest.mark.timeout(120)
-def test_a_checkpointed_forward_keeps_the_rng_state_and_the_planner_counts_it(tmp_path: Path) -> None:
-    """torch's checkpoint stashes the RNG state with each call (preserve_rng_state; on the CPU 5056 bytes, in the
-    memory the allocator watches) until its backward: a DualPipeV rank of one small layer a stage holds about 9
-    micro-batches' at its peak, 6.5% of the rank's figure, which the planner missed. Within 1% now."""
+@pytest.fixture
+def dualpipe_v_choice() -> Candidate:
+    """The planner's one candidate for weight_heavy on 4 ranks under DualPipeV, every stage checkpointed."""
     x, y = data(True)
     planned = tune(
         weight_heavy(),
@@ -267,8 +264,21 @@ def test_a_checkpointed_forward_keeps_the_rng_state_and_the_planner_counts_it(tm
         repeats=1,
     )
     (choice,) = planned.rows
-    path = tmp_path / "peaks.pickle"
-    launch(traced_steps, 4, args=([choice.engine_kwargs()], [str(path)], True), timeout=60)
+    return choice
+
+
+@pytest.mark.timeout(120)
+@on_ranks(4, timeout=60)
+def test_a_checkpointed_forward_keeps_the_rng_state_and_the_planner_counts_it(
+    dualpipe_v_choice: Candidate, tmp_path: Path
+) -> None:
+    """torch's checkpoint stashes the RNG state with each call (preserve_rng_state; on the CPU 5056 bytes, in the
+    memory the allocator watches) until its backward: a DualPipeV rank of one small layer a stage holds about 9
+    micro-batches' at its peak, 6.5% of the rank's figure, which the planner missed. Within 1% now."""
+    choice, path = dualpipe_v_choice, tmp_path / "peaks.pickle"
+    traced_steps([choice.engine_kwargs()], [str(path)], True)
+    if ranks.rank() != 0:  # rank 0 saved the step's peaks
+        return
     *_, allocated, stepped = pickle.loads(path.read_bytes())
     required = [max(a, b) for a, b in zip(allocated, stepped, strict=True)]
     for rank, (m, p) in enumerate(zip(required, choice.peak_memory, strict=True)):

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipeengine import launch
 from pipeengine.planner import calibration, wakes
 from pipeengine.planner.calibration import Prices
 from pipeengine.planner.measure import profile_layers
 from schedules import build_schedule
+from tests.pipeengine.ranks import on_ranks
 
 
 def test_the_delay_is_the_mean_woken_transit_with_work_beside_less_that_with_none() -> None:
@@ -33,11 +33,8 @@ def test_the_delay_is_the_mean_woken_transit_with_work_beside_less_that_with_non
     assert wakes.delays([("a", [(ms, ([], []))]), ("b", [(ms, ([ms], [ms]))])]) == ()
 
 
+@on_ranks(2, timeout=120)
 def test_the_probe_gives_every_rank_one_point_per_burst() -> None:
-    launch(_probe, 2, timeout=120)
-
-
-def _probe() -> None:
     import torch.distributed as dist
 
     for _ in range(3):  # a chain of 2 on one host wakes rank 1; on a loaded machine a pass may wake none (no point)
