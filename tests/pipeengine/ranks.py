@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,7 +38,7 @@ def barrier() -> None:
 
 
 def on_ranks(
-    n: int, *, timeout: float = 120.0, in_process: bool = False, device: str | None = None
+    n: int | str, *, timeout: float = 120.0, in_process: bool = False, device: str | None = None
 ) -> Callable[[Test], Test]:
     """Run the decorated test's own body on each of ``n`` ranks, as torch's MultiProcessTestCase runs a test method:
     pytest calls the test here, which launches its body (real gloo processes, or ``in_process`` threads; ``device``:
@@ -48,15 +49,26 @@ def on_ranks(
         @on_ranks(2)
         def test_two_ranks_agree(tmp_path: Path) -> None:
             assert all_gather_object(rank()) == [0, 1]
+
+    ``n`` a parameter's name: as many ranks as that parameter of the test says (one test over world sizes)::
+
+        @pytest.mark.parametrize("world", [2, 4])
+        @on_ranks("world")
+        def test_every_rank_counts(world: int) -> None:
+            assert size() == world
     """
 
     def decorate(body: Test) -> Test:
+        if isinstance(n, str) and n not in inspect.signature(body).parameters:
+            raise TypeError(f"on_ranks({n!r}): {body.__name__} has no parameter {n!r} to take the number of ranks from")
+
         @functools.wraps(body)
         def test(*args: Any, **kwargs: Any) -> None:
             from pipeengine import launch
 
             where = (body.__module__, body.__name__, args, kwargs)
-            launch(_body, n, args=where, timeout=timeout, in_process=in_process, device=device)
+            ranks = kwargs[n] if isinstance(n, str) else n
+            launch(_body, ranks, args=where, timeout=timeout, in_process=in_process, device=device)
 
         return test  # type: ignore[return-value]
 

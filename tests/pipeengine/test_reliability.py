@@ -57,9 +57,14 @@ def frozen_model(how: str, num_stages: int) -> tuple[nn.Sequential, list[int]]:
     return nn.Sequential(*layers), counts
 
 
-def frozen_parity(schedule: str, how: str, steps: int = 3) -> None:
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("how", ["frozen", "detached"])
+@pytest.mark.parametrize("world", [2, 4])
+@on_ranks("world", timeout=60, in_process=True)
+def test_stages_that_need_no_gradient_train_like_one_process(world: int, schedule: str, how: str) -> None:
     """Stages that need no gradient train like one process: the others match it, theirs get no gradient."""
-    world = ranks.size()
+    steps = 3
     chunks = 2 if schedule in ("interleaved", "zb-v") else 1
     model, counts = frozen_model(how, world * chunks)
     one = OneProcess(model, mse)
@@ -77,26 +82,6 @@ def frozen_parity(schedule: str, how: str, steps: int = 3) -> None:
         check_grads(engine, one, f"{schedule} {how} step {step}", without_grad="none or zero")
         step_both(optimizer, reference_optimizer)
     check_weights(engine, one, f"{schedule} {how}: after {steps} steps")
-
-
-FROZEN = pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"])
-HOW = pytest.mark.parametrize("how", ["frozen", "detached"])
-
-
-@pytest.mark.timeout(90)
-@FROZEN
-@HOW
-@on_ranks(2, timeout=60, in_process=True)
-def test_stages_that_need_no_gradient_train_like_one_process_on_2_ranks(schedule: str, how: str) -> None:
-    frozen_parity(schedule, how)
-
-
-@pytest.mark.timeout(90)
-@FROZEN
-@HOW
-@on_ranks(4, timeout=60, in_process=True)
-def test_stages_that_need_no_gradient_train_like_one_process_on_4_ranks(schedule: str, how: str) -> None:
-    frozen_parity(schedule, how)
 
 
 @pytest.mark.timeout(120)
