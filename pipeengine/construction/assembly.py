@@ -8,7 +8,7 @@ assemble(model, loss_fn, config, sample, world)
     stages      this rank's layers, under the model's names, cut and transformed on the mesh
                 (construction.transform: the parallelisms of pipeengine.parallel), with a StageWorker each
     syncs       the gradient synchronisations its AR and TR instructions start (pipeengine.parallel)
-    executor    the interpreter of this rank's streams, and the program cache it runs (step.programs)
+    executor    the interpreter of this rank's streams, and the program cache it runs (step.stepping.Programs)
 
 Nothing here runs at step time: the step (pipeengine.step.stepping) is handed the executor and the programs.
 """
@@ -37,8 +37,8 @@ from pipeengine.core.ties import Ties
 from pipeengine.parallel import checked_ties, fsdp, gradient_syncs, tensor
 from pipeengine.step.backward import keep_compiled_graphs
 from pipeengine.step.executor import Executor
-from pipeengine.step.programs import Programs
 from pipeengine.step.stage import LossFn, StageWorker
+from pipeengine.step.stepping import Programs
 from schedules import Kind, Schedule, build_schedule, lowered, validate, with_gradient_sync, with_tie_sync
 
 __all__: list[str] = []

@@ -25,12 +25,10 @@ from pipeengine.core.dtensors import local
 __all__ = ["GradScaler"]
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
-    """torch.autocast for a stage, or nothing in full precision. On the meta device (a dry run), which autocast does
-    not know, the CPU's, which leaves meta tensors uncast: a stage computes in float32 there (a dry run checks
-    shapes), and its boundaries cross in the autocast dtype as on the device."""
-    if dtype is None:
-        return contextlib.nullcontext()
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[object]:
+    """torch.autocast for a stage in mixed precision (a stage in full precision enters nothing). On the meta device
+    (a dry run), which autocast does not know, the CPU's, which leaves meta tensors uncast: a stage computes in
+    float32 there (a dry run checks shapes), and its boundaries cross in the autocast dtype as on the device."""
     return torch.autocast("cpu" if device.type == "meta" else device.type, dtype=dtype)
 
 

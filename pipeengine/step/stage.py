@@ -80,7 +80,8 @@ class StageWorker:
         """
         argument = pack(inputs, packed)
         device = next((t.device for t in inputs), torch.device("cpu"))
-        with autocast(device, self.precision), self.sharding.forward() if self.sharding else nullcontext():
+        casting = autocast(device, self.precision) if self.precision is not None else nullcontext()  # mixed only
+        with casting, self.sharding.forward() if self.sharding else nullcontext():
             if self.checkpointed and train:
                 value = checkpoint(self.module, argument, use_reentrant=False, context_fn=self._recompute_context)
             else:
@@ -171,7 +172,7 @@ class StageWorker:
             g.shape == e.shape and g.dtype == e.dtype and (not train or g.requires_grad == e.requires_grad)
             for g, e in zip(got.specs, expected.specs, strict=True)
         )
-        if any(is_dtensor(t) for t in unpack(value)):  # type: ignore[arg-type]
+        if any(type(t) is not torch.Tensor and is_dtensor(t) for t in unpack(value)):  # type: ignore[arg-type]
             raise ValueError(
                 f"stage {self.index} produced a DTensor ({got}); a stage boundary crosses as plain tensors, each rank "
                 "of a stage sending its own to its peer: end the stage with a style whose output is a plain, "

@@ -9,8 +9,9 @@ program run, and the step's loss returned the same on every rank.
       run: executor under the tracer        run
       loss: last stage -> pipeline -> replicas   outputs on the last stage's rank
 
-The step path runs down: engine -> Stepper -> Executor -> Mailbox -> Transport, with the program cache
-(step.programs); nothing here reaches back into construction. The tracing (train.tracing, handed to the stepper) is
+The step path runs down: engine -> Stepper -> Executor -> Mailbox -> Transport, with the program cache (Programs,
+below: the streams a rank's transport runs, made and proved once per kind of step); nothing here reaches back into
+construction. The tracing (train.tracing, handed to the stepper) is
 entered only for a traced step or one under the user's torch.profiler: an untraced step runs the executor under its
 own null tracer (step.executor.UNTRACED) and enters nothing outside step/, core/ and comm/ (tests/test_layout.py).
 """
@@ -18,12 +19,13 @@ own null tracer (step.executor.UNTRACED) and enters nothing outside step/, core/
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from pipeengine.comm.base import Transport
 from pipeengine.comm.calls import Call, Calls
 from pipeengine.comm.topology import Topology
 from pipeengine.core.config import EngineConfig
@@ -31,8 +33,7 @@ from pipeengine.core.specs import Boundary, Tensors, infer_boundaries, unpack
 from pipeengine.parallel.data import share_buffers
 from pipeengine.step.executor import Executor, StepInputs, StepResult
 from pipeengine.step.losses import count_units
-from pipeengine.step.programs import Programs
-from schedules import Schedule
+from schedules import Schedule, forward_only, lower, validate, with_gradient_sync, with_tie_sync
 
 if TYPE_CHECKING:
     from pipeengine.train.tracing import Tracing
@@ -163,3 +164,37 @@ class StageLayers:
     meta: list[nn.Module]
     bounds: Sequence[tuple[int, int]]
     placement: Sequence[int]
+
+
+@dataclass
+class Programs:
+    """The streams a rank's transport runs, made and validated once per kind of step."""
+
+    schedule: Schedule  # lowered, without gradient sync
+    transport: Transport
+    sync: bool  # add the data-parallel gradient all-reduces
+    _made: dict[tuple[bool, frozenset[int]], Schedule] = field(default_factory=dict)
+
+    def get(self, train: bool, no_gradient: frozenset[int] = frozenset()) -> Schedule:
+        """The program of a training step whose ``no_gradient`` boundaries need no gradient, or of an eval step."""
+        key = (train, no_gradient if train else frozenset())
+        program = self._made.get(key)
+        if program is None:
+            declared = sorted(self.schedule.no_gradient - no_gradient) if train else []
+            if declared:  # the schedule says no gradient crosses where one must: a stage would silently not train
+                b = declared[0]
+                raise ValueError(
+                    f"the schedule says boundary {b} (between stages {b} and {b + 1}) carries no gradient (its "
+                    f"no_gradient, a 'no-gradient' line in a schedule file), but stage {b + 1}'s input needs one: "
+                    f"stages up to {b} would never get a gradient. Remove boundary {b} from it, or freeze those stages "
+                    "(requires_grad=False before building the engine): gradient-free boundaries are inferred"
+                )
+            if not train:
+                base = forward_only(self.schedule)
+            else:
+                base = lower(self.schedule.without_gradient(no_gradient)) if no_gradient else self.schedule
+                base = with_tie_sync(with_gradient_sync(base) if self.sync else base)
+            program = self.transport.program(base)
+            validate(program, self.transport.semantics)  # the streams that will run, under their transport's rules
+            self._made[key] = program
+        return program
