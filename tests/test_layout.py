@@ -379,6 +379,34 @@ def test_a_test_that_only_launches_its_body_runs_it_under_on_ranks() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_longest_tests_conftest_starts_first_exist() -> None:
+    """tests/conftest.py's LONGEST (the tests started first, so that the workers end together): each entry names a
+    test function that its file defines (a renamed test would silently lose its place, and the suite its balance)."""
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    (longest,) = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "LONGEST" for t in node.targets)
+    ]
+    names = ast.literal_eval(longest)
+    assert names, "LONGEST is empty"
+    missing = []
+    for name in names:
+        path, _, prefix = name.partition("::")
+        defined = (
+            []
+            if not (ROOT / path).is_file()
+            else [
+                node.name
+                for node in ast.walk(ast.parse((ROOT / path).read_text()))
+                if isinstance(node, ast.FunctionDef)
+            ]
+        )
+        if not any(test.startswith(prefix) for test in defined):
+            missing.append(name)
+    assert not missing, f"tests/conftest.py's LONGEST names tests that do not exist: {missing}"
+
+
 def test_no_module_of_the_tests_imports_a_test_module() -> None:
     """Shared helpers (models, ranks, the parity module) are helper modules; a test module imports them, never
     another test module (nor does a helper)."""

@@ -50,6 +50,12 @@ def on_ranks(
         def test_two_ranks_agree(tmp_path: Path) -> None:
             assert all_gather_object(rank()) == [0, 1]
 
+    ``timeout`` is launch's: how long a rank may wait on its peers (a collective, a message) before the test fails
+    naming it. A rank that hangs while no peer waits on it is bounded by the test's pytest-timeout mark: put one above
+    the decorator. In-process ranks are threads of one process, sharing torch's default random generator: draw a
+    test's data from a torch.Generator of its own. On real processes a bare assert's values are not shown (pytest
+    rewrites the asserts of the process it runs in, not of the ranks'): give the assert a message.
+
     ``n`` a parameter's name: as many ranks as that parameter of the test says (one test over world sizes)::
 
         @pytest.mark.parametrize("world", [2, 4])
