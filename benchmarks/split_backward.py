@@ -2,6 +2,7 @@
 
     python benchmarks/split_backward.py                      # the three stages, 15 alternating rounds each
     python benchmarks/split_backward.py --rounds 5 --models mlp
+    python benchmarks/split_backward.py --width 16            # the fixed costs alone: every stage 16 wide
 
 Issue 61's first step: zero-bubble schedules pay only if I + W (pipeengine.step.backward: I to the stage's input
 now, W for its weights later, re-entering each autograd node with weights beneath it) costs what B (one autograd call
@@ -36,11 +37,13 @@ from pipeengine.step.backward import WeightPass, backward_input
 MODELS = ("mlp", "gpt", "llama")
 
 
-def stage(name: str) -> tuple[nn.Module, torch.Tensor]:
-    """A stage of the named model and one micro-batch's input."""
+def stage(name: str, width: int | None = None) -> tuple[nn.Module, torch.Tensor]:
+    """A stage of the named model and one micro-batch's input (``width``: in place of the model's own)."""
     torch.manual_seed(0)
     if name == "mlp":
-        return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]), torch.randn(8, 1024)
+        width = width or 1024
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), torch.randn(8, width)
+    width = width or 256
     if name == "gpt":
         import sys
         from pathlib import Path
@@ -48,13 +51,13 @@ def stage(name: str) -> tuple[nn.Module, torch.Tensor]:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
         from train_gpt import Block
 
-        return nn.Sequential(Block(256, 4), Block(256, 4)), torch.randn(4, 64, 256)
+        return nn.Sequential(Block(width, 4), Block(width, 4)), torch.randn(4, 64, width)
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
+        hidden_size=width,
+        intermediate_size=width * 688 // 256,
         num_attention_heads=4,
         num_key_value_heads=4,
         num_hidden_layers=2,
@@ -74,12 +77,12 @@ def stage(name: str) -> tuple[nn.Module, torch.Tensor]:
                 x = out[0] if isinstance(out, tuple) else out
             return x
 
-    return Layers(), torch.randn(4, 64, 256)
+    return Layers(), torch.randn(4, 64, width)
 
 
-def timings(name: str, rounds: int) -> dict[str, float]:
+def timings(name: str, rounds: int, width: int | None = None) -> dict[str, float]:
     """Median seconds of each way of running the stage's backward, and its forward."""
-    module, example = stage(name)
+    module, example = stage(name, width)
     params = [p for p in module.parameters() if p.requires_grad]
     x = example.requires_grad_()
     grad = torch.randn_like(module(x))
@@ -150,6 +153,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--width", type=int, help="every stage this wide (a multiple of 4), in place of its own")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as a launched CPU rank does (else a weight's fresh gradient pays page faults each time)
@@ -161,7 +165,7 @@ def main() -> None:
     lines.append("|-|-|-|-|-|-|-|-|-|-|")
     for name in args.models:
         try:
-            t = timings(name, args.rounds)
+            t = timings(name, args.rounds, args.width)
         except ImportError as missing:
             print(f"{name}: skipped ({missing})")
             continue
@@ -176,6 +180,7 @@ def main() -> None:
                 "w_calls": int(t["calls"]),
                 "rounds": args.rounds,
                 "threads": args.threads,
+                "width": args.width,
             }
         )
         lines.append(
