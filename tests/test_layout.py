@@ -349,33 +349,55 @@ def test_every_launched_function_is_defined_in_the_test_file_that_launches_it() 
 PATCHING = {"monkeypatch", "capsys", "capfd"}  # fixtures that change the pytest process a launch runs from
 
 
+def launch_calls(tree: ast.AST, names: set[str]) -> list[ast.Call]:
+    """The calls of launch in ``tree``: by any of ``names`` (launch and what the file imports it as), or as an
+    attribute (pipeengine.launch)."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id in names)
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == "launch")
+        )
+    ]
+
+
 def test_a_test_that_only_launches_its_body_runs_it_under_on_ranks() -> None:
     """A test whose one launch, its last statement, runs a function of its file outside pytest.raises (and patches
     nothing of the pytest process around it) is what tests.pipeengine.ranks.on_ranks is for: its body under the
     decorator, one test, one function. launch stays where the launch is what is tested (its error), where a test
-    launches several worlds, or works on a world's output after it."""
+    launches several worlds, or works in the pytest process around the world. launch is found by any name the file
+    imports it as, as the last statement or returned (a trailing pass aside), in a test function or a test class."""
     wrong = []
     for path in modules_with_tests():
         tree = ast.parse(path.read_text())
         top = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-        for test in tree.body:
+        names = {"launch"} | {
+            alias.asname
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeengine")
+            for alias in node.names
+            if alias.name == "launch" and alias.asname
+        }
+        classes = [node.body for node in tree.body if isinstance(node, ast.ClassDef) and node.name.startswith("Test")]
+        for test in [statement for body in (tree.body, *classes) for statement in body]:
             if not (isinstance(test, ast.FunctionDef) and test.name.startswith("test_")):
                 continue
-            launches = [fn for _, fn in launched(test)]
-            last = test.body[-1]
-            only_last = (
-                len(launches) == 1
-                and isinstance(last, ast.Expr)
-                and isinstance(last.value, ast.Call)
-                and ast.unparse(last.value.func) in ("launch", "pipeengine.launch")
-            )
+            calls = launch_calls(test, names)
+            body = [statement for statement in test.body if not isinstance(statement, ast.Pass)]
+            last = body[-1] if body else None
+            only_last = len(calls) == 1 and isinstance(last, (ast.Expr, ast.Return)) and last.value is calls[0]
+            fn = None
+            if only_last:
+                given = calls[0].args[:1] + [k.value for k in calls[0].keywords if k.arg == "fn"]
+                fn = given[0] if given else None
             if (
-                only_last
-                and isinstance(launches[0], ast.Name)
-                and launches[0].id in top
+                isinstance(fn, ast.Name)
+                and fn.id in top
                 and not PATCHING & {argument.arg for argument in test.args.args}
             ):
-                wrong.append(f"{path.relative_to(ROOT)}::{test.name} launches {launches[0].id}: use @on_ranks")
+                wrong.append(f"{path.relative_to(ROOT)}::{test.name} launches {fn.id}: use @on_ranks")
     assert not wrong, "\n".join(wrong)
 
 
