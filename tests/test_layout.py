@@ -401,6 +401,20 @@ def test_a_test_that_only_launches_its_body_runs_it_under_on_ranks() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+@on_ranks(2, timeout=30)
+def rank_one_fails() -> None:  # not a test: the one below runs it
+    value = 10 * torch.distributed.get_rank()
+    assert value == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_assert_on_a_process_rank_shows_its_values_as_pytest_does() -> None:
+    """on_ranks imports the test module on a process rank with pytest's assert rewriting: the error names the values
+    (a bare assert there would say only AssertionError)."""
+    with pytest.raises(AssertionError, match=r"assert 10 == 0"):
+        rank_one_fails()
+
+
 def test_the_longest_tests_conftest_starts_first_exist() -> None:
     """tests/conftest.py's LONGEST (the tests started first, so that the workers end together): each entry names a
     test function that its file defines (a renamed test would silently lose its place, and the suite its balance)."""

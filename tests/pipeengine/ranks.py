@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
+import importlib.util
 import inspect
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 from pipeengine.comm.base import Transport
@@ -43,7 +48,8 @@ def on_ranks(
     """Run the decorated test's own body on each of ``n`` ranks, as torch's MultiProcessTestCase runs a test method:
     pytest calls the test here, which launches its body (real gloo processes, or ``in_process`` threads; ``device``:
     launch's, "cuda" for a GPU each) with the fixtures and parameters pytest gave it; a failure on any rank fails the
-    test, naming the rank that caused it (pipeengine.launch). The body is the function under the decorator, in its
+    test, naming the rank that caused it (pipeengine.launch), its asserts rewritten as pytest rewrites them (a failing
+    one shows its values, on a process rank too). The body is the function under the decorator, in its
     test file, reached on each rank by its module and name::
 
         @on_ranks(2)
@@ -53,8 +59,7 @@ def on_ranks(
     ``timeout`` is launch's: how long a rank may wait on its peers (a collective, a message) before the test fails
     naming it. A rank that hangs while no peer waits on it is bounded by the test's pytest-timeout mark: put one above
     the decorator. In-process ranks are threads of one process, sharing torch's default random generator: draw a
-    test's data from a torch.Generator of its own. On real processes a bare assert's values are not shown (pytest
-    rewrites the asserts of the process it runs in, not of the ranks'): give the assert a message.
+    test's data from a torch.Generator of its own.
 
     ``n`` a parameter's name: as many ranks as that parameter of the test says (one test over world sizes)::
 
@@ -83,4 +88,30 @@ def on_ranks(
 
 def _body(module: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """On a rank: the body under the test's decorator (functools.wraps keeps it as __wrapped__)."""
-    getattr(importlib.import_module(module), name).__wrapped__(*args, **kwargs)
+    getattr(_imported(module), name).__wrapped__(*args, **kwargs)
+
+
+def _imported(name: str) -> ModuleType:
+    """The test module, imported as pytest imports it: with its asserts rewritten, so that a failing assert on a
+    process rank shows its values as it would in the pytest process (a thread rank finds the module pytest
+    imported). pytest's rewriting is its own (_pytest.assertion.rewrite): where it is not there, a plain import."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+    except ImportError:
+        rewrite_asserts = None  # type: ignore[assignment]
+    if spec is None or spec.origin is None or spec.loader is None or rewrite_asserts is None:
+        return importlib.import_module(name)
+    source = Path(spec.origin).read_bytes()
+    tree = ast.parse(source, spec.origin)
+    rewrite_asserts(tree, source, spec.origin)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        exec(compile(tree, spec.origin, "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
