@@ -259,7 +259,7 @@ def layer_bytes(layer: nn.Module, value: torch.Tensor | Tensors, first: bool) ->
         params = [p for p in layer.parameters() if p.requires_grad]
         grads = tuple(torch.ones_like(o) for o in needing)
         _, weight_pass = backward_input(needing, grads, inputs, params)
-        storages = dict(storage(g) for _, held, _ in weight_pass.roots for g in held if g is not None)
+        storages = dict(storage(g) for root in weight_pass.roots for g in root.kept if g is not None)
         kept = sum(storages.values())
         # the output outlives I only if W needs it: the nodes above W's restart points go with the output
         shown = weight_pass.fallback[0] if weight_pass.fallback is not None else ()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -53,11 +54,21 @@ def _node(tensor: torch.Tensor) -> Node | None:
     return None
 
 
+class Root(NamedTuple):
+    """A node W restarts at: the gradients I kept arriving at it, and the weights directly beneath it (with their
+    gradient accumulators, in the same order)."""
+
+    node: Node
+    kept: list[torch.Tensor | None]
+    params: list[nn.Parameter]
+    owners: list[Node]
+
+
 @dataclass
 class WeightPass:
     """What W needs: restart points with their kept gradients, and the weights beneath each."""
 
-    roots: list[tuple[Node, list[torch.Tensor | None], list[nn.Parameter]]] = field(default_factory=list)
+    roots: list[Root] = field(default_factory=list)
     fallback: tuple[Tensors, Tensors, list[nn.Parameter]] | None = None  # (outputs, grads, params)
 
     def run(self) -> int:
@@ -67,13 +78,13 @@ class WeightPass:
         if self.fallback is not None:
             outputs, grads, params = self.fallback
             self._accumulate(params, torch.autograd.grad(outputs, params, grads, allow_unused=True))
-        for index, (node, kept, params) in enumerate(self.roots):
-            if _direct_weights(node, kept, params):  # a formula of what the node saved: no autograd re-entry
+        for index, (node, kept, params, owners) in enumerate(self.roots):
+            if _direct_weights(node, kept, params, owners):  # a formula of what the node saved: no autograd re-entry
                 continue
             calls += 1
             edges = [GradientEdge(node, i) for i, g in enumerate(kept) if g is not None]
             values = [g for g in kept if g is not None]
-            targets = [GradientEdge(_node(p), 0) for p in params]  # type: ignore[arg-type]
+            targets = [GradientEdge(owner, 0) for owner in owners]
             last = index == len(self.roots) - 1
             # not bound to a name: the next root's gradients must not be made while these are still held
             self._accumulate(
@@ -93,7 +104,9 @@ class WeightPass:
                     param.grad.add_(grad)
 
 
-def _direct_weights(node: Node, kept: list[torch.Tensor | None], params: list[nn.Parameter]) -> bool:
+def _direct_weights(
+    node: Node, kept: list[torch.Tensor | None], params: list[nn.Parameter], owners: list[Node]
+) -> bool:
     """W of a node whose weight gradients are a formula of what it saved and the gradient I kept: a Linear's
     (``addmm(bias, x, weight.t())`` or ``mm(x, weight.t())``, as F.linear records it), a LayerNorm's, a weight's
     element-wise product (an RMSNorm's scale): computed as its backward computes them, without re-entering autograd
@@ -110,7 +123,6 @@ def _direct_weights(node: Node, kept: list[torch.Tensor | None], params: list[nn
         for p in params
     ):
         return False
-    owners = [_node(p) for p in params]
     made = handler(node, grad, owners)
     if made is None:
         return False
@@ -122,27 +134,27 @@ def _edge(node: Node, index: int) -> Node | None:
     return node.next_functions[index][0]
 
 
-def _leaves(owners: list[Node | None], *edges: Node | None) -> bool:
+def _leaves(owners: Sequence[Node | None], *edges: Node | None) -> bool:
     """The weights beneath the node are exactly these leaves (None: an edge without a gradient)."""
     return set(owners) == {e for e in edges if e is not None} and all(
         type(e).__name__ == "AccumulateGrad" for e in owners
     )
 
 
-def _addmm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+def _addmm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor] | None:
     if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
         return None
     return _linear(node, grad, owners, _edge(node, 0), _edge(node, 2), node._saved_mat1)  # type: ignore[attr-defined]
 
 
-def _mm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+def _mm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor] | None:
     return _linear(node, grad, owners, None, _edge(node, 1), node._saved_self)  # type: ignore[attr-defined]
 
 
 def _linear(
     node: Node,
     grad: torch.Tensor,
-    owners: list[Node | None],
+    owners: Sequence[Node | None],
     bias: Node | None,
     transposed: Node | None,
     x: torch.Tensor,
@@ -156,7 +168,7 @@ def _linear(
         return [grad.t().mm(x) if owner is weight else grad.sum(0) for owner in owners]
 
 
-def _layer_norm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+def _layer_norm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor] | None:
     """The kernel its backward runs, asked for the weight's and the bias's gradients alone."""
     weight, bias = _edge(node, 1), _edge(node, 2)
     x = node._saved_input  # type: ignore[attr-defined]
@@ -176,7 +188,7 @@ def _layer_norm(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> li
     return [weight_grad if owner is weight else bias_grad for owner in owners]
 
 
-def _mul(node: Node, grad: torch.Tensor, owners: list[Node | None]) -> list[torch.Tensor] | None:
+def _mul(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor] | None:
     """A weight times an activation (either side): its gradient the other side's, times the gradient, summed to
     the weight's shape."""
     if len(owners) != 1:
@@ -243,7 +255,7 @@ def backward_input(
             return hook
 
         handles = [node.register_prehook(keeper(node)) for node in on_path if below.get(node)]
-    whole = [p for p in trainable if _node(p) in now]
+    whole = [p for p in trainable if _node(p) in now] if now else []
     try:  # the graph is kept only for a W to come
         made = torch.autograd.grad(
             outputs, [*wanted, *whole], grads, retain_graph=bool(weight_nodes), allow_unused=True
@@ -262,7 +274,9 @@ def backward_input(
     input_grads = made[: len(wanted)]
     WeightPass._accumulate(whole, made[len(wanted) :])
     if weight_pass.fallback is None:
-        weight_pass.roots = [(node, kept[node], [weight_nodes[w] for w in below[node]]) for node in kept]
+        weight_pass.roots = [
+            Root(node, kept[node], [weight_nodes[w] for w in below[node]], below[node]) for node in kept
+        ]
     result = tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(input_grads, wanted, strict=True))
     return result, weight_pass
 

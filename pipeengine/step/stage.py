@@ -121,8 +121,8 @@ class StageWorker:
             yield from inputs
             yield from outputs
         for weight_pass in self.weight_passes.values():
-            for _, kept, _ in weight_pass.roots:
-                yield from (g for g in kept if g is not None)
+            for root in weight_pass.roots:
+                yield from (g for g in root.kept if g is not None)
             if weight_pass.fallback is not None:
                 outputs, grads, _ = weight_pass.fallback
                 yield from outputs

@@ -192,7 +192,7 @@ def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_lef
     params = [*block.parameters(), *head.parameters()]
     (input_grad,), weight_pass = backward_input((out,), (grad,), (x,), params)
     assert all(p.grad is not None for p in block.parameters()) and all(p.grad is None for p in head.parameters())
-    assert weight_pass.fallback is None and {id(p) for _, _, ps in weight_pass.roots for p in ps} == {
+    assert weight_pass.fallback is None and {id(p) for root in weight_pass.roots for p in root.params} == {
         id(p) for p in head.parameters()
     }
     weight_pass.run()
