@@ -302,27 +302,27 @@ def _analyse(
     "Directly beneath" means reachable through children that are not on an input path.
     """
     order: list[Node] = []  # every node reachable from the roots, children before parents
-    seen: set[Node] = set()
+    kids: dict[Node, list[Node]] = {}  # each node's children: next_functions makes its tuples anew at each read
     stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
     while stack:
         node, expanded = stack.pop()
         if expanded:
             order.append(node)
-            continue
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.append((node, True))
-        stack += [(child, False) for child, _ in node.next_functions if child is not None and child not in seen]
+        elif node not in kids:
+            children = kids[node] = [child for child, _ in node.next_functions if child is not None]
+            stack.append((node, True))
+            stack += [(child, False) for child in children if child not in kids]
+    none: frozenset[Node] = frozenset()  # most nodes have no weight beneath them: one empty set for them all
     leads_in: dict[Node, bool] = {}
-    under: dict[Node, set[Node]] = {}  # weights reachable from a node through non-input-path nodes only
+    under: dict[Node, frozenset[Node] | set[Node]] = {}  # weights reachable through non-input-path nodes only
     for node in order:
-        children = [child for child, _ in node.next_functions if child is not None]
-        leads_in[node] = node in inputs or any(leads_in[c] for c in children)
-        under[node] = {node} & weights
-        for child in children:
-            if not leads_in[child]:
-                under[node] |= under[child]
+        leads, found = node in inputs, ({node} if node in weights else none)
+        for child in kids[node]:
+            if leads_in[child]:
+                leads = True
+            elif under[child]:
+                found = found | under[child]
+        leads_in[node], under[node] = leads, found
     on_path = [n for n in order if leads_in[n] and n not in inputs]
     below = {n: sorted(under[n], key=id) for n in on_path if under[n]}
-    return on_path, below, weights & seen
+    return on_path, below, weights & kids.keys()
