@@ -224,19 +224,19 @@ def backward_input(
     input_nodes = {n for n in map(_node, wanted) if n is not None}
     weight_nodes = {n: p for p in trainable if (n := _node(p)) is not None}
     roots = [n for n in map(_node, outputs) if n is not None]
-    on_path, below, reachable = _analyse(roots, input_nodes, set(weight_nodes))
-    now = {w for node in on_path if _compiled(node) for w in below.get(node, ())}  # their whole gradient in I
+    below, reachable = _analyse(roots, input_nodes, set(weight_nodes))
+    now = {w for node, ws in below.items() if _compiled(node) for w in ws}  # their whole gradient in I
     if now:  # W's analysis without them: autograd gives I their every path's share
         below = {
             node: rest
-            for node in on_path
-            if not _compiled(node) and (rest := [w for w in below.get(node, ()) if w not in now])
+            for node, ws in below.items()
+            if not _compiled(node) and (rest := [w for w in ws if w not in now])
         }
         reachable -= now
         weight_nodes = {node: p for node, p in weight_nodes.items() if node not in now}
     owner: dict[Node, int] = {}
-    for node in on_path:
-        for weight in below.get(node, ()):
+    for ws in below.values():
+        for weight in ws:
             owner[weight] = owner.get(weight, 0) + 1
     weight_pass = WeightPass()
     kept: dict[Node, list[torch.Tensor | None]] = {}
@@ -254,7 +254,7 @@ def backward_input(
 
             return hook
 
-        handles = [node.register_prehook(keeper(node)) for node in on_path if below.get(node)]
+        handles = [node.register_prehook(keeper(node)) for node in below]
     whole = [p for p in trainable if _node(p) in now] if now else []
     try:  # the graph is kept only for a W to come
         made = torch.autograd.grad(
@@ -294,10 +294,9 @@ def _compiled(node: Node) -> bool:
     return type(node).__name__ == "CompiledFunctionBackward"
 
 
-def _analyse(
-    roots: list[Node], inputs: set[Node], weights: set[Node]
-) -> tuple[list[Node], dict[Node, list[Node]], set[Node]]:
-    """The nodes on a path to an input (in graph order), the weights directly beneath each, and all weights seen.
+def _analyse(roots: list[Node], inputs: set[Node], weights: set[Node]) -> tuple[dict[Node, list[Node]], set[Node]]:
+    """Each node on a path to an input that has weights directly beneath it (in graph order: children first), with
+    those weights; and all weights seen.
 
     "Directly beneath" means reachable through children that are not on an input path.
     """
@@ -323,6 +322,5 @@ def _analyse(
             elif under[child]:
                 found = found | under[child]
         leads_in[node], under[node] = leads, found
-    on_path = [n for n in order if leads_in[n] and n not in inputs]
-    below = {n: sorted(under[n], key=id) for n in on_path if under[n]}
-    return on_path, below, weights & kids.keys()
+    below = {n: sorted(under[n], key=id) for n in order if leads_in[n] and n not in inputs and under[n]}
+    return below, weights & kids.keys()
