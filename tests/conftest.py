@@ -29,7 +29,7 @@ LONGEST = (
     "tests/pipeengine/test_multinode.py::test_two_torchrun_nodes_train_like_one_process",
     "tests/pipeengine/test_reliability.py::test_ranks_and_helpers_stop_when_their_launcher_is_killed_mid_training",
     "tests/test_examples.py::test_train_gpt_trains_samples_and_a_killed_rank_restarts_to_the_uninterrupted_weights",
-    "tests/pipeengine/test_layout_planner.py::test_calibration_keeps_its_file_and_the_planner_reads_it",
+    "tests/pipeengine/test_calibration.py::test_calibration_keeps_its_file_and_the_planner_reads_it",
     "tests/pipeengine/test_launch.py::test_under_torchrun_launch_joins_its_group_and_max_restarts_resumes",
     "tests/test_examples.py::test_finetune_hf_trains_and_writes_what_from_pretrained_loads_and_generate_hf_generates",
     "tests/pipeengine/test_dry_run.py::test_a_1024_rank_llama_shaped_world_builds_and_steps_the_first_last_stage_and",

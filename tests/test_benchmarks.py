@@ -272,7 +272,7 @@ def test_checkpoint_reports_the_stall_of_a_background_save_against_a_synchronous
 
 @pytest.mark.timeout(300)
 def test_tune_layout_times_layouts_over_the_ranking_at_calibrated_prices(tmp_path: Path) -> None:
-    prices = Path(__file__).parent / "calibration.json"  # calibrating is test_layout_planner's
+    prices = Path(__file__).parent / "calibration.json"  # calibrating is test_calibration's
     out = bench("tune_layout.py", "--quick", "--prices", str(prices), "--final", "1", "--contend", "100", out=tmp_path)
     report = json.loads((tmp_path / "tune_layout.json").read_text())
     rows = report["rows"]
