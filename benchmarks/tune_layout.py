@@ -226,18 +226,23 @@ def main() -> None:
     calibrating = time.perf_counter() - started
     print(f"prices of {path} ({calibrating:.1f} s)", flush=True)
     plan = tp_plan()
-    found = tune(
-        model,
-        nn.functional.mse_loss,
-        x,
-        RANKS,
-        target=y,
-        tp_plan=plan,
-        prices=path,
-        threads=THREADS,
-        repeats=args.repeats,
-        max_microbatches=args.microbatches,
-    )
+
+    def planned(world: int) -> TuneResult:
+        """tune's rows for ``world`` ranks, at the prices just kept."""
+        return tune(
+            model,
+            nn.functional.mse_loss,
+            x,
+            world,
+            target=y,
+            tp_plan=plan,
+            prices=path,
+            threads=THREADS,
+            repeats=args.repeats,
+            max_microbatches=args.microbatches,
+        )
+
+    found = planned(RANKS)
     peaks = sorted(max(c.peak_memory) for c in found.rows)
     limit = peaks[min(len(peaks) - 1, int(LIMIT_QUANTILE * len(peaks)))]
     # tune's own filter (it drops what passes memory_limit after ranking), with the limit read off its ranking
@@ -253,18 +258,7 @@ def main() -> None:
     print(result, flush=True)
     search = {RANKS: (len(found.rows), found.search_seconds, found.measure_seconds)}
     for world in args.wider:  # priced only: the search's time at more ranks
-        wide = tune(
-            model,
-            nn.functional.mse_loss,
-            x,
-            world,
-            target=y,
-            tp_plan=plan,
-            prices=path,
-            threads=THREADS,
-            repeats=args.repeats,
-            max_microbatches=args.microbatches,
-        )
+        wide = planned(world)
         search[world] = (len(wide.rows), wide.search_seconds, wide.measure_seconds)
     candidates = chosen(result, args.layouts, args.slowest)
     times: list[list[float]] = [[] for _ in candidates]

@@ -78,33 +78,7 @@ def profile_layers(
     plan that splits a parameter's dim into unequal shards is refused, naming it. ``warm``: on the CPU, each timed run
     (after the caches' flush) follows a forward and backward of a copy of the layer on a copy of its input, as a rank
     that runs every layer of the model back to back meets it (the module docstring)."""
-    if tensor_parallel > 1:
-        import torch.distributed as dist
-
-        if tp_plan is None:
-            raise ValueError(f"tensor_parallel={tensor_parallel} needs tp_plan= to shard the layers by")
-        arguments = dict(
-            repeats=repeats,
-            device=device,
-            threads=threads,
-            loss=loss,
-            target=target,
-            timed=timed,
-            allocator=allocator,
-            compile=compile,
-            tensor_parallel=tensor_parallel,
-            tp_plan=tp_plan,
-            warm=warm,
-        )
-        if dist.is_initialized():  # one default group to a process: the fake one is made in a fresh process
-            return elsewhere(profile_layers, model, sample, rows, arguments)
-        with tensor.fake_mesh(tensor_parallel) as mesh:
-            shards = _layer_plans(model, tp_plan, tensor_parallel)
-            return _measured(model, sample, rows, **arguments, progress=progress, shard=(mesh, shards))  # type: ignore[arg-type]
-    return _measured(
-        model,
-        sample,
-        rows,
+    arguments = dict(
         repeats=repeats,
         device=device,
         threads=threads,
@@ -113,9 +87,20 @@ def profile_layers(
         timed=timed,
         allocator=allocator,
         compile=compile,
-        progress=progress,
         warm=warm,
     )
+    if tensor_parallel > 1:
+        import torch.distributed as dist
+
+        if tp_plan is None:
+            raise ValueError(f"tensor_parallel={tensor_parallel} needs tp_plan= to shard the layers by")
+        arguments.update(tensor_parallel=tensor_parallel, tp_plan=tp_plan)
+        if dist.is_initialized():  # one default group to a process: the fake one is made in a fresh process
+            return elsewhere(profile_layers, model, sample, rows, arguments)
+        with tensor.fake_mesh(tensor_parallel) as mesh:
+            shards = _layer_plans(model, tp_plan, tensor_parallel)
+            return _measured(model, sample, rows, **arguments, progress=progress, shard=(mesh, shards))  # type: ignore[arg-type]
+    return _measured(model, sample, rows, **arguments, progress=progress)  # type: ignore[arg-type]
 
 
 def measure_layouts(

@@ -34,6 +34,15 @@ def tiny() -> object:
     return transformers.LlamaConfig(**CONFIG)
 
 
+def command(tmp_path: Path) -> list[str]:
+    """The command line's arguments for the tiny model (its config written into ``tmp_path``) on 16 devices, its
+    plot drawn there."""
+    config = tmp_path / "config.json"
+    config.write_text(tiny().to_json_string())
+    plot = str(tmp_path / "plan.png")
+    return ["--model", str(config), "--devices", "16", "--global-batch", "32", "--seq", "32", "--plot", plot]
+
+
 def test_the_search_ranks_what_fits_by_the_replayed_step_and_a_fixed_layout_costs_the_same() -> None:
     hw = load("a100-80gb")
     model = from_config(tiny(), 32)
@@ -49,20 +58,7 @@ def test_the_search_ranks_what_fits_by_the_replayed_step_and_a_fixed_layout_cost
 def test_the_command_line_prints_the_rows_writes_them_and_prices_a_fixed_layout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "config.json"
-    config.write_text(tiny().to_json_string())
-    common = [
-        "--model",
-        str(config),
-        "--devices",
-        "16",
-        "--global-batch",
-        "32",
-        "--seq",
-        "32",
-        "--plot",
-        str(tmp_path / "plan.png"),
-    ]
+    common = command(tmp_path)
     assert main([*common, "--json", str(tmp_path / "rows.json")]) == 0
     printed = capsys.readouterr().out
     assert "16 devices (8 a node), 4 layers" in printed and "MFU" in printed and (tmp_path / "plan.png").exists()
@@ -114,23 +110,7 @@ def test_the_command_line_prints_the_rows_writes_them_and_prices_a_fixed_layout(
 def test_the_command_line_refuses_what_cannot_be_planned_saying_why(
     tmp_path: Path, extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "config.json"
-    config.write_text(tiny().to_json_string())
-    code = main(
-        [
-            "--model",
-            str(config),
-            "--devices",
-            "16",
-            "--global-batch",
-            "32",
-            "--seq",
-            "32",
-            *extra,
-            "--plot",
-            str(tmp_path / "plan.png"),
-        ]
-    )
+    code = main([*command(tmp_path), *extra])
     assert code == 2
     assert re.search(said, capsys.readouterr().err)
 
@@ -173,20 +153,7 @@ def test_a_fixed_layout_follows_the_search_flags_and_nothing_that_fits_is_refuse
 ) -> None:
     """--fix leaves recompute and fsdp to --recompute and --fsdp where they say always or never (the search's row
     is priced again as printed); a cluster too small for any layout exits 2 naming the smallest need."""
-    config = tmp_path / "config.json"
-    config.write_text(tiny().to_json_string())
-    common = [
-        "--model",
-        str(config),
-        "--devices",
-        "16",
-        "--global-batch",
-        "32",
-        "--seq",
-        "32",
-        "--plot",
-        str(tmp_path / "plan.png"),
-    ]
+    common = command(tmp_path)
     fix = ["--fix", "tp=2,pp=2,dp=4,micro_batch=1", "--json", str(tmp_path / "fixed.json")]
     assert main([*common, *fix, "--fsdp", "always", "--recompute", "never"]) == 0
     (row,) = json.loads((tmp_path / "fixed.json").read_text())
