@@ -284,18 +284,28 @@ def modules_with_tests() -> list[Path]:
     return sorted((ROOT / "tests").rglob("test_*.py"))
 
 
+def launch_calls(tree: ast.AST, names: frozenset[str] = frozenset({"launch"})) -> list[ast.Call]:
+    """The calls of launch in ``tree``: by any of ``names`` (launch, and what a file imports it as), or as an
+    attribute (pipeengine.launch)."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id in names)
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == "launch")
+        )
+    ]
+
+
+def launched_function(call: ast.Call) -> ast.expr | None:
+    """What a launch call runs: its first argument, or its fn=."""
+    return call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "fn"), None)
+
+
 def launched(tree: ast.AST) -> list[tuple[int, ast.expr]]:
     """(line, the function argument) of every launch(fn, ...) call in ``tree``."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and (
-            (isinstance(node.func, ast.Name) and node.func.id == "launch")
-            or (isinstance(node.func, ast.Attribute) and node.func.attr == "launch")
-        ):
-            fn = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "fn"), None)
-            if fn is not None:
-                found.append((node.lineno, fn))
-    return found
+    return [(call.lineno, fn) for call in launch_calls(tree) if (fn := launched_function(call)) is not None]
 
 
 def scripts(tree: ast.AST) -> list[tuple[int, ast.Module]]:
@@ -349,20 +359,6 @@ def test_every_launched_function_is_defined_in_the_test_file_that_launches_it() 
 PATCHING = {"monkeypatch", "capsys", "capfd"}  # fixtures that change the pytest process a launch runs from
 
 
-def launch_calls(tree: ast.AST, names: set[str]) -> list[ast.Call]:
-    """The calls of launch in ``tree``: by any of ``names`` (launch and what the file imports it as), or as an
-    attribute (pipeengine.launch)."""
-    return [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and (
-            (isinstance(node.func, ast.Name) and node.func.id in names)
-            or (isinstance(node.func, ast.Attribute) and node.func.attr == "launch")
-        )
-    ]
-
-
 def test_a_test_that_only_launches_its_body_runs_it_under_on_ranks() -> None:
     """A test whose one launch, its last statement, runs a function of its file outside pytest.raises (and patches
     nothing of the pytest process around it) is what tests.pipeengine.ranks.on_ranks is for: its body under the
@@ -373,7 +369,7 @@ def test_a_test_that_only_launches_its_body_runs_it_under_on_ranks() -> None:
     for path in modules_with_tests():
         tree = ast.parse(path.read_text())
         top = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-        names = {"launch"} | {
+        names = frozenset({"launch"}) | {
             alias.asname
             for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeengine")
@@ -388,10 +384,7 @@ def test_a_test_that_only_launches_its_body_runs_it_under_on_ranks() -> None:
             body = [statement for statement in test.body if not isinstance(statement, ast.Pass)]
             last = body[-1] if body else None
             only_last = len(calls) == 1 and isinstance(last, (ast.Expr, ast.Return)) and last.value is calls[0]
-            fn = None
-            if only_last:
-                given = calls[0].args[:1] + [k.value for k in calls[0].keywords if k.arg == "fn"]
-                fn = given[0] if given else None
+            fn = launched_function(calls[0]) if only_last else None
             if (
                 isinstance(fn, ast.Name)
                 and fn.id in top

@@ -94,15 +94,13 @@ def _body(module: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any])
 def _imported(name: str) -> ModuleType:
     """The test module, imported as pytest imports it: with its asserts rewritten, so that a failing assert on a
     process rank shows its values as it would in the pytest process (a thread rank finds the module pytest
-    imported). pytest's rewriting is its own (_pytest.assertion.rewrite): where it is not there, a plain import."""
+    imported; pytest's rewriting is its own: _pytest.assertion.rewrite)."""
+    from _pytest.assertion.rewrite import rewrite_asserts
+
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.find_spec(name)
-    try:
-        from _pytest.assertion.rewrite import rewrite_asserts
-    except ImportError:
-        rewrite_asserts = None  # type: ignore[assignment]
-    if spec is None or spec.origin is None or spec.loader is None or rewrite_asserts is None:
+    if spec is None or spec.origin is None or spec.loader is None:
         return importlib.import_module(name)
     source = Path(spec.origin).read_bytes()
     tree = ast.parse(source, spec.origin)
