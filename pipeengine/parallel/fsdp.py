@@ -19,7 +19,7 @@ import re
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -194,7 +194,7 @@ class ShardedReduce(GradientSync):
                     unit.set_gradient_divide_factor(float(self.replicas if average else 1))
                     unit.set_force_sum_reduction_for_comms(self.sum_only)  # gloo has no PREMUL_SUM
             for state in fully_shard.state(root)._state_ctx.all_states:  # type: ignore[attr-defined]
-                for group in state._fsdp_param_groups:
+                for group in _param_groups(state):
                     group.post_backward()  # the reduce-scatter into the sharded .grad; the parameters resharded
             self._begun.append(root)
 
@@ -326,3 +326,13 @@ def priced(
         optimizer=[o / data_parallel for o in memory.optimizer] if allocations else 0.0,  # type: ignore[union-attr]
         first_transient=first if first is not None else memory.first_transient,
     )
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list (``_fsdp_param_groups``) in torch 2.13; one group or None
+    (``_fsdp_param_group``) in torch 2.11 and before (seen on a lent GPU's torch 2.11, where the list is absent)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]

@@ -81,13 +81,16 @@ def reduce_scatters_once_per_step() -> None:
     last W), not one per micro-batch."""
     import torch.distributed as dist
 
-    original, calls = dist.reduce_scatter_single, []
+    # what FSDP2's reduce-scatter calls: reduce_scatter_single (torch 2.13's DefaultReduceScatter), or
+    # reduce_scatter_tensor (torch 2.11's, which has no reduce_scatter_single: seen on a lent GPU's)
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original, calls = getattr(dist, name), []
 
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counted  # type: ignore[assignment]  # FSDP2's DefaultReduceScatter calls it
+    setattr(dist, name, counted)
     try:
         for schedule in ("1f1b", "zb-h1"):
             build, loss_fn = MODELS["mlp"]
@@ -101,7 +104,7 @@ def reduce_scatters_once_per_step() -> None:
                 engine.train_step(x if engine.first else None, y if engine.last else None)
                 assert len(calls) == units, (schedule, step, len(calls), units)
     finally:
-        dist.reduce_scatter_single = original  # type: ignore[assignment]
+        setattr(dist, name, original)
 
 
 def clipping() -> None:
