@@ -123,7 +123,10 @@ def test_flops_equal_flop_counter_mode(name: str, fused: bool) -> None:
     with torch.device("meta"):
         module, inputs, kwargs = cases()[name]()
     cost = LayerCost.of(module, *inputs, example_kwargs=kwargs, fused=fused)
-    forward, backward = counted(module, *inputs, kwargs=kwargs, fused=fused)
+    try:
+        forward, backward = counted(module, *inputs, kwargs=kwargs, fused=fused)
+    except AssertionError as refused:  # torch 2.11's formulas (seen on a lent GPU); 2.13's count grouped heads
+        pytest.skip(f"this torch's FlopCounterMode cannot count grouped-query attention: {refused}")
     assert (cost.flops("forward"), cost.flops("backward")) == (forward, backward)
     assert not {op.name.split(".")[1] for op in cost.ops} & VIEWS  # views move nothing: not recorded
     assert {op.kind for op in cost.ops if op.flops} <= {"matmul", "attention"}
@@ -225,6 +228,41 @@ def test_time_is_a_roofline_per_op() -> None:
     assert slower.forward == pytest.approx(2 * matmul)  # addmm(bias, x, weight.T): its last input is the weight
     with pytest.raises(ValueError, match="efficiency"):
         LayerCost.of(linear, x).time(peak, 1.5, bandwidth)
+
+
+def test_grouped_query_attention_counts_the_same_where_torchs_formulas_refuse_grouped_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's attention formulas refuse fewer key/value heads than query heads (an AssertionError); the trace
+    then counts with the heads repeated, which is what torch 2.13's formulas count (the registry as installed here,
+    against one made as strict as 2.11's)."""
+    from pipeengine.planner.cluster import costs
+
+    with torch.device("meta"):
+        module, inputs, kwargs = cases()["llama_layer"]()
+    assert module.self_attn.config.num_key_value_heads < module.self_attn.config.num_attention_heads
+    as_installed = LayerCost.of(module, *inputs, example_kwargs=kwargs)
+
+    refusals: list[str] = []
+
+    def strict(formula: Any) -> Any:
+        def refusing(*args: Any, **kwargs: Any) -> Any:
+            heads = {a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4}
+            if len(heads) > 1:
+                refusals.append(f"heads {sorted(heads)}")
+                raise AssertionError(f"heads differ: {sorted(heads)}")
+            return formula(*args, **kwargs)
+
+        return refusing
+
+    registry = dict(costs.flop_registry)
+    attention = {packet for packet in registry if packet in costs._ATTENTION}
+    monkeypatch.setattr(costs, "flop_registry", {p: strict(f) if p in attention else f for p, f in registry.items()})
+    strict_cost = LayerCost.of(module, *inputs, example_kwargs=kwargs)
+    assert refusals, "the strict formulas were asked for grouped heads (the fused kernels' forward and backward)"
+    assert strict_cost.flops(kind="attention") > 0
+    for phase in ("forward", "backward"):
+        assert strict_cost.flops(phase) == as_installed.flops(phase)
 
 
 def test_phase_totals_per_kind() -> None:

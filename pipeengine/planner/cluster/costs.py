@@ -142,6 +142,15 @@ _ATTENTION = _packets(
     "_efficient_attention_backward",
 )
 
+# The attention kernels whose tensors are (batch, sequence, heads, head dim); the others' are (batch, heads, ...)
+_HEADS_THIRD = _packets(
+    aten,
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+    "_efficient_attention_forward",
+    "_efficient_attention_backward",
+)
+
 # Ops that write their first argument without reading it: it is counted once, as the output.
 _WRITE_ONLY = _packets(aten, "copy_", "fill_", "zero_")
 
@@ -216,8 +225,7 @@ class _Recorder(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
-        formula = flop_registry.get(packet)
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        flops = _flops(packet, args, kwargs, out)
         inputs = _tensors((args, kwargs))
         outputs = _tensors(out)
         if packet in _WRITE_ONLY and args and isinstance(args[0], torch.Tensor):
@@ -235,6 +243,41 @@ class _Recorder(TorchDispatchMode):
             )
         )
         return out
+
+
+def _flops(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """The registry's formula for the op, as FlopCounterMode calls it. Grouped-query attention (fewer key/value heads
+    than query heads) is counted as torch 2.13's formulas count it, the key/value heads repeated to the query's:
+    torch 2.11's formulas refuse such shapes (an AssertionError, seen on a lent GPU's torch 2.11), so there they are
+    called again with the heads repeated."""
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except AssertionError:
+        if packet not in _ATTENTION:
+            raise
+        return int(formula(*_heads_repeated(packet, args), **kwargs, out_val=out))
+
+
+def _heads_repeated(packet: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with each 4-d tensor of fewer heads than the most (grouped keys and values, their gradients) given
+    that many: the shapes a formula reads, in empty tensors on the same device (free on the meta device)."""
+    dim = 2 if packet in _HEADS_THIRD else 1
+    fours = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    most = max((t.shape[dim] for t in fours), default=0)
+
+    def whole(arg: Any) -> Any:
+        if not isinstance(arg, torch.Tensor) or arg.dim() != 4 or arg.shape[dim] in (0, most):
+            return arg
+        if most % arg.shape[dim]:
+            return arg
+        shape = list(arg.shape)
+        shape[dim] = most
+        return arg.new_empty(shape)
+
+    return tuple(whole(arg) for arg in args)
 
 
 def _check_meta(module: torch.nn.Module, inputs: Any) -> None:
