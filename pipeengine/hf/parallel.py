@@ -7,7 +7,11 @@
     replicated_with_grad_allreduce       ReplicatedGradSum(): a per-head norm whole on every rank, its gradient
                                          summed over the tensor-parallel ranks (pipeengine.parallel.styles)
 
-and what a config's plan leaves out: Cohere's per-head q_norm/k_norm (use_qk_norm=True), HeadRows() (each rank
+Entries for modules outside the decoder layers (transformers 5.17's Llama plans ``embed_tokens`` as
+``embedding_rowwise``, a vocabulary-parallel embedding) are not translated: pipeengine splits the decoder layers
+alone, and the embedding, the final norm and the head stay whole on every tensor-parallel rank.
+
+And what a config's plan leaves out: Cohere's per-head q_norm/k_norm (use_qk_norm=True), HeadRows() (each rank
 its heads' rows). A parameter of an attention split by heads that the plan says nothing of is refused, naming it:
 each rank would apply it whole to its own heads.
 """
@@ -45,7 +49,9 @@ def tp_plan(model: nn.Module) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, style in plan.items():
         head, _, rest = key.partition(".*.")
-        made = _style(style) if head in ("layers", "h") else None
+        if head not in ("layers", "h"):
+            continue  # outside the decoder layers: whole on every rank (the module docstring)
+        made = _style(style)
         if made is None:
             raise ValueError(
                 f"{name}'s tp plan entry {key!r}: {style!r} is not one pipeengine.hf translates (per-layer "

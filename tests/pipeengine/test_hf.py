@@ -281,6 +281,23 @@ def test_a_parameter_of_attention_split_by_heads_that_the_plan_leaves_out_is_ref
         hf.tp_plan(model)
 
 
+def test_plan_entries_outside_the_decoder_layers_stay_whole_and_an_unknown_layer_style_is_refused() -> None:
+    """transformers 5.17's Llama plan (seen on a lent GPU's image) adds 'embed_tokens': 'embedding_rowwise': the
+    translation is the layers' alone, as without it; a per-layer style pipeengine does not know is refused, naming
+    it."""
+    model = build("llama")
+    config: Any = model.config
+    plan = dict(config.base_model_tp_plan)
+    layers = {key: type(style) for key, style in hf.tp_plan(model).items()}
+    config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", **plan, "norm": "replicated_with_grad_allreduce"}
+    assert {key: type(style) for key, style in hf.tp_plan(model).items()} == layers
+    config.base_model_tp_plan = {**plan, "layers.*.mlp.up_proj": "packed_colwise"}
+    with pytest.raises(
+        ValueError, match=r"LlamaForCausalLM's tp plan entry 'layers\.\*\.mlp\.up_proj': 'packed_colwise' is not one"
+    ):
+        hf.tp_plan(model)
+
+
 EXACT = [
     "llama",
     "qwen2-window",
