@@ -38,6 +38,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._device import (
+    DeviceContext,
+)  # torch.device(...) as a context: a private class (torch 2.11 and 2.13 have it)
 
 from pipeengine.comm import fake
 from pipeengine.core.dtensors import local
@@ -185,7 +188,7 @@ def _run_rank(
     with _environment(rank, world_size, per_node):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
-            with torch.device("meta"):
+            with _MetaDevice():
                 main(*args)
         except BaseException as error:
             error.add_note(
@@ -351,3 +354,21 @@ def _check_memory(reports: Sequence[RankReport], limit: float | None) -> None:
                 f"{limit / 2**30:.2f} GiB: spread the model over more pipeline stages or tensor-parallel "
                 "ranks, shard it (fsdp=True), or recompute activations (checkpoint=)"
             )
+
+
+class _MetaDevice(DeviceContext):
+    """``with torch.device("meta")``, except that a tensor of one Python number made without a device stays on the
+    CPU, where torch 2.13's optimizers put their step counters by naming the device: torch 2.11's AdamW names none,
+    so under a plain meta context its step was a meta tensor and ``optimizer.step()`` failed on its ``.item()``
+    (seen on a lent GPU's torch 2.11)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("meta"))
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.tensor and kwargs.get("device") is None and args and isinstance(args[0], (bool, int, float)):
+            kwargs["device"] = "cpu"
+        return super().__torch_function__(func, types, args, kwargs)

@@ -296,6 +296,31 @@ def test_a_model_copied_in_main_is_on_the_meta_device() -> None:
     assert seen == [torch.device("meta")] * 2  # rank 0 for the record, then rank 1
 
 
+def test_a_scalar_made_without_a_device_stays_on_the_cpu_as_an_optimizer_s_step_counter() -> None:
+    """torch 2.11's AdamW makes its step counter as torch.tensor(0.0), no device (2.13's names the CPU): on the meta
+    device its step's .item() failed. Every other tensor made in main is on the meta device."""
+    seen: list[tuple[str, ...]] = []
+
+    def main() -> None:
+        engine = PipelineEngine(mlp(), nn.functional.mse_loss, num_microbatches=2)
+        optimizer = torch.optim.AdamW(engine.parameters())
+        x, y = batch()
+        engine.train_step(x if engine.first else None, y if engine.last else None)
+        optimizer.step()
+        steps = {state["step"].device.type for state in optimizer.state.values()}
+        made = (
+            torch.tensor(0.5),
+            torch.tensor(3),
+            torch.tensor([0.5]),
+            torch.zeros(()),
+            torch.tensor(1.0, device="meta"),
+        )
+        seen.append((*sorted(steps), *(t.device.type for t in made)))
+
+    pipeengine.dry_run(main, 2, ranks=[1])
+    assert seen == [("cpu", "cpu", "cpu", "meta", "meta", "meta")] * 2
+
+
 def test_launch_runs_the_dry_run_its_environment_asks_for(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
