@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -83,7 +84,14 @@ class StageWorker:
         casting = autocast(device, self.precision) if self.precision is not None else nullcontext()  # mixed only
         with casting, self.sharding.forward() if self.sharding else nullcontext():
             if self.checkpointed and train:
-                value = checkpoint(self.module, argument, use_reentrant=False, context_fn=self._recompute_context)
+                cpu = device.type == "cpu"  # its random state kept here, not by checkpoint (_Recompute says why)
+                value = checkpoint(
+                    self.module,
+                    argument,
+                    use_reentrant=False,
+                    preserve_rng_state=not cpu,
+                    context_fn=partial(self._recompute_context, cpu),
+                )
             else:
                 value = self.module(argument)
             if self.is_last and train:
@@ -109,11 +117,13 @@ class StageWorker:
         # returns a 0-d view of it, a micro-batch's output in size), which the step's losses would keep alive
         return (), loss.detach().float().clone()
 
-    def _recompute_context(self) -> tuple[Context, Context]:
+    def _recompute_context(self, cpu: bool) -> tuple[Context, Context]:
         """Activation checkpointing runs the forward again in backward, in training mode: the buffers it would update
-        a second time (batch norm's running statistics) are put back as the first forward left them."""
+        a second time (batch norm's running statistics) are put back as the first forward left them, and on a CPU
+        stage the CPU's random state is the forward's again (dropout draws the same masks)."""
         buffers = list(self.module.buffers())
-        return nullcontext(), _Restored(buffers) if buffers else nullcontext()
+        random = torch.get_rng_state() if cpu else None  # checkpoint calls this just before the forward
+        return nullcontext(), _Recompute(buffers, random) if buffers or cpu else nullcontext()
 
     def held(self) -> Iterator[torch.Tensor]:
         """What this worker keeps between its computes: inputs and outputs for backward, W's kept gradients."""
@@ -200,19 +210,32 @@ class StageWorker:
             )
 
 
-class _Restored:
-    """Puts the buffers back as they were on entering, on leaving; entered again at each recompute (a split
-    backward's I and W may each recompute the forward), so not a one-shot generator."""
+class _Recompute:
+    """Around each recompute: puts the buffers back as they were on entering, on leaving; with ``random`` (a CPU
+    stage's), runs it from the forward's CPU random state and puts the state outside back after. Entered again at
+    each recompute (a split backward's I and W may each recompute the forward), so not a one-shot generator.
 
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
+    torch's checkpoint keeps the random state itself, but for CPU inputs it keeps the default accelerator's too
+    (CUDA on a machine with a GPU) and refuses a forward during which that is first initialised: seen on a lent
+    GPU, where a CPU rank's compiled stage initialised CUDA in its first forward. A CPU stage needs the CPU's alone,
+    so it keeps that here and tells checkpoint not to (preserve_rng_state=False)."""
+
+    def __init__(self, buffers: list[torch.Tensor], random: torch.Tensor | None) -> None:
         self.buffers = buffers
+        self.random = random
         self.saved: list[list[torch.Tensor]] = [[] for _ in buffers]  # a stack each: entries may nest
+        self.outside: list[torch.Tensor] = []
 
     def __enter__(self) -> None:
         for buffer, stack in zip(self.buffers, self.saved, strict=True):
             stack.append(buffer.detach().clone())
+        if self.random is not None:
+            self.outside.append(torch.get_rng_state())
+            torch.set_rng_state(self.random)
 
     def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
             for buffer, stack in zip(self.buffers, self.saved, strict=True):
                 buffer.copy_(stack.pop())
+        if self.random is not None:
+            torch.set_rng_state(self.outside.pop())

@@ -1,5 +1,6 @@
 """Training features: activation checkpointing and mixed precision."""
 
+import copy
 import io
 
 import pytest
@@ -20,6 +21,44 @@ from tests.pipeengine.ranks import on_ranks
 def test_checkpointed_training_equals_single_process(schedule: str, checkpoint: str) -> None:
     p = ranks.size()
     model_parity("transformer", schedule, [p, 2 * p], [4 * p, 2 * p], checkpoint=checkpoint)
+
+
+class StartsCuda(nn.Module):
+    """Marks CUDA initialised in its forward, as a library that first touches the GPU there does (torch.compile did
+    on a lent GPU, for a CPU rank's stage): torch's checkpoint refused such a forward on a CPU stage."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_meta:  # the engine's shape inference runs the stage on the meta device first
+            torch.cuda._initialized = True  # type: ignore[attr-defined]
+        return x
+
+
+@pytest.mark.timeout(60)
+@on_ranks(1, timeout=30, in_process=True)
+def test_a_cpu_stage_recomputes_its_dropout_exactly_when_cuda_starts_during_its_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """checkpoint="always" against "never" from one seed, with dropout: the recompute draws the forward's masks (the
+    CPU's random state kept and set again), though CUDA was first marked initialised inside the forward, on a machine
+    whose accelerator is CUDA (what torch.accelerator gives there: the device whose state torch's checkpoint keeps for
+    CPU inputs)."""
+    from torch.utils.checkpoint import DefaultDeviceType
+
+    monkeypatch.setattr(DefaultDeviceType, "_default_device_type", "cuda")
+    monkeypatch.setattr(torch.cuda, "_initialized", False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), StartsCuda(), nn.Linear(16, 16), nn.Dropout(0.3))
+    x, y = torch.randn(4, 8), torch.randn(4, 16)
+    found = []
+    for checkpoint in ("always", "never"):
+        engine = PipelineEngine(copy.deepcopy(model), nn.functional.mse_loss, num_microbatches=2, checkpoint=checkpoint)
+        torch.manual_seed(1)
+        loss = engine.train_step(x, y)
+        found.append((loss, {name: p.grad for name, p in engine.named_parameters()}))
+    (loss, grads), (plain_loss, plain_grads) = found
+    assert loss == plain_loss
+    assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    assert torch.cuda._initialized  # type: ignore[attr-defined]  # the forward did mark it
 
 
 class SavedBytes:
