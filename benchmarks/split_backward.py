@@ -3,6 +3,7 @@
     python benchmarks/split_backward.py                      # the three stages, 15 alternating rounds each
     python benchmarks/split_backward.py --rounds 5 --models mlp
     python benchmarks/split_backward.py --width 16            # the fixed costs alone: every stage 16 wide
+    python benchmarks/split_backward.py --device cuda --width 2048 --batch 64   # on a GPU, launch-bound and not
 
 Issue 61's first step: zero-bubble schedules pay only if I + W (pipeengine.step.backward: I to the stage's input
 now, W for its weights later, re-entering each autograd node with weights beneath it) costs what B (one autograd call
@@ -37,12 +38,13 @@ from pipeengine.step.backward import WeightPass, backward_input
 MODELS = ("mlp", "gpt", "llama")
 
 
-def stage(name: str, width: int | None = None) -> tuple[nn.Module, torch.Tensor]:
-    """A stage of the named model and one micro-batch's input (``width``: in place of the model's own)."""
+def stage(name: str, width: int | None = None, batch: int | None = None) -> tuple[nn.Module, torch.Tensor]:
+    """A stage of the named model and one micro-batch's input (``width``, ``batch``: the rows or sequences of the
+    micro-batch, in place of the model's own)."""
     torch.manual_seed(0)
     if name == "mlp":
         width = width or 1024
-        return nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), torch.randn(8, width)
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), torch.randn(batch or 8, width)
     width = width or 256
     if name == "gpt":
         import sys
@@ -51,7 +53,7 @@ def stage(name: str, width: int | None = None) -> tuple[nn.Module, torch.Tensor]
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
         from train_gpt import Block
 
-        return nn.Sequential(Block(width, 4), Block(width, 4)), torch.randn(4, 64, width)
+        return nn.Sequential(Block(width, 4), Block(width, 4)), torch.randn(batch or 4, 64, width)
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -69,22 +71,34 @@ def stage(name: str, width: int | None = None) -> tuple[nn.Module, torch.Tensor]
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.ModuleList(LlamaDecoderLayer(config, index) for index in range(2))
+            self.rotary = rotary
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            positions = rotary(x, torch.arange(x.shape[1])[None])
+            positions = self.rotary(x, torch.arange(x.shape[1], device=x.device)[None])
             for layer in self.layers:
                 out = layer(x, position_embeddings=positions, attention_mask=None)
                 x = out[0] if isinstance(out, tuple) else out
             return x
 
-    return Layers(), torch.randn(4, 64, width)
+    return Layers(), torch.randn(batch or 4, 64, width)
 
 
-def timings(name: str, rounds: int, width: int | None = None) -> dict[str, float]:
-    """Median seconds of each way of running the stage's backward, and its forward."""
-    module, example = stage(name, width)
+def timings(
+    name: str, rounds: int, width: int | None = None, batch: int | None = None, device: str = "cpu"
+) -> dict[str, float]:
+    """Median seconds of each way of running the stage's backward, and its forward (on a GPU, each timed region
+    begins and ends with the device's work synchronized, so it counts the kernels and not only their launch)."""
+    module, example = stage(name, width, batch)
+    module.to(device)
     params = [p for p in module.parameters() if p.requires_grad]
-    x = example.requires_grad_()
+    x = example.to(device).requires_grad_()
+    on_gpu = torch.device(device).type == "cuda"
+
+    def clock() -> float:
+        if on_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     grad = torch.randn_like(module(x))
 
     def forward() -> torch.Tensor:
@@ -92,35 +106,35 @@ def timings(name: str, rounds: int, width: int | None = None) -> dict[str, float
 
     def whole() -> float:
         y = forward()
-        start = time.perf_counter()
+        start = clock()
         torch.autograd.backward(y, grad, inputs=[x, *params])
-        return time.perf_counter() - start
+        return clock() - start
 
     def split() -> tuple[float, float]:
         y = forward()
-        start = time.perf_counter()
+        start = clock()
         _, weights = backward_input((y,), (grad,), (x,), params)
-        middle = time.perf_counter()
+        middle = clock()
         weights.run()
-        return middle - start, time.perf_counter() - middle
+        return middle - start, clock() - middle
 
     def one_call() -> float:
         y = forward()
         torch.autograd.grad(y, [x], grad, retain_graph=True)
-        start = time.perf_counter()
+        start = clock()
         WeightPass._accumulate(params, torch.autograd.grad(y, params, grad))
-        return time.perf_counter() - start
+        return clock() - start
 
     def bare() -> float:
         y = forward()
-        start = time.perf_counter()
+        start = clock()
         torch.autograd.grad(y, [x], grad)
-        return time.perf_counter() - start
+        return clock() - start
 
     def timed(step: Callable[[], object]) -> float:
-        start = time.perf_counter()
+        start = clock()
         step()
-        return time.perf_counter() - start
+        return clock() - start
 
     found: dict[str, list[float]] = {key: [] for key in ("F", "B", "I", "W", "W one call", "I bare")}
     for round_ in range(rounds + 2):  # two to warm up
@@ -154,6 +168,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--width", type=int, help="every stage this wide (a multiple of 4), in place of its own")
+    parser.add_argument("--batch", type=int, help="a micro-batch's rows (MLP) or sequences of 64 tokens (GPT, Llama)")
+    parser.add_argument("--device", default="cpu", help="cpu (the default: a rank's share of this machine) or cuda")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as a launched CPU rank does (else a weight's fresh gradient pays page faults each time)
@@ -165,7 +181,7 @@ def main() -> None:
     lines.append("|-|-|-|-|-|-|-|-|-|-|")
     for name in args.models:
         try:
-            t = timings(name, args.rounds, args.width)
+            t = timings(name, args.rounds, args.width, args.batch, args.device)
         except ImportError as missing:
             print(f"{name}: skipped ({missing})")
             continue
@@ -181,6 +197,8 @@ def main() -> None:
                 "rounds": args.rounds,
                 "threads": args.threads,
                 "width": args.width,
+                "batch": args.batch,
+                "device": args.device,
             }
         )
         lines.append(
