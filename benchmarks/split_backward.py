@@ -17,8 +17,9 @@ returned): without it a weight's fresh gradient pays page faults that dwarf its 
 the other on the same input and output gradient: F; B (torch.autograd.backward to the
 input and the weights); I then W as the engine runs them; and, to say where a difference goes, W as one autograd
 call from the stage's output (what W falls back to: it repeats the input side) and a bare I (autograd.grad to the
-input, no graph kept, no hooks). Medians over the rounds; the methods alternate within a round, so a slow moment of
-the machine falls on all of them. Writes out/bench/split_backward.{json,txt}.
+input, no graph kept, no hooks). B and I + W run twice in a round: a step's first micro-batch (the weights' .grad
+made) and a later one (added into the .grad held; columns "later"). Medians over the rounds; the methods alternate
+within a round, so a slow moment of the machine falls on all of them. Writes out/bench/split_backward.{json,txt}.
 """
 
 from __future__ import annotations
@@ -136,18 +137,22 @@ def timings(
         step()
         return clock() - start
 
-    found: dict[str, list[float]] = {key: [] for key in ("F", "B", "I", "W", "W one call", "I bare")}
+    keys = ("F", "B", "I", "W", "B later", "I later", "W later", "W one call", "I bare")
+    found: dict[str, list[float]] = {key: [] for key in keys}
     for round_ in range(rounds + 2):  # two to warm up
         module.zero_grad(set_to_none=True)
         f = timed(forward)
-        b = whole()
+        b = whole()  # a step's first micro-batch: the weights' .grad made
+        b_later = whole()  # a later one: added into the .grad held
         module.zero_grad(set_to_none=True)
         i, w = split()
+        i_later, w_later = split()
         module.zero_grad(set_to_none=True)
         w_once = one_call()
         i_bare = bare()
         if round_ >= 2:
-            for key, value in zip(found, (f, b, i, w, w_once, i_bare), strict=True):
+            values = (f, b, i, w, b_later, i_later, w_later, w_once, i_bare)
+            for key, value in zip(found, values, strict=True):
                 found[key].append(value)
     medians = {key: statistics.median(values) for key, values in found.items()}
     medians["roots"], medians["calls"] = (float(n) for n in _roots(module, x, grad, params))
@@ -175,10 +180,10 @@ def main() -> None:
     keep_freed_memory()  # as a launched CPU rank does (else a weight's fresh gradient pays page faults each time)
     rows, lines = [], []
     lines.append(
-        "| stage | F ms | B ms | I ms | W ms | I + W over B | W roots | W's autograd calls "
-        "| W as one call ms | bare I ms |"
+        "| stage | F ms | B ms | I ms | W ms | I + W over B | later: B ms | I + W ms | over B | W roots "
+        "| W's autograd calls | W as one call ms | bare I ms |"
     )
-    lines.append("|-|-|-|-|-|-|-|-|-|-|")
+    lines.append("|-|-|-|-|-|-|-|-|-|-|-|-|-|")
     for name in args.models:
         try:
             t = timings(name, args.rounds, args.width, args.batch, args.device)
@@ -187,11 +192,13 @@ def main() -> None:
             continue
         ms = {key: 1e3 * value for key, value in t.items() if key not in ("roots", "calls")}
         ratio = (t["I"] + t["W"]) / t["B"]
+        later = (t["I later"] + t["W later"]) / t["B later"]
         rows.append(
             {
                 "stage": name,
                 **{k: round(v, 3) for k, v in ms.items()},
                 "split_over_whole": round(ratio, 3),
+                "split_over_whole_later": round(later, 3),
                 "w_roots": int(t["roots"]),
                 "w_calls": int(t["calls"]),
                 "rounds": args.rounds,
@@ -203,6 +210,7 @@ def main() -> None:
         )
         lines.append(
             f"| {name} | {ms['F']:.2f} | {ms['B']:.2f} | {ms['I']:.2f} | {ms['W']:.2f} | {ratio:.2f}x | "
+            f"{ms['B later']:.2f} | {ms['I later'] + ms['W later']:.2f} | {later:.2f}x | "
             f"{int(t['roots'])} | {int(t['calls'])} | {ms['W one call']:.2f} | "
             f"{ms['I bare']:.2f} |"
         )

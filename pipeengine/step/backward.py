@@ -126,8 +126,29 @@ def _direct_weights(
     made = handler(node, grad, owners)
     if made is None:
         return False
-    WeightPass._accumulate(params, made)
+    for param, value in zip(params, made, strict=True):
+        WeightPass._accumulate([param], [_add_product(param, value) if isinstance(value, _Product) else value])
     return True
+
+
+class _Product(NamedTuple):
+    """A weight's gradient as the matrix product ``left @ right`` (a Linear's), not yet made."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+
+
+def _add_product(param: nn.Parameter, product: _Product) -> torch.Tensor | None:
+    """Into an existing .grad by the GEMM itself (addmm_: no gradient tensor made, and no pass over .grad to add it,
+    which B's AccumulateGrad pays for every micro-batch after a step's first); else the product, for .grad to take.
+    None: added."""
+    left, right = product
+    grad = param.grad
+    with torch.no_grad():
+        if grad is None or grad.layout != torch.strided or grad.dtype != left.dtype or not grad.is_contiguous():
+            return left.mm(right)
+        grad.addmm_(left, right)
+    return None
 
 
 def _edge(node: Node, index: int) -> Node | None:
@@ -141,13 +162,13 @@ def _leaves(owners: Sequence[Node | None], *edges: Node | None) -> bool:
     )
 
 
-def _addmm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor] | None:
+def _addmm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor | _Product] | None:
     if node._saved_alpha != 1 or node._saved_beta != 1:  # type: ignore[attr-defined]
         return None
     return _linear(node, grad, owners, _edge(node, 0), _edge(node, 2), node._saved_mat1)  # type: ignore[attr-defined]
 
 
-def _mm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor] | None:
+def _mm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor | _Product] | None:
     return _linear(node, grad, owners, None, _edge(node, 1), node._saved_self)  # type: ignore[attr-defined]
 
 
@@ -158,14 +179,14 @@ def _linear(
     bias: Node | None,
     transposed: Node | None,
     x: torch.Tensor,
-) -> list[torch.Tensor] | None:
+) -> list[torch.Tensor | _Product] | None:
     if transposed is None or type(transposed).__name__ != "TBackward0" or x.dtype != grad.dtype:
         return None
     weight = _edge(transposed, 0)
     if not _leaves(owners, weight, bias):
         return None
     with torch.no_grad():  # the saved input is an activation: nothing here is recorded
-        return [grad.t().mm(x) if owner is weight else grad.sum(0) for owner in owners]
+        return [_Product(grad.t(), x) if owner is weight else grad.sum(0) for owner in owners]
 
 
 def _layer_norm(node: Node, grad: torch.Tensor, owners: Sequence[Node | None]) -> list[torch.Tensor] | None:

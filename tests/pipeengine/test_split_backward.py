@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from pipeengine.step import backward
 from tests.pipeengine.parity import OneProcess, close
@@ -70,3 +72,51 @@ def test_w_re_enters_autograd_for_a_weight_autocast_casts_or_one_with_a_gradient
             _, roots, made = split(module, x, grad)
         assert roots == made == 1
     assert calls  # the hook ran in W
+
+
+def test_w_adds_a_linear_weights_gradient_into_the_grad_held_by_the_matmul_itself() -> None:
+    """A later micro-batch's W: a Linear's weight gradient goes into the .grad already there by the matmul (addmm_),
+    making no weight-sized tensor to add, and equals two whole backwards' sum; a .grad that is not a plain
+    contiguous tensor (here held transposed) gets the product made and added, as before."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    one = OneProcess(module)
+    batches = [(torch.randn(3, 5, 8), torch.randn(3, 5, 8)) for _ in range(3)]
+    split(module, *batches[0])
+    weights = {(16, 8), (8, 16)}
+    assert later(module, *batches[1]) == set()  # no weight-sized tensor made: each added into its .grad
+    last = module[2].weight
+    last.grad = last.grad.t().contiguous().t()  # type: ignore[union-attr]  # held transposed: not addmm_'s
+    assert later(module, *batches[2]) & weights == {(8, 16)}  # that one made, then added
+    for x, grad in batches:
+        one.input_gradient(x.requires_grad_(), grad)
+    for (label, mine), theirs in zip(module.named_parameters(), one.parameters(), strict=True):
+        close(mine.grad, theirs.grad, f"{label}'s gradient over three micro-batches")  # type: ignore[arg-type]
+
+
+class Made(TorchDispatchMode):
+    """The shapes of the tensors ops make under it: an op's output on storage of its own (not an input, nor a view
+    of one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        made = [
+            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
+        ]
+        self.shapes |= {tuple(t.shape) for t in made if t.dim() == 2}
+        return out
+
+
+def later(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> set[tuple[int, ...]]:
+    """I, then W under ``Made``, on ``module`` whose weights hold a .grad (a later micro-batch): the shapes of the
+    2-d tensors W made (its formulas alone: no autograd call)."""
+    xi = x.detach().requires_grad_()
+    _, weight_pass = backward.backward_input((module(xi),), (grad,), (xi,), list(module.parameters()))
+    with Made() as made:
+        assert weight_pass.run() == 0
+    return made.shapes
