@@ -14,12 +14,13 @@ Llama's (2 LlamaDecoderLayer, hidden 256, 4 heads, 4 x 64 tokens; skipped withou
 
 Memory as a launched CPU rank keeps it (pipeengine.launcher.launch.keep_freed_memory: freed blocks reused, not
 returned): without it a weight's fresh gradient pays page faults that dwarf its matmul. Each round times, one after
-the other on the same input and output gradient: F; B (torch.autograd.backward to the
-input and the weights); I then W as the engine runs them; and, to say where a difference goes, W as one autograd
-call from the stage's output (what W falls back to: it repeats the input side) and a bare I (autograd.grad to the
-input, no graph kept, no hooks). B and I + W run twice in a round: a step's first micro-batch (the weights' .grad
-made) and a later one (added into the .grad held; columns "later"). Medians over the rounds; the methods alternate
-within a round, so a slow moment of the machine falls on all of them. Writes out/bench/split_backward.{json,txt}.
+the other on the same input and output gradient: F; B (torch.autograd.backward to the input and the weights); I then
+W as the engine runs them; and, to say where a difference goes, W as one autograd call from the stage's output (what
+W falls back to: it repeats the input side) and a bare I (autograd.grad to the input, no graph kept, no hooks). B
+and I + W run twice in a round: a step's first micro-batch (the weights' .grad made) and a later one (added into the
+.grad held; columns "later"); then a step's --microbatches (8) of each from no .grad, their times summed (columns "a
+step"). Medians over the rounds; the methods alternate within a round, so a slow moment of the machine falls on all
+of them. Writes out/bench/split_backward.{json,txt}.
 """
 
 from __future__ import annotations
@@ -85,7 +86,12 @@ def stage(name: str, width: int | None = None, batch: int | None = None) -> tupl
 
 
 def timings(
-    name: str, rounds: int, width: int | None = None, batch: int | None = None, device: str = "cpu"
+    name: str,
+    rounds: int,
+    width: int | None = None,
+    batch: int | None = None,
+    device: str = "cpu",
+    microbatches: int = 8,
 ) -> dict[str, float]:
     """Median seconds of each way of running the stage's backward, and its forward (on a GPU, each timed region
     begins and ends with the device's work synchronized, so it counts the kernels and not only their launch)."""
@@ -137,7 +143,12 @@ def timings(
         step()
         return clock() - start
 
-    keys = ("F", "B", "I", "W", "B later", "I later", "W later", "W one call", "I bare")
+    def step(backward: Callable[[], float | tuple[float, float]]) -> float:
+        """A step's backwards on this stage: ``microbatches`` of them from no .grad, their times summed."""
+        module.zero_grad(set_to_none=True)
+        return sum(sum(t) if isinstance(t, tuple) else t for t in (backward() for _ in range(microbatches)))
+
+    keys = ("F", "B", "I", "W", "B later", "I later", "W later", "W one call", "I bare", "B step", "I + W step")
     found: dict[str, list[float]] = {key: [] for key in keys}
     for round_ in range(rounds + 2):  # two to warm up
         module.zero_grad(set_to_none=True)
@@ -150,8 +161,9 @@ def timings(
         module.zero_grad(set_to_none=True)
         w_once = one_call()
         i_bare = bare()
+        b_step, split_step = step(whole), step(split)
         if round_ >= 2:
-            values = (f, b, i, w, b_later, i_later, w_later, w_once, i_bare)
+            values = (f, b, i, w, b_later, i_later, w_later, w_once, i_bare, b_step, split_step)
             for key, value in zip(found, values, strict=True):
                 found[key].append(value)
     medians = {key: statistics.median(values) for key, values in found.items()}
@@ -175,30 +187,35 @@ def main() -> None:
     parser.add_argument("--width", type=int, help="every stage this wide (a multiple of 4), in place of its own")
     parser.add_argument("--batch", type=int, help="a micro-batch's rows (MLP) or sequences of 64 tokens (GPT, Llama)")
     parser.add_argument("--device", default="cpu", help="cpu (the default: a rank's share of this machine) or cuda")
+    parser.add_argument("--microbatches", type=int, default=8, help="a step's micro-batches (the step columns)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as a launched CPU rank does (else a weight's fresh gradient pays page faults each time)
     rows, lines = [], []
     lines.append(
-        "| stage | F ms | B ms | I ms | W ms | I + W over B | later: B ms | I + W ms | over B | W roots "
-        "| W's autograd calls | W as one call ms | bare I ms |"
+        "| stage | F ms | B ms | I ms | W ms | I + W over B | later: B ms | I + W ms | over B "
+        f"| a step of {args.microbatches}: B ms | I + W ms | over B | W roots | W's autograd calls "
+        "| W as one call ms | bare I ms |"
     )
-    lines.append("|-|-|-|-|-|-|-|-|-|-|-|-|-|")
+    lines.append("|-|-|-|-|-|-|-|-|-|-|-|-|-|-|-|-|")
     for name in args.models:
         try:
-            t = timings(name, args.rounds, args.width, args.batch, args.device)
+            t = timings(name, args.rounds, args.width, args.batch, args.device, args.microbatches)
         except ImportError as missing:
             print(f"{name}: skipped ({missing})")
             continue
         ms = {key: 1e3 * value for key, value in t.items() if key not in ("roots", "calls")}
         ratio = (t["I"] + t["W"]) / t["B"]
         later = (t["I later"] + t["W later"]) / t["B later"]
+        whole_step = t["I + W step"] / t["B step"]
         rows.append(
             {
                 "stage": name,
                 **{k: round(v, 3) for k, v in ms.items()},
                 "split_over_whole": round(ratio, 3),
                 "split_over_whole_later": round(later, 3),
+                "split_over_whole_step": round(whole_step, 3),
+                "microbatches": args.microbatches,
                 "w_roots": int(t["roots"]),
                 "w_calls": int(t["calls"]),
                 "rounds": args.rounds,
@@ -211,6 +228,7 @@ def main() -> None:
         lines.append(
             f"| {name} | {ms['F']:.2f} | {ms['B']:.2f} | {ms['I']:.2f} | {ms['W']:.2f} | {ratio:.2f}x | "
             f"{ms['B later']:.2f} | {ms['I later'] + ms['W later']:.2f} | {later:.2f}x | "
+            f"{ms['B step']:.1f} | {ms['I + W step']:.1f} | {whole_step:.3f}x | "
             f"{int(t['roots'])} | {int(t['calls'])} | {ms['W one call']:.2f} | "
             f"{ms['I bare']:.2f} |"
         )

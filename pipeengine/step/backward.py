@@ -243,18 +243,17 @@ def backward_input(
     if not wanted:  # nothing flows upstream (the first stage): the whole backward is the weight pass
         return (), WeightPass(fallback=(outputs, grads, trainable) if trainable else None)
     input_nodes = {n for n in map(_node, wanted) if n is not None}
-    weight_nodes = {n: p for p in trainable if (n := _node(p)) is not None}
     roots = [n for n in map(_node, outputs) if n is not None]
-    below, reachable = _analyse(roots, input_nodes, set(weight_nodes))
+    below, reached = _analyse(roots, input_nodes, {id(p): p for p in trainable})
     now = {w for node, ws in below.items() if _compiled(node) for w in ws}  # their whole gradient in I
+    weight_nodes = reached
     if now:  # W's analysis without them: autograd gives I their every path's share
         below = {
             node: rest
             for node, ws in below.items()
             if not _compiled(node) and (rest := [w for w in ws if w not in now])
         }
-        reachable -= now
-        weight_nodes = {node: p for node, p in weight_nodes.items() if node not in now}
+        weight_nodes = {node: p for node, p in reached.items() if node not in now}
     owner: dict[Node, int] = {}
     for ws in below.values():
         for weight in ws:
@@ -264,7 +263,7 @@ def backward_input(
     handles: list[torch.utils.hooks.RemovableHandle] = []
     if not weight_nodes:  # no trainable weight beneath (or all in I): nothing for W to do
         pass
-    elif one_pass or any(count > 1 for count in owner.values()) or set(owner) != reachable:
+    elif one_pass or any(count > 1 for count in owner.values()) or owner.keys() != weight_nodes.keys():
         # a weight beneath several input-path nodes, or beneath none (off the input path): one plain W call
         weight_pass.fallback = (outputs, grads, list(weight_nodes.values()))
     else:
@@ -276,7 +275,7 @@ def backward_input(
             return hook
 
         handles = [node.register_prehook(keeper(node)) for node in below]
-    whole = [p for p in trainable if _node(p) in now] if now else []
+    whole = [reached[node] for node in now]
     try:  # the graph is kept only for a W to come
         made = torch.autograd.grad(
             outputs, [*wanted, *whole], grads, retain_graph=bool(weight_nodes), allow_unused=True
@@ -315,9 +314,13 @@ def _compiled(node: Node) -> bool:
     return type(node).__name__ == "CompiledFunctionBackward"
 
 
-def _analyse(roots: list[Node], inputs: set[Node], weights: set[Node]) -> tuple[dict[Node, list[Node]], set[Node]]:
+def _analyse(
+    roots: list[Node], inputs: set[Node], params: dict[int, nn.Parameter]
+) -> tuple[dict[Node, list[Node]], dict[Node, nn.Parameter]]:
     """Each node on a path to an input that has weights directly beneath it (in graph order: children first), with
-    those weights; and all weights seen.
+    those weights; and every weight reached (the gradient accumulator of one of ``params``, by id), with its
+    parameter: read off the accumulator (``AccumulateGrad.variable``), where asking a parameter for its accumulator
+    makes a view of it (some microseconds each, a stage's every parameter at each micro-batch).
 
     "Directly beneath" means reachable through children that are not on an input path.
     """
@@ -335,8 +338,13 @@ def _analyse(roots: list[Node], inputs: set[Node], weights: set[Node]) -> tuple[
     none: frozenset[Node] = frozenset()  # most nodes have no weight beneath them: one empty set for them all
     leads_in: dict[Node, bool] = {}
     under: dict[Node, frozenset[Node] | set[Node]] = {}  # weights reachable through non-input-path nodes only
+    reached: dict[Node, nn.Parameter] = {}
     for node in order:
-        leads, found = node in inputs, ({node} if node in weights else none)
+        if not kids[node] and type(node).__name__ == "AccumulateGrad":
+            param = params.get(id(node.variable))  # type: ignore[attr-defined]
+            if param is not None:
+                reached[node] = param
+        leads, found = node in inputs, ({node} if node in reached else none)
         for child in kids[node]:
             if leads_in[child]:
                 leads = True
@@ -344,4 +352,4 @@ def _analyse(roots: list[Node], inputs: set[Node], weights: set[Node]) -> tuple[
                 found = found | under[child]
         leads_in[node], under[node] = leads, found
     below = {n: sorted(under[n], key=id) for n in order if leads_in[n] and n not in inputs and under[n]}
-    return below, weights & kids.keys()
+    return below, reached
