@@ -30,6 +30,7 @@ launching.md says the same for users.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -66,6 +67,7 @@ class RankReport:
     program: str  # the pipeline's program as the rank ran it, validated under NCCL's rendezvous semantics
     peak_bytes: float  # predicted: its parameters, gradients and AdamW's state, and the activations it holds at most
     activations_measured: bool  # False: counted as 0 (the engine had no sample= to measure them on)
+    table: Any = field(default=None, repr=False, compare=False)  # the engine's Partition, for the dry run's table
 
     def __str__(self) -> str:
         dp, pp, tp = self.coordinates
@@ -104,9 +106,29 @@ class DryRun:
                 "every pipeline stage of the world (the partition, as each rank built it; under tensor "
                 "parallelism a layer no rank of the dry run built is counted as sharded as one of its size "
                 "that a rank built, else whole):",
-                self.reports[0].partition,
+                self.partition(),
             ]
         return "\n".join(lines)
+
+    def partition(self) -> str:
+        """The partition table, under tensor parallelism with each layer's parameters as a rank of the dry run that
+        built it holds them (each rank's own table knows its own layers' shards alone)."""
+        first = self.reports[0].table
+        if first is None or first.shards is None:
+            return self.reports[0].partition
+        built: dict[int, tuple[int, int]] = {}  # layer -> (parameters, bytes) as the rank that built it holds them
+        for report in self.reports:
+            shards = report.table.shards
+            for start, end in report.stages.values():
+                built.update({i: (shards.params[i], shards.param_bytes[i]) for i in range(start, end)})
+        costs = first.costs
+        alike = {(costs.params[i], costs.param_bytes[i]): held for i, held in built.items()}
+        wholes = zip(costs.params, costs.param_bytes, strict=True)
+        held = [built.get(i) or alike.get(whole, whole) for i, whole in enumerate(wholes)]
+        shards = dataclasses.replace(
+            first.shards, params=tuple(n for n, _ in held), param_bytes=tuple(b for _, b in held)
+        )
+        return str(dataclasses.replace(first, shards=shards))
 
 
 def dry_run(
@@ -302,6 +324,7 @@ def _report(engine: Any, rank: int, world_size: int, steps: int) -> RankReport:
         program,
         peak,
         measured,
+        engine.partition,
     )
 
 

@@ -100,6 +100,47 @@ def test_ranks_of_a_grid_are_built_and_stepped_with_a_report() -> None:
     assert "partition by uniform: 2 stages" in text
 
 
+def main_uneven_blocks() -> None:
+    """Two stages of blocks of different hidden sizes (4 x WIDTH, then 3 x WIDTH) on pp2 x tp2."""
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(nn.Linear(WIDTH, h), nn.GELU(), nn.Linear(h, WIDTH)) for h in (4 * WIDTH,) * 2 + (3 * WIDTH,) * 2
+    ]
+    plan = {"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}
+    engine = PipelineEngine(
+        nn.Sequential(*blocks),
+        nn.functional.mse_loss,
+        num_microbatches=2,
+        partition="uniform",
+        tensor_parallel=2,
+        tp_plan=plan,
+    )
+    x, y = batch()
+    engine.train_step(x if engine.first else None, y if engine.last else None)
+
+
+def test_the_dry_runs_table_counts_each_layer_as_the_rank_that_built_it_holds_it() -> None:
+    """Under tensor parallelism each rank knows its own layers' shards: the table counts a layer that some rank of the
+    dry run built as that rank holds it (the second stage's blocks, built by rank 2 alone), and one no rank built and
+    of no built layer's size whole, as the table's header says."""
+
+    def stage_params(report: pipeengine.launcher.dry.DryRun) -> list[int]:
+        rows = [line.split() for line in str(report).splitlines() if line.split()[:1] in (["0"], ["1"])]
+        return [int(row[3].replace(",", "")) for row in rows]
+
+    def block(hidden: int, split: int) -> int:  # two weights and their biases; the row-wise bias whole
+        return (2 * WIDTH * hidden + hidden) // split + WIDTH
+
+    assert stage_params(pipeengine.dry_run(main_uneven_blocks, 4, ranks=[0, 2])) == [
+        2 * block(4 * WIDTH, 2),
+        2 * block(3 * WIDTH, 2),
+    ]
+    assert stage_params(pipeengine.dry_run(main_uneven_blocks, 4, ranks=[0])) == [
+        2 * block(4 * WIDTH, 2),
+        2 * block(3 * WIDTH, 1),
+    ]
+
+
 def test_a_rank_predicted_over_the_memory_limit_is_refused_naming_it() -> None:
     peak = pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2)).reports[0].peak_bytes
     assert pipeengine.dry_run(train, 8, ranks=[3], args=(None, 2, 2), memory_limit=peak).reports[0].peak_bytes == peak
