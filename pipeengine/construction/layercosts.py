@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,6 +58,15 @@ class LayerCosts:
         the planner counts them), plus what it saves for backward."""
         acts = self.activation_bytes or (0,) * len(self)
         return tuple(int(state_bytes(p)) + a for p, a in zip(self.param_bytes, acts, strict=True))
+
+    def held_as(self, found: Mapping[int, tuple[int, int]], alike: bool) -> LayerCosts:
+        """These costs with the layers of ``found`` as a tensor-parallel rank holds them ((parameters, bytes) by layer
+        index), the others whole; with ``alike`` (a dry run, which builds some ranks alone), a layer not found as
+        large as one found is taken to shard alike."""
+        wholes = list(zip(self.params, self.param_bytes, strict=True))
+        same = {wholes[i]: held for i, held in found.items()} if alike else {}
+        held = [found.get(i) or same.get(whole, whole) for i, whole in enumerate(wholes)]
+        return dataclasses.replace(self, params=tuple(n for n, _ in held), param_bytes=tuple(b for _, b in held))
 
     @classmethod
     def of(cls, profile: Measured | None, model: Iterable[nn.Module]) -> LayerCosts:

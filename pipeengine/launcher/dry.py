@@ -39,9 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._device import (
-    DeviceContext,
-)  # torch.device(...) as a context: a private class (torch 2.11 and 2.13 have it)
+from torch.utils._device import DeviceContext  # torch.device(...) as a context: private (in torch 2.11 and 2.13)
 
 from pipeengine.comm import fake
 from pipeengine.core.dtensors import local
@@ -121,14 +119,7 @@ class DryRun:
             shards = report.table.shards
             for start, end in report.stages.values():
                 built.update({i: (shards.params[i], shards.param_bytes[i]) for i in range(start, end)})
-        costs = first.costs
-        alike = {(costs.params[i], costs.param_bytes[i]): held for i, held in built.items()}
-        wholes = zip(costs.params, costs.param_bytes, strict=True)
-        held = [built.get(i) or alike.get(whole, whole) for i, whole in enumerate(wholes)]
-        shards = dataclasses.replace(
-            first.shards, params=tuple(n for n, _ in held), param_bytes=tuple(b for _, b in held)
-        )
-        return str(dataclasses.replace(first, shards=shards))
+        return str(dataclasses.replace(first, shards=first.costs.held_as(built, alike=True)))
 
 
 def dry_run(

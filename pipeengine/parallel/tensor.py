@@ -260,14 +260,7 @@ def shard_costs(
     found: dict[int, tuple[int, int]] = {}
     for theirs in pipeline.all_gather_object(mine, "the layers' tensor-parallel shard sizes"):
         found.update(theirs)
-    if pipeline.alone:  # a dry run builds this rank alone: a layer as large as one it holds is taken to shard alike
-        alike = {(costs.params[i], costs.param_bytes[i]): held for i, held in found.items()}
-        for i, whole in enumerate(zip(costs.params, costs.param_bytes, strict=True)):
-            if i not in found and whole in alike:
-                found[i] = alike[whole]
-    params = tuple(found.get(i, (p, 0))[0] for i, p in enumerate(costs.params))
-    param_bytes = tuple(found[i][1] if i in found else b for i, b in enumerate(costs.param_bytes))
-    return dataclasses.replace(costs, params=params, param_bytes=param_bytes)
+    return costs.held_as(found, alike=pipeline.alone)  # a dry run builds this rank alone
 
 
 @dataclass
