@@ -126,8 +126,8 @@ def _direct_weights(
     made = handler(node, grad, owners)
     if made is None:
         return False
-    for param, value in zip(params, made, strict=True):
-        WeightPass._accumulate([param], [_add_product(param, value) if isinstance(value, _Product) else value])
+    pairs = zip(params, made, strict=True)
+    WeightPass._accumulate(params, [_add_product(p, v) if isinstance(v, _Product) else v for p, v in pairs])
     return True
 
 

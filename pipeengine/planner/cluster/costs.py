@@ -269,9 +269,7 @@ def _heads_repeated(packet: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     most = max((t.shape[dim] for t in fours), default=0)
 
     def whole(arg: Any) -> Any:
-        if not isinstance(arg, torch.Tensor) or arg.dim() != 4 or arg.shape[dim] in (0, most):
-            return arg
-        if most % arg.shape[dim]:
+        if not isinstance(arg, torch.Tensor) or arg.dim() != 4 or arg.shape[dim] in (0, most) or most % arg.shape[dim]:
             return arg
         shape = list(arg.shape)
         shape[dim] = most
