@@ -34,9 +34,10 @@ class StartsCuda(nn.Module):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])  # zb-v: two stages on the rank, a split backward's I and W
 @on_ranks(1, timeout=30, in_process=True)
 def test_a_cpu_stage_recomputes_its_dropout_exactly_when_cuda_starts_during_its_forward(
-    monkeypatch: pytest.MonkeyPatch,
+    schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """checkpoint="always" against "never" from one seed, with dropout: the recompute draws the forward's masks (the
     CPU's random state kept and set again), though CUDA was first marked initialised inside the forward, on a machine
@@ -51,7 +52,9 @@ def test_a_cpu_stage_recomputes_its_dropout_exactly_when_cuda_starts_during_its_
     x, y = torch.randn(4, 8), torch.randn(4, 16)
     found = []
     for checkpoint in ("always", "never"):
-        engine = PipelineEngine(copy.deepcopy(model), nn.functional.mse_loss, num_microbatches=2, checkpoint=checkpoint)
+        engine = PipelineEngine(
+            copy.deepcopy(model), nn.functional.mse_loss, num_microbatches=2, schedule=schedule, checkpoint=checkpoint
+        )
         torch.manual_seed(1)
         loss = engine.train_step(x, y)
         found.append((loss, {name: p.grad for name, p in engine.named_parameters()}))
