@@ -12,8 +12,8 @@ of what the layers before it left::
     F(a..b) = max over l of ( sum end_F(k), k < l ) + peak_F(l)
     B(a..b) = max over l of ( sum end_B(k) - incoming(k), k >= l ) + peak_B(l)     (I alike; W has no incoming)
 
-The first stage's W is its whole backward in one autograd call: B's composition, each layer's gradient
-held on (returned together, then added to ``.grad``); so is a checkpointed stage's W (``one_pass``).
+The first stage's W is its whole backward in one autograd call, which accumulates into ``.grad`` as B does:
+B's composition; so is a checkpointed stage's W (``one_pass``).
 
 The optimizer over a rank's parameters: its largest layer's temporaries (torch's for-loop AdamW frees
 one tensor's before the next: measured over 1 to 4 Linear layers, equal and unequal, the rank's step
@@ -45,7 +45,6 @@ class Allocation:
     peak: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # F, B, I, W: the most held while it ran
     end: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # and when it ended
     first_peak: tuple[float, float] = (0.0, 0.0)  # the first B and W: they make the gradients
-    grads: float = 0.0  # the gradients of its trainable parameters
     optimizer: float = 0.0  # an AdamW step's temporaries over its parameters
     incoming: float = 0.0  # the gradient of its output it was given: in a stage, freed once its backward used it
 
@@ -87,14 +86,12 @@ def allocation(layer: nn.Module, leaves: Callable[[], Tensors], packed: bool, de
                 settle(made(inputs))
             del weight_pass
     layer.zero_grad(set_to_none=True)
-    size = [p.numel() * p.element_size() for p in params]
     peak = tuple(watches.peak[compute] for compute in COMPUTES)
     end = tuple(watches.end[compute] for compute in COMPUTES)
     return Allocation(
         tuple(float(x) for x in peak),  # type: ignore[arg-type]
         tuple(float(x) for x in end),  # type: ignore[arg-type]
         (float(watches.peak["first B"]), float(watches.peak["first W"])),
-        float(sum(size)),
         optimizer_step(params, device),
         float(sum(g.numel() * g.element_size() for g in grads)),
     )
@@ -139,16 +136,14 @@ def stage(allocations: Sequence[Allocation], a: int, b: int, one_pass: bool = Fa
         return top
 
     # the first stage's input needs no gradient: its I does nothing, and its W is its whole backward, one autograd
-    # call that returns every gradient before any is added to .grad (step.backward's fallback); a checkpointed
-    # stage's W is one such call too (measured: a 2-block stage's later W held its 4 MiB of gradients, not 1)
+    # call accumulating each gradient into .grad as B's does (step.backward's fallback); a checkpointed stage's W is
+    # one such call too
     first = a == 0
     return {
         "transient": composed(0, False),
         "backward_transient": composed(1, True),
         "input_transient": 0.0 if first else composed(2, True),
-        "weight_transient": composed(1, True, kept=lambda layer: layer.grads)
-        if first or one_pass
-        else composed(3, True),
+        "weight_transient": composed(1, True) if first or one_pass else composed(3, True),
         "first_transient": max(
             composed(1, True, lambda layer: layer.first_peak[0]), composed(3, True, lambda layer: layer.first_peak[1])
         ),

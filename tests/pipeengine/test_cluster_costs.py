@@ -333,10 +333,11 @@ def test_a_70b_llama_is_planned_without_allocating_it() -> None:
 
 
 def test_the_weights_gradients_are_marked_as_the_backward_a_split_defers() -> None:
-    """W: the ops a backward to the inputs alone does not run (each Linear's weight-gradient matmul and bias sum);
-    I: the rest (the input-gradient matmuls, GELU's backward). Where no input wants a gradient, all of it is W."""
+    """W: the ops the split backward's I does not run (each Linear's weight-gradient matmul and bias sum); I: the
+    rest (the input-gradient matmuls, GELU's backward, and the RMSNorm's backward with its scale's gradient, which
+    pipeengine.step.backward makes in I). Where no input wants a gradient, all of it is W."""
     with torch.device("meta"):
-        layers = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        layers = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.RMSNorm(16), nn.Linear(16, 4))
         x = torch.empty(32, 8, requires_grad=True)
     ops = [op for op in trace(layers, x) if op.phase == "backward"]
     weight = [op for op in ops if op.weight]

@@ -1,7 +1,7 @@
-"""Split backward (pipeengine.step.backward): I to the stage's input now, W for its weights later. W computes a
-Linear's, a LayerNorm's and a weight's element-wise product's gradients from what their autograd nodes saved and the
-gradient I kept (no autograd re-entry), and re-enters autograd for anything else; either way every gradient equals
-one autograd backward's (one process), in float32's tolerance."""
+"""Split backward (pipeengine.step.backward): I to the stage's input now, W for its weights later. I makes the
+gradients of weights an element-wise node holds (a LayerNorm's, an RMSNorm's scale); W computes a Linear's from what
+its autograd node saved and the gradient I kept (no autograd re-entry), and re-enters autograd for anything else;
+either way every gradient equals one autograd backward's (one process), in float32's tolerance."""
 
 from __future__ import annotations
 
@@ -26,21 +26,35 @@ class Scale(nn.Module):
         return self.weight * x if self.weight_first else x * self.weight
 
 
-def stages() -> dict[str, tuple[nn.Module, int]]:
-    """Stages, and the autograd calls their W takes (the rest of its roots are formulas of what the nodes saved)."""
+class Shift(nn.Module):
+    """A learned shift added in (x + bias)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+def stages() -> dict[str, tuple[nn.Module, int, int]]:
+    """Stages, W's roots and the autograd calls W takes (its other roots are formulas of what the nodes saved)."""
     return {
-        "linears": (nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8, bias=False)), 0),
-        "norms": (nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), Scale(8, True), Scale(8, False)), 0),
-        "conv": (nn.Sequential(nn.Conv1d(5, 5, 3, padding=1), nn.Tanh()), 1),  # re-entered: no formula for it
+        "linears": (nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8, bias=False)), 2, 0),
+        "norms": (nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), Scale(8, True), Scale(8, False), Shift(8)), 1, 0),
+        "conv": (nn.Sequential(nn.Conv1d(5, 5, 3, padding=1), nn.Tanh()), 1, 1),  # re-entered: no formula for it
     }
 
 
 def split(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """I then W on ``module``: the input's gradient, W's roots and its autograd calls."""
+    """I then W on ``module``: the input's gradient, W's roots and its autograd calls. After I, the weights of
+    element-wise nodes (a norm, a scale, a shift) hold their gradient, and no other does."""
     xi = x.detach().requires_grad_()
     out = module(xi)
     (input_grad,), weight_pass = backward.backward_input((out,), (grad,), (xi,), list(module.parameters()))
-    assert all(p.grad is None for p in module.parameters())  # nothing of W's made in I
+    for name, param in module.named_parameters():
+        in_i = isinstance(module.get_submodule(name.rpartition(".")[0]), (nn.LayerNorm, Scale, Shift))
+        assert (param.grad is not None) == in_i, f"{name}: made in I {param.grad is not None}, expected {in_i}"
     roots = len(weight_pass.roots)
     return input_grad, roots, weight_pass.run()
 
@@ -48,12 +62,12 @@ def split(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch
 @pytest.mark.parametrize("name", sorted(stages()))
 def test_w_computes_what_it_can_from_the_saved_tensors_and_every_gradient_equals_one_process(name: str) -> None:
     torch.manual_seed(0)
-    module, calls = stages()[name]
+    module, expected_roots, calls = stages()[name]
     one = OneProcess(module)
     x = torch.randn(3, 5, 8)
     grad = torch.randn(3, 5, 8)
     input_grad, roots, made = split(module, x, grad)
-    assert roots >= 1 and made == calls
+    assert roots == expected_roots and made == calls
     close(input_grad, one.input_gradient(x.requires_grad_(), grad), "the input gradient")  # type: ignore[arg-type]
     for (label, mine), theirs in zip(module.named_parameters(), one.parameters(), strict=True):
         close(mine.grad, theirs.grad, f"{label}'s gradient")  # type: ignore[arg-type]
@@ -72,6 +86,27 @@ def test_w_re_enters_autograd_for_a_weight_autocast_casts_or_one_with_a_gradient
             _, roots, made = split(module, x, grad)
         assert roots == made == 1
     assert calls  # the hook ran in W
+
+
+def test_a_weight_with_a_gradient_hook_is_left_to_w_which_runs_the_hook() -> None:
+    """An element-wise node's weight is made in I unless autograd must accumulate it (a gradient hook to run): then
+    W re-enters autograd for it, the hook runs there, and the gradient equals one process's."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    one = OneProcess(module)
+    seen: list[torch.Tensor] = []
+    module[1].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))  # type: ignore[union-attr]
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+    xi = x.detach().requires_grad_()
+    _, weight_pass = backward.backward_input((module(xi),), (grad,), (xi,), list(module.parameters()))
+    assert module[1].weight.grad is None and module[1].bias.grad is None  # the node's weights wait for W together
+    assert not seen and weight_pass.run() == 1 and len(seen) == 1
+    one.input_gradient(x.requires_grad_(), grad)
+    for (label, mine), theirs in zip(module.named_parameters(), one.parameters(), strict=True):
+        close(mine.grad, theirs.grad, f"{label}'s gradient")  # type: ignore[arg-type]
+    # a first stage's W (no input wants a gradient) is one autograd call from the output: the hook runs there too
+    _, weight_pass = backward.backward_input((module(x),), (grad,), (x.detach(),), list(module.parameters()))
+    assert weight_pass.fallback is not None and weight_pass.run() == 1 and len(seen) == 2
 
 
 def test_w_adds_a_linear_weights_gradient_into_the_grad_held_by_the_matmul_itself() -> None:

@@ -217,11 +217,10 @@ def data(weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.timeout(180)
-def test_a_checkpointed_weight_pass_holds_its_stages_gradients_and_the_planner_counts_them(tmp_path: Path) -> None:
-    """A checkpointed stage's W (a split backward's) is one autograd call from its outputs: every gradient of the
-    stage exists before any is added to .grad, not one layer's at a time. On weight_heavy (4 layers a stage: a
-    layer's gradients are a quarter of the stage's) the planner's figure per rank is within 3% of the allocator's
-    (it was 13% under, counting one layer's)."""
+def test_a_checkpointed_weight_pass_adds_each_gradient_as_b_does_and_the_planner_counts_it(tmp_path: Path) -> None:
+    """A checkpointed stage's W (a split backward's) is one autograd call from its outputs, which adds each gradient
+    to .grad as it is made, as B does (it once returned them all first, every gradient of the stage alive at once).
+    On weight_heavy (4 layers a stage) the planner's figure per rank is within 3% of the allocator's."""
     x, y = data(True)
     for checkpoint in ("always", "never"):
         planned = tune(
@@ -316,24 +315,19 @@ def test_the_cli_plans_a_model_given_as_module_function() -> None:
     )
 
 
-def test_the_first_stages_weight_pass_holds_every_gradient_of_the_stage_at_once() -> None:
-    """Its input needs no gradient, so its W is its whole backward in one autograd call, whose gradients all exist
-    before any is added to .grad (ZB-H1 on the benchmark MLP measured 7% over a per-layer composition); a later
-    stage's W makes one layer's gradients at a time. The optimizer step over several layers allocates what its
-    largest layer's does."""
+def test_the_first_stages_weight_pass_is_composed_as_its_whole_backward() -> None:
+    """Its input needs no gradient, so its W is its whole backward in one autograd call, which adds each gradient
+    to .grad as it is made, as B does: B's composition (a checkpointed stage's W alike); a later stage's W is W's
+    composition. The optimizer step over several layers allocates what its largest layer's does."""
     from pipeengine.planner.transients import Allocation, optimizer, stage
 
-    layer = Allocation(
-        peak=(0.0, 10.0, 3.0, 4.0), end=(0.0, 0.0, 0.0, 0.0), first_peak=(10.0, 4.0), grads=4.0, optimizer=8.0
-    )
+    layer = Allocation(peak=(0.0, 10.0, 3.0, 4.0), end=(0.0, 1.0, 0.0, 0.0), first_peak=(10.0, 4.0), optimizer=8.0)
     first, later = stage([layer] * 3, 0, 3), stage([layer] * 4, 1, 4)
-    assert first["weight_transient"] == 2 * 4.0 + 10.0 and first["input_transient"] == 0.0
+    assert first["weight_transient"] == first["backward_transient"] == 2 * 1.0 + 10.0  # two layers' ends below
+    assert first["input_transient"] == 0.0
     assert later["weight_transient"] == 4.0 and later["input_transient"] == 3.0
-    # a checkpointed stage's W is one call too; where a layer's gradients outweigh its backward's peak, the last
-    # layer's end (every gradient of the stage held) is the W's peak
-    assert stage([layer] * 4, 1, 4, one_pass=True)["weight_transient"] == 2 * 4.0 + 10.0  # layers 1-3
-    light = dataclasses.replace(layer, peak=(0.0, 3.0, 3.0, 4.0))
-    assert stage([light] * 2, 0, 2)["weight_transient"] == 2 * 4.0
+    checkpointed = stage([layer] * 4, 1, 4, one_pass=True)  # layers 1-3
+    assert checkpointed["weight_transient"] == checkpointed["backward_transient"] == 2 * 1.0 + 10.0
     assert optimizer([layer, layer, dataclasses.replace(layer, optimizer=2.0)]) == 8.0
 
 

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from pipeengine.planner.cluster.attention import fused_attention
+from pipeengine.step.backward import made_in_i
 
 __all__ = ["KINDS", "PHASES", "Kind", "Op", "Phase", "fused_attention", "trace"]
 
@@ -327,22 +328,29 @@ def trace(
                 # the gradients are returned, not accumulated into .grad: a second trace records the same ops
                 torch.autograd.grad(roots, leaves, seeds, allow_unused=True, retain_graph=True)
             inputs = [t for t in _tensors((example_inputs, kwargs)) if t.requires_grad]
-            _mark_weights(recorder, roots, inputs, seeds)
+            _mark_weights(recorder, roots, inputs, seeds, [p for p in module.parameters() if p.requires_grad])
     return recorder.ops
 
 
 def _mark_weights(
-    recorder: _Recorder, roots: list[torch.Tensor], inputs: list[torch.Tensor], seeds: list[torch.Tensor]
+    recorder: _Recorder,
+    roots: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    seeds: list[torch.Tensor],
+    params: list[torch.nn.Parameter],
 ) -> None:
-    """Mark the backward ops only the weights' gradients need: those the whole backward runs beyond what a backward
-    to the inputs alone runs (autograd runs only what the gradients asked for need), matched by name and shapes."""
+    """Mark the backward ops only W needs: those the whole backward runs beyond what the split backward's I runs, a
+    backward to the inputs and to the weights I makes (an element-wise node's, a compiled region's:
+    pipeengine.step.backward.made_in_i; autograd runs only what the gradients asked for need), matched by name and
+    shapes."""
     backward = [index for index, op in enumerate(recorder.ops) if op.phase == "backward"]
     needed: dict[tuple[str, tuple[tuple[int, ...], ...]], int] = {}
     if inputs:
+        made = made_in_i(roots, inputs, params)
         alone = _Recorder()
         alone.phase = "backward"
         with alone:
-            torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
+            torch.autograd.grad(roots, [*inputs, *made], seeds, allow_unused=True)
         for op in alone.ops:
             needed[op.name, op.shapes] = needed.get((op.name, op.shapes), 0) + 1
     for index in backward:
