@@ -171,7 +171,9 @@ def _linear(
     weight = _edge(transposed, 0)
     if not _leaves(owners, weight, bias):
         return False
-    for param, owner in zip(params, owners, strict=True):
+    # the bias's sum first, reading the kept gradient in order, then the GEMM: in ZB-V on 4 gloo ranks (the benchmark
+    # MLP, a Linear(1024) a stage), a later W's addmm_ took 1.17 ms as W's first op and 0.77 ms after the sum
+    for param, owner in sorted(zip(params, owners, strict=True), key=lambda pair: pair[1] is weight):
         if owner is not weight:
             _add(param, grad.sum(0))
             continue
