@@ -33,6 +33,7 @@ compiled call.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -98,6 +99,23 @@ class WeightPass:
                 _add(param, grad)
 
 
+def _own(param: nn.Parameter, grad: torch.Tensor | None, shared: Counter[int]) -> torch.Tensor | None:
+    """A gradient autograd returned, as .grad may take it (autograd's AccumulateGrad rule): itself where it is laid
+    out as the parameter and holds its memory alone, else a copy. Autograd hands one tensor on untouched where it can:
+    ``x + bias`` with a bias of x's shape gives the bias the incoming gradient itself, which is also x's (and may be
+    expanded, stride 0); .grad must not be either, since a later micro-batch adds into it."""
+    if type(grad) is not torch.Tensor or grad.layout != torch.strided:  # None, a DTensor's: as autograd gave it
+        return grad
+    alone = shared[grad.untyped_storage().data_ptr()] == 1 and grad.storage_offset() == 0
+    if (
+        alone
+        and grad.stride() == param.stride()
+        and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+    ):
+        return grad
+    return torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
+
+
 def _add(param: nn.Parameter, grad: torch.Tensor) -> None:
     if param.grad is None:
         param.grad = grad
@@ -129,7 +147,7 @@ def _direct_weights(
 def _plain(param: nn.Parameter) -> bool:
     """A parameter whose gradient may be handed to its .grad by us: no gradient hooks to run, not a DTensor (tensor
     parallel's, FSDP's shards)."""
-    return not (param._backward_hooks or param._post_accumulate_grad_hooks is not None or is_dtensor(param))
+    return not (param._backward_hooks or param._post_accumulate_grad_hooks or is_dtensor(param))
 
 
 def _edge(node: Node, index: int) -> Node | None:
@@ -241,7 +259,8 @@ def backward_input(
             "the compiled model's first call, or set torch._functorch.config.donated_buffer = False before it"
         ) from error
     input_grads = made[: len(wanted)]
-    WeightPass._accumulate(whole, made[len(wanted) :])
+    shared = Counter(t.untyped_storage().data_ptr() for t in (*made, *grads) if type(t) is torch.Tensor)
+    WeightPass._accumulate(whole, [_own(p, g, shared) for p, g in zip(whole, made[len(wanted) :], strict=True)])
     weight_pass.roots = [
         Root(node, list(grads), [weight_nodes[w] for w in below[node]], below[node])
         for node, grads in zip(hooked, kept, strict=True)

@@ -155,3 +155,21 @@ def later(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> set[tuple[i
     with Made() as made:
         assert weight_pass.run() == 0
     return made.shapes
+
+
+def test_a_gradient_autograd_hands_on_untouched_is_copied_before_grad_takes_it() -> None:
+    """``x + bias`` with a bias of x's shape: autograd gives the bias the incoming gradient itself, which is also x's
+    and here expanded (stride 0, as a loss's backward can give it). I makes the bias's gradient (an element-wise
+    node's): .grad gets a copy laid out as the bias, so the next micro-batch adds into it (an expanded .grad refused
+    the add) and the input gradient already sent upstream is left as it was."""
+    bias = nn.Parameter(torch.zeros(3, 8))
+    input_grads = []
+    for _ in range(2):
+        x = torch.randn(3, 8, requires_grad=True)
+        grad = torch.ones(1, 1).expand(3, 8)
+        (input_grad,), weight_pass = backward.backward_input((x + bias,), (grad,), (x,), [bias])
+        assert weight_pass.run() == 0 and bias.grad is not None
+        assert bias.grad.stride() == bias.stride() and bias.grad.data_ptr() != input_grad.data_ptr()
+        input_grads.append(input_grad)
+    assert torch.equal(bias.grad, torch.full((3, 8), 2.0))  # type: ignore[arg-type]
+    assert all(torch.equal(g, torch.ones(3, 8)) for g in input_grads)
