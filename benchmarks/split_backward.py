@@ -5,12 +5,13 @@
     python benchmarks/split_backward.py --width 16            # the fixed costs alone: every stage 16 wide
     python benchmarks/split_backward.py --device cuda --width 2048 --batch 64   # on a GPU, launch-bound and not
 
-Issue 61's first step: zero-bubble schedules pay only if I + W (pipeengine.step.backward: I to the stage's input
-now, W for its weights later, re-entering each autograd node with weights beneath it) costs what B (one autograd call
-for both) does. Three stages, each as a rank of a 2-stage pipeline holds it, on one thread (a rank's share of a
-2-core machine): the benchmark MLP's (4 x Linear(1024), a micro-batch of 8 rows: docs/benchmarks.md's schedule
-table), the GPT example's (2 blocks of examples/train_gpt.py, width 256, 4 heads, 4 x 64 tokens) and a Hugging Face
-Llama's (2 LlamaDecoderLayer, hidden 256, 4 heads, 4 x 64 tokens; skipped without transformers).
+Issue 61's first step: zero-bubble schedules pay only if I + W (pipeengine.step.backward: I to the stage's input,
+and an element-wise node's weights, now; W for the weight GEMMs later, from the gradient I kept at each node with
+weights beneath it) costs what B (one autograd call for both) does. Three stages, each as a rank of a 2-stage
+pipeline holds it, on one thread (a rank's share of a 2-core machine): the benchmark MLP's (4 x Linear(1024), a
+micro-batch of 8 rows: docs/benchmarks.md's schedule table), the GPT example's (2 blocks of examples/train_gpt.py,
+width 256, 4 heads, 4 x 64 tokens) and a Hugging Face Llama's (2 LlamaDecoderLayer, hidden 256, 4 heads, 4 x 64
+tokens; skipped without transformers).
 
 Memory as a launched CPU rank keeps it (pipeengine.launcher.launch.keep_freed_memory: freed blocks reused, not
 returned): without it a weight's fresh gradient pays page faults that dwarf its matmul. Each round times, one after
