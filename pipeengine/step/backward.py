@@ -93,10 +93,14 @@ class WeightPass:
 
     @staticmethod
     def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-        """Into .grad, in place as autograd's AccumulateGrad does (``param.grad + grad`` would hold a third copy)."""
+        """Into .grad, in place as autograd's AccumulateGrad does (``param.grad + grad`` would hold a third copy), and
+        then each parameter's post-accumulate hooks, which AccumulateGrad would run (autograd.grad returned these
+        gradients: a compiled region's weights, made in I, whatever hooks they have)."""
         for param, grad in zip(params, grads, strict=True):
             if grad is not None:
                 _add(param, grad)
+                for hook in (param._post_accumulate_grad_hooks or {}).values():
+                    hook(param)
 
 
 def _own(param: nn.Parameter, grad: torch.Tensor | None, shared: Counter[int]) -> torch.Tensor | None:

@@ -177,14 +177,18 @@ def test_compiled_stages_under_every_schedule_and_every_feature_equal_one_proces
 
 def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_left() -> None:
     """Split backward over a compiled block (one autograd node for the whole region): I returns the input gradient
-    and leaves the block's weight gradients whole in .grad; W has nothing to run; both equal eager autograd's. The
-    eager head behind it keeps its usual split: its weights wait for W."""
+    and leaves the block's weight gradients whole in .grad, running a weight's post-accumulate hook there as
+    autograd's accumulation would; W has nothing to run; both equal eager autograd's. The eager head behind it keeps
+    its usual split: its weights wait for W."""
     from pipeengine.step.backward import backward_input, keep_compiled_graphs
 
     keep_compiled_graphs()
     torch.manual_seed(0)
     block, head = Block(), nn.Linear(16, 16)
     one = OneProcess(nn.Sequential(block, head))  # eager
+    hooked = next(block.parameters())
+    seen: list[torch.Tensor] = []
+    hooked.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))  # type: ignore[union-attr]
     block.compile(backend="aot_eager")
     x = torch.randn(2, 6, 16, requires_grad=True)
     out = head(block(x))
@@ -192,6 +196,7 @@ def test_a_compiled_regions_weight_gradients_are_made_by_i_and_w_has_nothing_lef
     params = [*block.parameters(), *head.parameters()]
     (input_grad,), weight_pass = backward_input((out,), (grad,), (x,), params)
     assert all(p.grad is not None for p in block.parameters()) and all(p.grad is None for p in head.parameters())
+    assert len(seen) == 1 and torch.equal(seen[0], hooked.grad)  # type: ignore[arg-type]
     assert weight_pass.fallback is None and {id(p) for root in weight_pass.roots for p in root.params} == {
         id(p) for p in head.parameters()
     }
