@@ -266,9 +266,9 @@ def backward_input(
     shared = Counter(t.untyped_storage().data_ptr() for t in (*made, *grads) if type(t) is torch.Tensor)
     WeightPass._accumulate(whole, [_own(p, g, shared) for p, g in zip(whole, made[len(wanted) :], strict=True)])
     weight_pass.roots = [
-        Root(node, list(grads), [weight_nodes[w] for w in below[node]], below[node])
-        for node, grads in zip(hooked, kept, strict=True)
-        if grads is not None
+        Root(node, list(arrived), [weight_nodes[w] for w in below[node]], below[node])
+        for node, arrived in zip(hooked, kept, strict=True)
+        if arrived is not None
     ]
     result = tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(input_grads, wanted, strict=True))
     return result, weight_pass
