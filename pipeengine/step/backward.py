@@ -263,8 +263,9 @@ def backward_input(
             "the compiled model's first call, or set torch._functorch.config.donated_buffer = False before it"
         ) from error
     input_grads = made[: len(wanted)]
-    shared = Counter(t.untyped_storage().data_ptr() for t in (*made, *grads) if type(t) is torch.Tensor)
-    WeightPass._accumulate(whole, [_own(p, g, shared) for p, g in zip(whole, made[len(wanted) :], strict=True)])
+    if whole:  # the memory each gradient here is on, to tell one handed on untouched (_own)
+        shared = Counter(t.untyped_storage().data_ptr() for t in (*made, *grads) if type(t) is torch.Tensor)
+        WeightPass._accumulate(whole, [_own(p, g, shared) for p, g in zip(whole, made[len(wanted) :], strict=True)])
     weight_pass.roots = [
         Root(node, list(arrived), [weight_nodes[w] for w in below[node]], below[node])
         for node, arrived in zip(hooked, kept, strict=True)
